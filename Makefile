@@ -1,0 +1,36 @@
+# Two entry points for a fresh machine (README): `make demo` and `make test`.
+# Both create .venv when missing and install dsclip with `pip install -e .[dev]`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# This machine's pip serves these torch/torchvision builds from local disk; override on other hosts.
+TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
+# Private, persistent JIT cache for DeepSpeed's CPU ops (see DEEPSPEED-NOTES: ninja rebuilds otherwise).
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
+export OMP_NUM_THREADS ?= 1
+PYTEST_ARGS ?=
+
+.PHONY: venv demo test lint clean
+
+$(VENV)/.installed: setup.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH_SPEC)
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+venv: $(VENV)/.installed
+
+demo: venv
+	$(PY) -m dsclip train --config dsclip/recipes/demo.yaml --logs runs --name demo $(ARGS)
+
+test: venv
+	$(PY) -m ruff check dsclip tests bench
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: venv
+	$(PY) -m ruff check dsclip tests bench
+	$(PY) -m ruff format --check dsclip tests bench
+
+clean:
+	rm -rf runs .pytest_cache .ruff_cache

@@ -1,0 +1,5 @@
+import sys
+
+from dsclip.cli import main
+
+sys.exit(main())

@@ -1,0 +1,99 @@
+"""``dsclip <command>``: train, eval, convert, data, tokenizer, plan.
+
+User mistakes (a missing recipe, an unknown flag or JSON key, batch sizes that don't multiply, an
+unknown architecture, invalid JSON) end with one line naming the problem and exit code 2, not a
+traceback. Set DSCLIP_DEBUG=1 to see the traceback anyway.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+
+USAGE = """usage: dsclip <command> [options]
+
+commands:
+  train       train a CLIP model (dsclip train --config RECIPE [--flag value ...]; --help for all flags)
+  eval        zero-shot / retrieval evaluation of a checkpoint
+  convert     ZeRO checkpoint -> single-file safetensors (or OpenCLIP layout)
+  data        write webdataset shards / inspect them
+  tokenizer   train a sentencepiece tokenizer
+  plan        memory and throughput planner for large models
+"""
+
+# command -> (module, function taking argv)
+COMMANDS = {
+    "train": ("dsclip.cli", "main_train"),
+    "eval": ("dsclip.eval.cli", "main_eval"),
+    "convert": ("dsclip.checkpoint.convert", "main_convert"),
+    "data": ("dsclip.data.cli", "main_data"),
+    "tokenizer": ("dsclip.data.cli", "main_tokenizer"),
+    "plan": ("dsclip.plan", "main_plan"),
+}
+
+
+class UserError(Exception):
+    """Raised for problems the user can fix; printed as one line."""
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from dsclip.config import ConfigError
+
+    errors: list[type[BaseException]] = [ConfigError, UserError, FileNotFoundError]
+    try:
+        from dsclip.model import UnknownModelError
+
+        errors.append(UnknownModelError)
+    except ImportError:
+        pass
+    return tuple(errors)
+
+
+def main_train(argv: list[str]) -> int:
+    from dsclip.config import parse_run_config
+    from dsclip.train.loop import train
+
+    cfg = parse_run_config(argv)
+    summary = train(cfg)
+    if summary.get("zeroshot") and int(os.environ.get("RANK", "0")) == 0:
+        print("final: " + json.dumps({"step": summary["step"], "zeroshot": summary["zeroshot"]}), flush=True)
+    return int(summary.get("exit_code", 0))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # The deepspeed launcher puts --local_rank=N first when it runs `python -m dsclip`: drop it here.
+    argv = [a for a in argv if not a.startswith("--local_rank=") and not a.startswith("--local-rank=")]
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        print(f"dsclip: unknown command '{command}'\n{USAGE}", file=sys.stderr)
+        return 2
+    module, fn = COMMANDS[command]
+    try:
+        return int(getattr(importlib.import_module(module), fn)(rest) or 0)
+    except _user_errors() as e:
+        if os.environ.get("DSCLIP_DEBUG"):
+            raise
+        msg = str(e) if not isinstance(e, FileNotFoundError) or not e.filename else f"{e.strerror}: {e.filename}"
+        print(f"dsclip {command}: error: {msg}", file=sys.stderr, flush=True)
+        _mark_failed()
+        return 2
+
+
+def _mark_failed() -> None:
+    # Other ranks may not reach the exit barrier after a user error on this one.
+    try:
+        from dsclip.engine import world
+
+        world.mark_failed()
+    except Exception:
+        pass
+
+
+if __name__ == "__main__":
+    sys.exit(main())

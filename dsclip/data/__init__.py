@@ -1,0 +1,64 @@
+"""Data input for dsclip: the demo set, webdataset shards and CSV files, behind one ``TrainData``.
+
+Public API:
+- ``DataConfig`` (dsclip.data.config): the data section of the run config.
+- ``build_tokenizer(data_cfg, context_length, cache_dir)`` -> SentencePieceTokenizer
+- ``build_train_data(data_cfg, *, tokenizer, image_size, batch_size, rank, world_size, seed)`` -> TrainData
+"""
+
+from __future__ import annotations
+
+import os
+
+from .config import DataConfig
+from .loader import TrainData
+from .tokenizer import SentencePieceTokenizer
+
+__all__ = ["DataConfig", "TrainData", "SentencePieceTokenizer", "build_tokenizer", "build_train_data"]
+
+
+def build_tokenizer(data_cfg: DataConfig, context_length: int, cache_dir: str | os.PathLike = ".cache/dsclip"):
+    """The tokenizer the run uses: ``data_cfg.tokenizer`` if set, else the demo one for demo data."""
+    if data_cfg.tokenizer:
+        return SentencePieceTokenizer(data_cfg.tokenizer, context_length)
+    if data_cfg.resolved_dataset_type() == "demo":
+        from .demo import ensure_demo_tokenizer
+
+        return SentencePieceTokenizer(ensure_demo_tokenizer(cache_dir), context_length)
+    raise ValueError("no tokenizer: pass --tokenizer path/to/spm.model (train one with `dsclip tokenizer train`)")
+
+
+def build_train_data(
+    data_cfg: DataConfig,
+    *,
+    tokenizer,
+    image_size: int,
+    batch_size: int,
+    rank: int,
+    world_size: int,
+    seed: int,
+) -> TrainData:
+    """Training input per ``data_cfg.dataset_type`` (see the TrainData contract in dsclip.data.loader)."""
+    if batch_size <= 0 or world_size <= 0 or not 0 <= rank < world_size:
+        raise ValueError(f"bad batch_size/rank/world_size: {batch_size}/{rank}/{world_size}")
+    image_size = data_cfg.force_image_size or image_size
+    kind = data_cfg.resolved_dataset_type()
+    if kind == "demo":
+        from .demo import DemoDataset
+        from .loader import MapStyleTrainData
+
+        n = data_cfg.train_num_samples or data_cfg.demo_num_samples
+        ds = DemoDataset(n, image_size=image_size, seed=0)  # fixed universe; the run seed sets the order
+        return MapStyleTrainData(ds, tokenizer=tokenizer, batch_size=batch_size, rank=rank,
+                                 world_size=world_size, seed=seed, workers=data_cfg.workers, name="demo data")
+    if kind == "csv":
+        from .csv_data import build_csv_train_data
+
+        return build_csv_train_data(data_cfg, tokenizer=tokenizer, image_size=image_size, batch_size=batch_size,
+                                    rank=rank, world_size=world_size, seed=seed)
+    if kind == "webdataset":
+        from .webdataset import build_wds_train_data
+
+        return build_wds_train_data(data_cfg, tokenizer=tokenizer, image_size=image_size, batch_size=batch_size,
+                                    rank=rank, world_size=world_size, seed=seed)
+    raise ValueError(f"unknown dataset_type {kind!r}")

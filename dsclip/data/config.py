@@ -1,0 +1,79 @@
+"""Data settings (OpenCLIP flag names). The run config embeds this as its data section."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DATASET_TYPES = ("auto", "demo", "webdataset", "csv")
+
+
+@dataclass
+class DataConfig:
+    train_data: str | None = field(
+        default=None,
+        metadata={
+            "help": "Training data: webdataset shards with brace expansion (data/{00000..00099}.tar), several "
+            "sources joined by '::'; or a CSV/TSV file. Unused for dataset_type=demo."
+        },
+    )
+    train_num_samples: int | None = field(
+        default=None,
+        metadata={
+            "help": "Samples per epoch (global). Required for webdataset (sets steps per epoch = "
+            "train_num_samples // (batch_size * world_size)); for demo it overrides demo_num_samples."
+        },
+    )
+    dataset_type: str = field(
+        default="auto",
+        metadata={"help": "auto|demo|webdataset|csv. auto: .csv/.tsv -> csv, otherwise webdataset, none -> demo."},
+    )
+    dataset_resampled: bool = field(
+        default=False, metadata={"help": "Sample shards with replacement (infinite stream), as OpenCLIP."}
+    )
+    train_data_upsampling_factors: str | None = field(
+        default=None,
+        metadata={
+            "help": "'::'-separated relative sampling weights, one per train_data source (needs "
+            "dataset_resampled). Default: proportional to each source's shard count."
+        },
+    )
+    workers: int = field(default=1, metadata={"help": "DataLoader worker processes per rank (0 = main process)."})
+    shuffle_buffer: int = field(
+        default=5000, metadata={"help": "Webdataset sample shuffle buffer per worker (0 disables)."}
+    )
+    csv_img_key: str = field(default="filepath", metadata={"help": "CSV column holding image paths."})
+    csv_caption_key: str = field(default="title", metadata={"help": "CSV column holding captions."})
+    csv_separator: str = field(default="\t", metadata={"help": "CSV field separator ('\\t' for TSV)."})
+    val_data: str | None = field(
+        default=None,
+        metadata={"help": "Retrieval validation set: webdataset shards or CSV (same formats as train_data)."},
+    )
+    val_num_samples: int | None = field(default=None, metadata={"help": "Cap on validation samples."})
+    zeroshot_data: str | None = field(
+        default=None,
+        metadata={"help": "Zero-shot class-folder dataset (DIR/<class>/*.jpg), or 'demo' for the demo's held-out set."},
+    )
+    zeroshot_templates: str | None = field(
+        default=None,
+        metadata={"help": "File with one prompt template per line containing '{c}' (default: OpenCLIP's ImageNet set)."},
+    )
+    force_image_size: int | None = field(
+        default=None, metadata={"help": "Override the model's image size for the data transforms."}
+    )
+    tokenizer: str | None = field(
+        default=None,
+        metadata={"help": "SentencePiece model path. Default with demo data: the built-in demo tokenizer."},
+    )
+    demo_num_samples: int = field(default=20000, metadata={"help": "Size of the built-in demo training set."})
+    demo_eval_samples: int = field(default=1000, metadata={"help": "Held-out demo images for zero-shot eval."})
+
+    def resolved_dataset_type(self) -> str:
+        if self.dataset_type not in DATASET_TYPES:
+            raise ValueError(f"dataset_type must be one of {DATASET_TYPES}, got {self.dataset_type!r}")
+        if self.dataset_type != "auto":
+            return self.dataset_type
+        if not self.train_data:
+            return "demo"
+        if self.train_data.split("::")[0].lower().endswith((".csv", ".tsv")):
+            return "csv"
+        return "webdataset"

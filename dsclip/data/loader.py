@@ -1,0 +1,165 @@
+"""TrainData: the one object the training loop pulls batches from, and its map-style implementation.
+
+Contract (shared by every dataset type):
+- ``batches(epoch, start_step=0)`` yields ``(images (B,3,H,W) float, tokens (B,L) long)``, exactly
+  ``batch_size`` rows, ``steps_per_epoch - start_step`` times, on every rank: no rank can run out
+  early and leave the others hanging in a collective.
+- Deterministic per (seed, epoch): resuming at ``start_step`` yields exactly the batches an
+  uninterrupted run would have seen from that step on.
+- ``stats()`` returns cumulative bad-data counters (skipped samples by reason) for logging.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+log = logging.getLogger(__name__)
+
+
+def mix_seed(*parts: int) -> int:
+    """A well-mixed 63-bit seed from integers (seed, epoch, index, ...)."""
+    return int(np.random.SeedSequence([int(p) & 0xFFFFFFFFFFFF for p in parts]).generate_state(2, np.uint32)
+               .astype(np.uint64).dot(np.array([1 << 31, 1], dtype=np.uint64)) & ((1 << 63) - 1))
+
+
+class TrainData:
+    """Base class; subclasses set ``num_samples``, ``steps_per_epoch``, ``batch_size`` and ``_iterate``."""
+
+    num_samples: int  # samples per epoch, all ranks together (= steps_per_epoch * batch_size * world_size)
+    steps_per_epoch: int
+    batch_size: int
+
+    def __init__(self) -> None:
+        self._stats: Counter = Counter()
+
+    def batches(self, epoch: int, start_step: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        if not 0 <= start_step <= self.steps_per_epoch:
+            raise ValueError(f"start_step {start_step} outside [0, {self.steps_per_epoch}]")
+        n = 0
+        for images, tokens, stats in self._iterate(epoch, start_step):
+            if stats:
+                self._stats.update(stats)
+            n += 1
+            yield images, tokens
+        if n != self.steps_per_epoch - start_step:  # would desynchronize ranks: fail loudly instead
+            raise RuntimeError(f"data produced {n} batches, expected {self.steps_per_epoch - start_step}")
+
+    def _iterate(self, epoch: int, start_step: int):
+        raise NotImplementedError
+
+    def stats(self) -> dict[str, int]:
+        """Cumulative bad-data counters of this rank, e.g. {"skipped_corrupt_image": 3}; empty when clean."""
+        return dict(self._stats)
+
+    def close(self) -> None:
+        pass
+
+
+class EpochBatchSampler(Sampler):
+    """Per-epoch permutation split across ranks: rank r's step k = perm[(k*world + r)*B : +B].
+
+    Only full global batches are used (drop_last), so every rank gets ``steps`` batches of B.
+    Yields lists of ``(epoch, index)`` keys so a dataset can seed its augmentations per sample.
+    ``set_epoch`` is called in the main process before each iteration; with persistent workers the
+    sampler is still iterated in the main process, so this works across epochs.
+    """
+
+    def __init__(self, num_samples: int, batch_size: int, rank: int, world_size: int, seed: int):
+        self.num_samples, self.batch_size = num_samples, batch_size
+        self.rank, self.world_size, self.seed = rank, world_size, seed
+        self.steps = num_samples // (batch_size * world_size)
+        self.epoch, self.start_step = 0, 0
+
+    def set_epoch(self, epoch: int, start_step: int = 0) -> None:
+        self.epoch, self.start_step = int(epoch), int(start_step)
+
+    def __iter__(self):
+        g = torch.Generator()
+        g.manual_seed(mix_seed(self.seed, self.epoch, 0x5A17))
+        perm = torch.randperm(self.num_samples, generator=g)
+        b, w = self.batch_size, self.world_size
+        for step in range(self.start_step, self.steps):
+            base = (step * w + self.rank) * b
+            yield [(self.epoch, int(i)) for i in perm[base : base + b]]
+
+    def __len__(self) -> int:
+        return self.steps - self.start_step
+
+
+class TokenizingCollate:
+    """Runs in the worker: stack images, tokenize captions, sum per-sample bad-data counts."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def __call__(self, samples):
+        images = torch.stack([s[0] for s in samples])
+        tokens = self.tokenizer([s[1] for s in samples])
+        stats: Counter = Counter()
+        for s in samples:
+            if len(s) > 2 and s[2]:
+                stats.update(s[2])
+        return images, tokens, dict(stats)
+
+
+class _KeyedDataset(Dataset):
+    """Adapts an index dataset to the sampler's (epoch, index) keys."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, key):
+        epoch, index = key
+        getter = getattr(self.dataset, "get_sample", None)
+        return getter(index, epoch) if getter is not None else self.dataset[index]
+
+
+class MapStyleTrainData(TrainData):
+    """Any map-style dataset (demo, CSV) through a DataLoader with persistent workers."""
+
+    def __init__(self, dataset, *, tokenizer, batch_size: int, rank: int, world_size: int, seed: int,
+                 workers: int = 1, pin_memory: bool | None = None, name: str = "dataset"):
+        super().__init__()
+        n = len(dataset)
+        if n < batch_size * world_size:
+            raise ValueError(
+                f"{name} has {n} samples, fewer than one global batch "
+                f"(batch_size {batch_size} x world_size {world_size} = {batch_size * world_size})"
+            )
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.sampler = EpochBatchSampler(n, batch_size, rank, world_size, seed)
+        self.steps_per_epoch = self.sampler.steps
+        self.num_samples = self.steps_per_epoch * batch_size * world_size
+        if pin_memory is None:
+            pin_memory = torch.cuda.is_available()
+        kw = dict(persistent_workers=True, prefetch_factor=4) if workers > 0 else {}
+        self.loader = DataLoader(
+            _KeyedDataset(dataset),
+            batch_sampler=self.sampler,
+            num_workers=workers,
+            collate_fn=TokenizingCollate(tokenizer),
+            pin_memory=pin_memory,
+            **kw,
+        )
+
+    def _iterate(self, epoch: int, start_step: int):
+        self.sampler.set_epoch(epoch, start_step)
+        if start_step == self.steps_per_epoch:
+            return
+        yield from self.loader
+
+    def close(self) -> None:
+        it = getattr(self.loader, "_iterator", None)
+        if it is not None and hasattr(it, "_shutdown_workers"):
+            it._shutdown_workers()
+        self.loader._iterator = None

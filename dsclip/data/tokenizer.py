@@ -1,0 +1,149 @@
+"""SentencePiece tokenizer: text -> fixed-length LongTensor with EOS appended and padding.
+
+Token layout per row: ``[t_1, ..., t_k, EOS, PAD, ..., PAD]`` (no BOS). Long texts are truncated to
+``context_length - 1`` pieces so that EOS is always present — the text tower pools at EOS
+(``pool_type="eos"`` with ``eos_id``), so a row without EOS would pool the wrong token.
+
+Models trained by :func:`train_sentencepiece` use pad=0, unk=1, eos=2 and no BOS. sentencepiece's
+own default has no pad piece (pad_id = -1); a model like that is still accepted: we then pad with 0
+(whatever piece that is) — the text tower's causal mask and EOS pooling never look past EOS.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+PAD_ID, UNK_ID, EOS_ID = 0, 1, 2
+
+
+class SentencePieceTokenizer:
+    """``tok(list[str]) -> LongTensor (N, context_length)``; attrs ``vocab_size``, ``eos_id``, ``pad_id``.
+
+    Picklable (the serialized model travels, not the path), so it can tokenize in DataLoader workers.
+    """
+
+    def __init__(self, model_path: str | os.PathLike, context_length: int = 77):
+        path = Path(model_path)
+        if not path.is_file():
+            raise FileNotFoundError(f"sentencepiece model not found: {path}")
+        if context_length < 2:
+            raise ValueError(f"context_length must be >= 2 (at least one token + EOS), got {context_length}")
+        self.model_path = str(path)
+        self.context_length = int(context_length)
+        self._load(path.read_bytes())
+
+    def _load(self, proto: bytes) -> None:
+        import sentencepiece as spm
+
+        self._proto = proto
+        self.sp = spm.SentencePieceProcessor()
+        self.sp.LoadFromSerializedProto(proto)
+        self.vocab_size = int(self.sp.GetPieceSize())
+        if self.sp.eos_id() < 0:
+            raise ValueError(f"{self.model_path}: sentencepiece model has no EOS piece (train it with --eos_id)")
+        self.eos_id = int(self.sp.eos_id())
+        self.pad_id = int(self.sp.pad_id()) if self.sp.pad_id() >= 0 else 0
+        self.unk_id = int(self.sp.unk_id())
+
+    def __getstate__(self):
+        return {"model_path": self.model_path, "context_length": self.context_length, "proto": self._proto}
+
+    def __setstate__(self, state):
+        self.model_path = state["model_path"]
+        self.context_length = state["context_length"]
+        self._load(state["proto"])
+
+    def __repr__(self) -> str:
+        return (
+            f"SentencePieceTokenizer({self.model_path!r}, context_length={self.context_length}, "
+            f"vocab_size={self.vocab_size}, eos_id={self.eos_id}, pad_id={self.pad_id})"
+        )
+
+    def encode(self, text: str) -> list[int]:
+        """Piece ids of ``text`` without EOS or padding."""
+        return self.sp.EncodeAsIds(text)
+
+    def __call__(self, texts: str | list[str], context_length: int | None = None) -> torch.Tensor:
+        if isinstance(texts, str):
+            texts = [texts]
+        length = context_length or self.context_length
+        out = torch.full((len(texts), length), self.pad_id, dtype=torch.long)
+        for i, ids in enumerate(self.sp.EncodeAsIds(list(texts))):
+            ids = ids[: length - 1] + [self.eos_id]  # truncation keeps EOS
+            out[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        return out
+
+    def decode(self, tokens) -> list[str]:
+        """Inverse of ``__call__`` (row-wise; stops at EOS)."""
+        if isinstance(tokens, torch.Tensor):
+            tokens = tokens.tolist()
+        if tokens and isinstance(tokens[0], int):
+            tokens = [tokens]
+        out = []
+        for row in tokens:
+            if self.eos_id in row:
+                row = row[: row.index(self.eos_id)]
+            out.append(self.sp.DecodeIds([t for t in row if t != self.pad_id]))
+        return out
+
+
+def train_sentencepiece(
+    texts: Iterable[str],
+    model_prefix: str | os.PathLike,
+    vocab_size: int,
+    *,
+    model_type: str = "unigram",
+    character_coverage: float = 0.9995,
+    input_sentence_size: int = 2_000_000,
+    hard_vocab_limit: bool = False,
+    extra_options: dict | None = None,
+) -> str:
+    """Train a sentencepiece model on ``texts``; returns ``<model_prefix>.model``.
+
+    Ids: pad=0, unk=1, eos=2, no BOS. ``hard_vocab_limit=False`` lets a small corpus yield fewer
+    pieces than ``vocab_size`` instead of failing; read the real size from the tokenizer. The
+    ``.model``/``.vocab`` files appear atomically (trained in a temp dir, then renamed), and
+    training is single-threaded so the same corpus always gives the same model.
+    """
+    import sentencepiece as spm
+
+    prefix = Path(model_prefix)
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=prefix.parent, prefix=".spm-") as tmp:
+        corpus = Path(tmp) / "corpus.txt"
+        n = 0
+        with open(corpus, "w", encoding="utf-8") as f:
+            for t in texts:
+                t = " ".join(str(t).split())  # one caption per line: newlines inside a caption would split it
+                if t:
+                    f.write(t + "\n")
+                    n += 1
+        if n == 0:
+            raise ValueError("train_sentencepiece: no non-empty texts to train on")
+        tmp_prefix = str(Path(tmp) / "spm")
+        opts = dict(
+            input=str(corpus),
+            model_prefix=tmp_prefix,
+            vocab_size=int(vocab_size),
+            model_type=model_type,
+            character_coverage=character_coverage,
+            input_sentence_size=input_sentence_size,
+            shuffle_input_sentence=True,
+            hard_vocab_limit=hard_vocab_limit,
+            pad_id=PAD_ID,
+            unk_id=UNK_ID,
+            eos_id=EOS_ID,
+            bos_id=-1,
+            num_threads=1,
+            minloglevel=2,
+        )
+        opts.update(extra_options or {})
+        spm.SentencePieceTrainer.Train(**opts)
+        for ext in (".vocab", ".model"):  # .model last: its presence means "done"
+            os.replace(tmp_prefix + ext, str(prefix) + ext)
+    return str(prefix) + ".model"

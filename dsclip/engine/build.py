@@ -1,0 +1,95 @@
+"""Build the DeepSpeed engine around a plain-PyTorch CLIP.
+
+The model code never imports DeepSpeed; everything DeepSpeed-specific (ZeRO-3 construction under
+``zero.Init``, DeepSpeed's activation checkpointing, the optimizer hand-off) happens here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from dsclip.config import RunConfig
+from dsclip.engine import optim
+from dsclip.engine.ds_config import precision_of, zero_stage
+
+
+@dataclass
+class EngineBundle:
+    engine: Any  # deepspeed.DeepSpeedEngine
+    ds_config: dict
+    zero_stage: int
+    precision: str
+
+    @property
+    def module(self) -> nn.Module:
+        return self.engine.module
+
+
+def device_type() -> str:
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().device_name()  # "cuda" | "cpu" | ...
+
+
+def construction_context(ds_config: dict):
+    """ZeRO-3: partition parameters as they are created, so no rank ever holds the full model."""
+    if zero_stage(ds_config) == 3:
+        import deepspeed
+
+        return deepspeed.zero.Init(config_dict_or_path=ds_config)
+    return contextlib.nullcontext()
+
+
+def enable_activation_checkpointing(model: nn.Module, ds_config: dict) -> None:
+    """Route the model's per-block checkpointing through DeepSpeed's implementation.
+
+    The JSON ``activation_checkpointing`` block does nothing by itself: DeepSpeed only reads it in
+    ``deepspeed.checkpointing.configure`` and only applies it inside ``deepspeed.checkpointing.checkpoint``.
+    We use DeepSpeed's non-reentrant variant: the reentrant one has produced "Gradient computed
+    twice for this partition" under ZeRO-2.
+    """
+    import deepspeed
+    from deepspeed.runtime.activation_checkpointing import checkpointing as ds_ckpt
+
+    deepspeed.checkpointing.configure(None, deepspeed_config=ds_config)
+    model.set_grad_checkpointing(True, checkpoint_fn=ds_ckpt.non_reentrant_checkpoint)
+
+
+def build_engine(
+    cfg: RunConfig,
+    ds_config: dict,
+    model_factory: Callable[[], nn.Module],
+    *,
+    total_steps: int,
+    steps_per_epoch: int,
+    after_construction: Callable[[nn.Module], None] | None = None,
+) -> EngineBundle:
+    import deepspeed
+
+    with construction_context(ds_config):
+        model = model_factory()
+    if after_construction is not None:
+        after_construction(model)
+    if cfg.model.grad_checkpointing:
+        enable_activation_checkpointing(model, ds_config)
+
+    def scheduler(opt):
+        return optim.build_scheduler(opt, cfg.optim, total_steps, steps_per_epoch)
+
+    kwargs: dict[str, Any] = {"model": model, "config": ds_config, "lr_scheduler": scheduler}
+    if "optimizer" in ds_config:
+        kwargs["model_parameters"] = optim.param_groups(model, cfg.optim.wd)
+    else:
+        kwargs["optimizer"] = optim.build_optimizer(model, cfg.optim, device_type())
+    engine, _, _, _ = deepspeed.initialize(**kwargs)
+    return EngineBundle(engine, ds_config, zero_stage(ds_config), precision_of(ds_config).name)
+
+
+def autocast_dtype(bundle: EngineBundle) -> torch.dtype:
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(bundle.precision, torch.float32)

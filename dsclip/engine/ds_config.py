@@ -1,0 +1,202 @@
+"""Load a DeepSpeed JSON, fill its "auto" values from the run config, and refuse anything inconsistent.
+
+DeepSpeed silently ignores unknown top-level keys (EVA-CLIP shipped configs whose keys did nothing),
+so we validate keys ourselves. Values both sides need (batch triad, lr, clipping, precision) are
+"auto" in the shipped JSONs and come from the run config; an explicit value that disagrees with the
+run config is an error rather than a silent override.
+
+The gradient cache (dsclip/train/gradcache.py) owns accumulation: DeepSpeed is always told
+``gradient_accumulation_steps = 1`` and a micro-batch of ``batch_size × accum_freq`` (all the rows
+that make up one optimizer step on this rank), so its sample counters stay right and it never
+rescales the loss by the accumulation count.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dsclip.config import ConfigError, RunConfig
+
+# Top-level keys DeepSpeed 0.19 reads (docs: deepspeed.ai/docs/config-json). Anything else is a typo.
+KNOWN_TOP_LEVEL = {
+    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "optimizer",
+    "scheduler", "fp16", "bf16", "amp", "torch_autocast", "gradient_clipping", "prescale_gradients",
+    "gradient_predivide_factor", "sparse_gradients", "zero_optimization", "zero_allow_untested_optimizer",
+    "zero_force_ds_cpu_optimizer", "activation_checkpointing", "flops_profiler", "steps_per_print",
+    "wall_clock_breakdown", "dump_state", "memory_breakdown", "tensorboard", "wandb", "csv_monitor",
+    "comet", "communication_data_type", "seq_parallel_communication_data_type", "data_types", "checkpoint",
+    "aio", "elasticity", "autotuning", "compression_training", "data_efficiency", "curriculum_learning",
+    "comms_logger", "disable_allgather", "dataloader_drop_last", "gradient_allreduce_op", "log_level",
+    "managed_gradient_accumulation", "use_data_before_expert_parallel_", "use_node_local_storage",
+    "load_universal", "nebula", "hybrid_engine", "compile", "timers", "weight_quantization", "pipeline",
+    "zenflow", "sequence_parallel_size", "tensor_parallel", "graph_harvesting", "eigenvalue",
+    "progressive_layer_drop", "quantize_training", "disable_python_gc", "fp8", "deepcompile",
+}
+KNOWN_ACTIVATION_CHECKPOINTING = {
+    "partition_activations", "contiguous_memory_optimization", "cpu_checkpointing", "number_checkpoints",
+    "synchronize_checkpoint_boundary", "profile",
+}
+KNOWN_FP16 = {
+    "enabled", "auto_cast", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
+    "consecutive_hysteresis", "min_loss_scale", "fp16_master_weights_and_grads",
+}
+KNOWN_BF16 = {"enabled", "immediate_grad_update", "check_grad_overflow", "bf16_master_weights_and_grads",
+              "bf16_optimizer_states"}
+
+
+def _zero_keys() -> set[str]:
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    names = set()
+    for name, f in DeepSpeedZeroConfig.model_fields.items():
+        names.add(name)
+        if f.alias:
+            names.add(f.alias)
+    return names
+
+
+@dataclass
+class Precision:
+    name: str  # "fp32" | "bf16" | "fp16"
+
+    @property
+    def torch_dtype(self):
+        import torch
+
+        return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.name]
+
+
+def normalize_precision(p: str) -> str:
+    if p in ("bf16", "amp_bf16", "amp_bfloat16", "pure_bf16"):
+        return "bf16"
+    if p in ("fp16", "amp", "pure_fp16"):
+        return "fp16"
+    return p  # fp32 | auto
+
+
+def load_ds_json(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.exists():
+        shipped = Path(__file__).resolve().parents[2] / "ds_configs"
+        if (shipped / p.name).exists():
+            p = shipped / p.name
+        else:
+            avail = ", ".join(sorted(x.name for x in shipped.glob("*.json"))) if shipped.exists() else "none"
+            raise ConfigError(f"DeepSpeed config not found: {path} (shipped: {avail})")
+    try:
+        return json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"DeepSpeed config {p} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+
+
+def _check_keys(section: dict, known: set[str], where: str) -> None:
+    for key in section:
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise ConfigError(f"unknown key '{key}' in {where}{hint}; DeepSpeed would silently ignore it")
+
+
+def _fill(section: dict, key: str, value: Any, where: str, *, what: str) -> None:
+    """Replace "auto"/missing with value; an explicit different value is an error."""
+    current = section.get(key, "auto")
+    if current == "auto":
+        section[key] = value
+    elif current != value:
+        raise ConfigError(
+            f"{where}: '{key}' is {current!r} but the run config gives {value!r} ({what}); "
+            f"set it to \"auto\" or change the run setting"
+        )
+
+
+def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, *, world_size: int, device_type: str) -> dict[str, Any]:
+    """Return the final DeepSpeed dict for this run (also written into the run folder)."""
+    ds = copy.deepcopy(raw)
+    where = f"DeepSpeed config {cfg.train.deepspeed_config}"
+    if not isinstance(ds, dict):
+        raise ConfigError(f"{where} must be a JSON object")
+    _check_keys(ds, KNOWN_TOP_LEVEL, where)
+    zero = ds.setdefault("zero_optimization", {"stage": 0})
+    _check_keys(zero, _zero_keys(), f"{where} zero_optimization")
+    _check_keys(ds.get("activation_checkpointing", {}), KNOWN_ACTIVATION_CHECKPOINTING, f"{where} activation_checkpointing")
+    _check_keys(ds.get("fp16", {}), KNOWN_FP16, f"{where} fp16")
+    _check_keys(ds.get("bf16", {}), KNOWN_BF16, f"{where} bf16")
+    if "scheduler" in ds:
+        raise ConfigError(f"{where} has a 'scheduler' block; dsclip owns the schedule: use --lr-scheduler/--warmup")
+
+    # Batch triad, in the user's terms: micro-batch × accum_freq × world = global batch.
+    b, k = cfg.train.batch_size, cfg.train.accum_freq
+    _fill(ds, "train_micro_batch_size_per_gpu", b, where, what="--batch-size, per rank")
+    _fill(ds, "gradient_accumulation_steps", k, where, what="--accum-freq")
+    _fill(ds, "train_batch_size", b * k * world_size, where,
+          what=f"--batch-size {b} × --accum-freq {k} × world {world_size}")
+    # ...and in DeepSpeed's terms (see module docstring): one "micro-batch" = one optimizer step's rows.
+    ds["train_micro_batch_size_per_gpu"] = b * k
+    ds["gradient_accumulation_steps"] = 1
+    ds["train_batch_size"] = b * k * world_size
+
+    clip = cfg.optim.grad_clip_norm if cfg.optim.grad_clip_norm is not None else 0.0
+    _fill(ds, "gradient_clipping", clip, where, what="--grad-clip-norm")
+
+    # Precision: the JSON may fix it (zero2_bf16.json) or leave it "auto" for --precision.
+    run_p = normalize_precision(cfg.train.precision)
+    json_p = None
+    for name in ("bf16", "fp16"):
+        enabled = ds.get(name, {}).get("enabled", "auto")
+        if enabled is True:
+            if json_p is not None:
+                raise ConfigError(f"{where} enables both bf16 and fp16; pick one")
+            json_p = name
+    explicit_off = all(ds.get(n, {}).get("enabled", "auto") is False for n in ("bf16", "fp16"))
+    if explicit_off:
+        json_p = "fp32"
+    if json_p and run_p != "auto" and json_p != run_p:
+        raise ConfigError(f"{where} sets precision {json_p} but --precision is {cfg.train.precision}; "
+                          f"use a matching config (ds_configs/*_{run_p}.json) or --precision auto")
+    precision = json_p or (run_p if run_p != "auto" else "fp32")
+    for name in ("bf16", "fp16"):
+        ds.setdefault(name, {})["enabled"] = precision == name
+    if precision == "fp16":
+        if device_type == "cpu":
+            raise ConfigError("fp16 is not supported by DeepSpeed on CPU; use --precision bf16 or fp32 "
+                              "(or a ds_configs/*_bf16.json / *_fp32.json config)")
+        fp16 = ds["fp16"]
+        fp16.setdefault("loss_scale", 0)  # 0 = dynamic loss scaling
+        fp16.setdefault("initial_scale_power", 16)
+    if precision == "bf16" and zero.get("stage", 0) == 0 and device_type == "cpu":
+        pass  # supported; noted because BF16_Optimizer disables coalesced reduction (handled in gradcache)
+
+    # Optimizer: if the JSON has an optimizer block DeepSpeed builds it; fill its auto params.
+    if "optimizer" in ds:
+        params = ds["optimizer"].setdefault("params", {})
+        o = cfg.optim
+        _fill(params, "lr", o.lr, f"{where} optimizer.params", what="--lr")
+        _fill(params, "weight_decay", o.wd, f"{where} optimizer.params", what="--wd")
+        _fill(params, "betas", [o.beta1, o.beta2], f"{where} optimizer.params", what="--beta1/--beta2")
+        _fill(params, "eps", o.eps, f"{where} optimizer.params", what="--eps")
+    else:
+        # We hand DeepSpeed a torch AdamW; ZeRO wants this acknowledged explicitly.
+        ds.setdefault("zero_allow_untested_optimizer", True)
+        if zero.get("offload_optimizer", {}).get("device", "none") not in ("none", None):
+            ds.setdefault("zero_force_ds_cpu_optimizer", False)
+
+    ds.setdefault("steps_per_print", 10**9)  # dsclip prints its own, honest, line
+    ds.setdefault("wall_clock_breakdown", False)
+    return ds
+
+
+def zero_stage(ds: dict[str, Any]) -> int:
+    return int(ds.get("zero_optimization", {}).get("stage", 0))
+
+
+def precision_of(ds: dict[str, Any]) -> Precision:
+    if ds.get("bf16", {}).get("enabled"):
+        return Precision("bf16")
+    if ds.get("fp16", {}).get("enabled"):
+        return Precision("fp16")
+    return Precision("fp32")

@@ -1,0 +1,92 @@
+"""Parameter groups (weight-decay exclusions) and learning-rate schedules, as OpenCLIP defines them."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from dsclip.config import OptimArgs
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Two groups: decayed matrices, and everything that must not decay.
+
+    Excluded from decay: every tensor with ndim <= 1 (biases, norm gains, class token, logit
+    scale/bias) and the names the model lists in ``no_weight_decay()`` (positional and token
+    embeddings), matching OpenCLIP's exclusion rule plus embeddings.
+    """
+    skip = set(model.no_weight_decay()) if hasattr(model, "no_weight_decay") else set()
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        # ZeRO-3 partitions parameters at construction: p.ndim is then 1 (flat shard); ds_shape is the real one.
+        ndim = len(getattr(p, "ds_shape", p.shape))
+        if ndim <= 1 or name in skip or name.endswith(".bias"):
+            no_decay.append(p)
+        else:
+            decay.append(p)
+    return [
+        {"params": no_decay, "weight_decay": 0.0},
+        {"params": decay, "weight_decay": weight_decay},
+    ]
+
+
+def build_optimizer(model: nn.Module, o: OptimArgs, device_type: str) -> torch.optim.Optimizer:
+    kw = {}
+    if device_type == "cuda":
+        kw["fused"] = True  # one kernel for the whole update instead of a launch per tensor
+    return torch.optim.AdamW(param_groups(model, o.wd), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, **kw)
+
+
+def lr_multiplier(o: OptimArgs, total_steps: int, steps_per_epoch: int) -> Callable[[int], float]:
+    """Step -> multiplier of the peak lr; step s is the multiplier used for optimizer step s (0-based).
+
+    Same shapes as open_clip_train/scheduler.py: linear warm-up (step+1)/warmup, then cosine to 0,
+    constant, or constant with a polynomial cool-down over the last ``epochs_cooldown`` epochs.
+    """
+    warmup = o.warmup
+
+    def warm(step: int) -> float | None:
+        return (step + 1) / warmup if step < warmup else None
+
+    if o.lr_scheduler == "cosine":
+
+        def fn(step: int) -> float:
+            w = warm(step)
+            if w is not None:
+                return w
+            e, es = step - warmup, max(total_steps - warmup, 1)
+            return 0.5 * (1 + math.cos(math.pi * min(e, es) / es))
+
+    elif o.lr_scheduler == "const":
+
+        def fn(step: int) -> float:
+            w = warm(step)
+            return 1.0 if w is None else w
+
+    elif o.lr_scheduler == "const-cooldown":
+        cooldown = int(round(o.epochs_cooldown * steps_per_epoch))
+        start = total_steps - cooldown
+        end = o.lr_cooldown_end / o.lr
+
+        def fn(step: int) -> float:
+            w = warm(step)
+            if w is not None:
+                return w
+            if step < start:
+                return 1.0
+            e, es = step - start, max(cooldown, 1)
+            decay = (1 - min(e, es) / es) ** o.lr_cooldown_power
+            return end + decay * (1.0 - end)
+
+    else:  # validated in config
+        raise ValueError(o.lr_scheduler)
+    return fn
+
+
+def build_scheduler(optimizer, o: OptimArgs, total_steps: int, steps_per_epoch: int):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier(o, total_steps, steps_per_epoch))

@@ -1,0 +1,188 @@
+"""Run evaluation on every rank: each rank encodes its shard, features are all-gathered.
+
+Why not rank 0 alone: under ZeRO-3 every forward all-gathers parameter shards, so a forward on one
+rank waits forever for the others. Here every rank runs the same number of forward passes (shards
+are padded to equal length by wrapping around), then ``all_gather`` gives every rank the full
+feature matrix in dataset order, and the metrics are computed identically everywhere.
+With world size 1 (or no process group) nothing distributed is touched.
+
+The model is called through its ``forward(image=...)`` / ``forward(text=...)`` (which returns
+normalized ``image_features`` / ``text_features``), so a DeepSpeed engine can be passed directly:
+its forward hooks gather ZeRO-3 parameters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset, Subset
+
+from .retrieval import retrieval_metrics
+from .zero_shot import class_embeddings, expand_prompts, zeroshot_topk
+
+
+def dist_info() -> tuple[int, int]:
+    """(rank, world_size) of the default process group, (0, 1) without one."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def shard_indices(n: int, rank: int, world_size: int) -> list[int]:
+    """Interleaved shard of range(n) for ``rank``, padded by wrapping so all ranks get ceil(n/world)."""
+    per_rank = math.ceil(n / world_size)
+    return [(rank + world_size * j) % n for j in range(per_rank)]
+
+
+def gather_rows(local: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of :func:`shard_indices`: all ranks' (per_rank, ...) rows -> (n, ...) in dataset order."""
+    rank, world = dist_info()
+    if world == 1:
+        return local[:n]
+    send = local.contiguous()
+    if dist.get_backend() == "gloo" and send.is_cuda:
+        send = send.cpu()
+    parts = [torch.empty_like(send) for _ in range(world)]
+    dist.all_gather(parts, send)
+    stacked = torch.stack(parts, dim=1).to(local.device)  # (per_rank, world, ...): position j*world + r
+    return stacked.reshape(-1, *local.shape[1:])[:n]
+
+
+def _infer_dtype(model) -> torch.dtype:
+    for p in model.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return torch.float32
+
+
+def _infer_device(model) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+@contextlib.contextmanager
+def eval_mode(model):
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
+def _first(x):
+    return x[0] if isinstance(x, (tuple, list)) else x
+
+
+@torch.no_grad()
+def encode_dataset(
+    model,
+    dataset: Dataset,
+    kind: str,
+    *,
+    batch_size: int = 256,
+    device=None,
+    workers: int = 0,
+    input_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """(len(dataset), D) float32 features on every rank. ``dataset[i]`` is an image (3,H,W) or a
+    token row (L,) (or a tuple whose first element is); ``kind`` is "image" or "text"."""
+    if kind not in ("image", "text"):
+        raise ValueError(f"kind must be image or text, got {kind!r}")
+    n = len(dataset)
+    if n == 0:
+        raise ValueError(f"cannot encode an empty {kind} dataset")
+    rank, world = dist_info()
+    device = torch.device(device) if device is not None else _infer_device(model)
+    input_dtype = input_dtype or _infer_dtype(model)
+    loader = DataLoader(
+        Subset(dataset, shard_indices(n, rank, world)),
+        batch_size=batch_size,
+        shuffle=False,
+        num_workers=workers,
+        collate_fn=_stack_first,
+    )
+    feats = []
+    for x in loader:  # the same number of batches on every rank (equal shard lengths)
+        x = x.to(device, non_blocking=True)
+        if kind == "image":
+            out = model(image=x.to(input_dtype))["image_features"]
+        else:
+            out = model(text=x)["text_features"]
+        feats.append(out.float())
+    return gather_rows(torch.cat(feats), n)
+
+
+def _stack_first(samples):
+    return torch.stack([_first(s) for s in samples])
+
+
+class _Rows(Dataset):
+    def __init__(self, t: torch.Tensor):
+        self.t = t
+
+    def __len__(self):
+        return self.t.shape[0]
+
+    def __getitem__(self, i):
+        return self.t[i]
+
+
+@torch.no_grad()
+def zeroshot_classifier(model, tokenizer, classnames: list[str], templates: list[str], *, batch_size: int = 256,
+                        device=None) -> torch.Tensor:
+    """(C, D) class embeddings: every prompt encoded (sharded over ranks), averaged per class."""
+    tokens = tokenizer(expand_prompts(classnames, templates))
+    with eval_mode(model):
+        feats = encode_dataset(model, _Rows(tokens), "text", batch_size=batch_size, device=device)
+    return class_embeddings(feats, len(classnames))
+
+
+@torch.no_grad()
+def evaluate_zeroshot(model, tokenizer, dataset: Dataset, labels, classnames: list[str], templates: list[str], *,
+                      batch_size: int = 256, device=None, workers: int = 0) -> dict[str, float]:
+    """Top-1/top-5 of ``dataset`` (images, or (image, label) tuples) against prompt-built classes."""
+    with eval_mode(model):
+        classifier = zeroshot_classifier(model, tokenizer, classnames, templates, batch_size=batch_size,
+                                         device=device)
+        feats = encode_dataset(model, dataset, "image", batch_size=batch_size, device=device, workers=workers)
+    out = zeroshot_topk(feats, torch.as_tensor(labels, device=feats.device), classifier.to(feats.device))
+    return {**out, "num_samples": len(dataset), "num_classes": len(classnames)}
+
+
+@torch.no_grad()
+def evaluate_retrieval(model, tokenizer, image_dataset: Dataset, captions: list[str], text_to_image, *,
+                       batch_size: int = 256, device=None, workers: int = 0) -> dict[str, float]:
+    """Retrieval metrics for images and their captions (``text_to_image[t]`` = image of caption t)."""
+    with eval_mode(model):
+        img = encode_dataset(model, image_dataset, "image", batch_size=batch_size, device=device, workers=workers)
+        txt = encode_dataset(model, _Rows(tokenizer(list(captions))), "text", batch_size=batch_size, device=device)
+    out = retrieval_metrics(img, txt, torch.as_tensor(text_to_image, device=img.device))
+    return {**out, "num_images": img.shape[0], "num_texts": txt.shape[0]}
+
+
+@torch.no_grad()
+def evaluate_demo_zeroshot(model, tokenizer, *, image_size: int = 32, num_samples: int = 1000, task: str = "shape",
+                           templates: list[str] | None = None, batch_size: int = 256, device=None,
+                           retrieval: bool = False) -> dict[str, float]:
+    """Zero-shot accuracy on held-out demo images (never seen in training): {"top1", "top5", ...}.
+
+    ``task``: "shape" (7 classes), "color" (8) or "color_shape" (56). With ``retrieval=True`` also
+    the retrieval metrics of those images against their own captions (prefixed ``retrieval_``;
+    demo captions are often shared by several images, so these are pessimistic).
+    """
+    from ..data.demo import DemoDataset, demo_zeroshot_classes, demo_zeroshot_templates
+
+    ds = DemoDataset.heldout(num_samples, image_size=image_size)
+    labels = [ds.label(i, task) for i in range(num_samples)]
+    out = evaluate_zeroshot(model, tokenizer, ds, labels, demo_zeroshot_classes(task),
+                            templates or demo_zeroshot_templates(), batch_size=batch_size, device=device)
+    if retrieval:
+        r = evaluate_retrieval(model, tokenizer, ds, [ds.caption(i) for i in range(num_samples)],
+                               list(range(num_samples)), batch_size=batch_size, device=device)
+        out.update({f"retrieval_{k}": v for k, v in r.items()})
+    return out

@@ -1,0 +1,159 @@
+"""Model-config schema: OpenCLIP's JSON layout, validated and resolved to explicit values.
+
+A model config is the dict OpenCLIP keeps in ``open_clip/model_configs/*.json``::
+
+    {"embed_dim": 512,
+     "quick_gelu": false,                       # optional
+     "init_logit_bias": -10,                    # optional (SigLIP); also selects logit_scale init ln(10)
+     "vision_cfg": {"image_size", "patch_size", "width", "layers", "head_width", "mlp_ratio", ...},
+     "text_cfg": {"context_length", "vocab_size", "width", "heads", "layers", "pool_type", ...}}
+
+``resolve_model_config`` fills every default OpenCLIP would use (so ``CLIP.config`` states each number
+once, explicitly) and rejects OpenCLIP options this ViT/text-transformer implementation does not build
+(timm / HF towers, attentional pooling, ...): an unsupported option is an error, never silently ignored.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+# Defaults are OpenCLIP's (open_clip/model.py: CLIPVisionCfg, CLIPTextCfg), restricted to what we build.
+VISION_DEFAULTS: dict[str, Any] = {
+    "image_size": 224,
+    "patch_size": 16,
+    "width": 768,
+    "layers": 12,
+    "head_width": 64,
+    "mlp_ratio": 4.0,
+    "patch_dropout": 0.0,
+    "ls_init_value": None,
+}
+TEXT_DEFAULTS: dict[str, Any] = {
+    "context_length": 77,
+    "vocab_size": 49408,
+    "width": 512,
+    "heads": 8,
+    "layers": 12,
+    "mlp_ratio": 4.0,
+    "ls_init_value": None,
+    "pool_type": "argmax",
+    "eos_id": 2,
+    "pad_id": 0,
+}
+# OpenCLIP options accepted only at their default value (anything else builds a different network).
+VISION_FIXED: dict[str, Any] = {
+    "attentional_pool": False,
+    "no_ln_pre": False,
+    "pos_embed_type": "learnable",
+    "final_ln_after_pool": False,
+    "pool_type": "tok",
+    "output_tokens": False,
+    "timm_model_name": None,
+    "block_type": None,
+    "qk_norm": False,
+    "scaled_cosine_attn": False,
+    "scale_heads": False,
+    "scale_attn_inner": False,
+    "scale_attn": False,
+    "scale_fc": False,
+    "act_kwargs": None,
+    "attn_pooler_queries": 256,
+    "attn_pooler_heads": 8,
+    "timm_model_pretrained": False,
+    "timm_pool": "avg",
+    "timm_proj": "linear",
+    "timm_proj_bias": False,
+    "timm_drop": 0.0,
+    "timm_drop_path": None,
+}
+TEXT_FIXED: dict[str, Any] = {
+    "embed_cls": False,
+    "no_causal_mask": False,
+    "final_ln_after_pool": False,
+    "proj_bias": False,
+    "proj_type": "linear",
+    "output_tokens": False,
+    "hf_model_name": None,
+    "block_type": None,
+    "qk_norm": False,
+    "scaled_cosine_attn": False,
+    "scale_heads": False,
+    "scale_attn_inner": False,
+    "scale_attn": False,
+    "scale_fc": False,
+    "act_kwargs": None,
+    "hf_model_pretrained": True,
+    "hf_proj_type": "mlp",
+    "hf_pooler_type": "mean_pooler",
+}
+# Tokenizer metadata OpenCLIP keeps in text_cfg; carried through untouched, not used by the network.
+TEXT_PASSTHROUGH = {"hf_tokenizer_name", "tokenizer_mode", "tokenizer_kwargs"}
+TOP_KEYS = {"embed_dim", "vision_cfg", "text_cfg", "quick_gelu", "init_logit_scale", "init_logit_bias"}
+TOP_FIXED: dict[str, Any] = {"custom_text": False, "cast_dtype": None}
+TEXT_POOL_TYPES = ("argmax", "eos", "last", "first")
+
+
+def _check_section(name: str, cfg: dict, defaults: dict, fixed: dict, passthrough=frozenset()) -> dict:
+    out = dict(defaults)
+    bad = []
+    for k, v in cfg.items():
+        if k in defaults or k in passthrough:
+            out[k] = v
+        elif k == "norm_kwargs":
+            if v and set(v) - {"eps"}:
+                bad.append(f"{name}.norm_kwargs={v} (only 'eps' is supported)")
+            elif v:
+                out[k] = dict(v)
+        elif k in fixed:
+            if v != fixed[k] and not (fixed[k] is None and not v):
+                bad.append(f"{name}.{k}={v!r} (only {fixed[k]!r} is supported)")
+        else:
+            bad.append(f"{name}.{k} (unknown key)")
+    if bad:
+        raise ValueError("unsupported model-config options: " + "; ".join(bad))
+    return out
+
+
+def resolve_model_config(cfg: dict) -> dict:
+    """Validate an OpenCLIP-schema model config and return a deep copy with all defaults filled in."""
+    cfg = copy.deepcopy(cfg)
+    if "model_cfg" in cfg:  # open_clip_config.json / dsclip config.json wrapper
+        cfg = cfg["model_cfg"]
+    missing = [k for k in ("embed_dim", "vision_cfg", "text_cfg") if k not in cfg]
+    if missing:
+        raise ValueError(f"model config lacks required keys {missing}")
+    bad = [k for k in cfg if k not in TOP_KEYS and k not in TOP_FIXED]
+    bad += [f"{k}={cfg[k]!r}" for k in TOP_FIXED if k in cfg and cfg[k] != TOP_FIXED[k]]
+    if bad:
+        raise ValueError(f"unsupported model-config options: {bad}")
+
+    vision = _check_section("vision_cfg", cfg["vision_cfg"], VISION_DEFAULTS, VISION_FIXED)
+    text = _check_section("text_cfg", cfg["text_cfg"], TEXT_DEFAULTS, TEXT_FIXED, TEXT_PASSTHROUGH)
+    if isinstance(vision["layers"], (list, tuple)):
+        raise ValueError("ResNet vision towers (vision_cfg.layers as a list) are not supported")
+    if vision["width"] % vision["head_width"]:
+        raise ValueError(f"vision width {vision['width']} is not a multiple of head_width {vision['head_width']}")
+    if text["width"] % text["heads"]:
+        raise ValueError(f"text width {text['width']} is not a multiple of heads {text['heads']}")
+    if text["pool_type"] not in TEXT_POOL_TYPES:
+        raise ValueError(f"text_cfg.pool_type={text['pool_type']!r}; expected one of {TEXT_POOL_TYPES}")
+    if not 0.0 <= float(vision["patch_dropout"]) < 1.0:
+        raise ValueError(f"vision_cfg.patch_dropout must be in [0, 1), got {vision['patch_dropout']}")
+
+    out = {"embed_dim": int(cfg["embed_dim"]), "quick_gelu": bool(cfg.get("quick_gelu", False))}
+    if cfg.get("init_logit_bias") is not None:
+        out["init_logit_bias"] = float(cfg["init_logit_bias"])
+    if cfg.get("init_logit_scale") is not None:
+        out["init_logit_scale"] = float(cfg["init_logit_scale"])
+    out["vision_cfg"] = vision
+    out["text_cfg"] = text
+    return out
+
+
+def init_logit_scale(cfg: dict) -> float:
+    """OpenCLIP's choice: ln(1/0.07) for CLIP, ln(10) for SigLIP (a config with init_logit_bias)."""
+    if cfg.get("init_logit_scale") is not None:
+        return float(cfg["init_logit_scale"])
+    return math.log(10.0) if cfg.get("init_logit_bias") is not None else math.log(1 / 0.07)

@@ -1,0 +1,100 @@
+"""Architecture registry (``configs/*.json``, OpenCLIP schema) and ``create_model``."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from .clip import CLIP
+from .config import TEXT_DEFAULTS, resolve_model_config
+
+logger = logging.getLogger(__name__)
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+
+
+class UnknownModelError(ValueError):
+    """An architecture name that is neither a registered config nor a JSON file."""
+
+
+def list_models() -> list[str]:
+    """Names of the registered architectures (``dsclip/model/configs/*.json``), sorted."""
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.json"))
+
+
+def get_model_config(name_or_path: str | os.PathLike) -> dict:
+    """The OpenCLIP-schema dict for a registered name or a JSON file (a bare model config or a
+    ``{"model_cfg": ...}`` wrapper such as ``open_clip_config.json``). Returns a fresh copy (unresolved)."""
+    path = Path(name_or_path)
+    if str(name_or_path).endswith(".json") or path.is_file():
+        if not path.is_file():
+            raise UnknownModelError(f"model config file not found: {path}")
+        with open(path) as f:
+            cfg = json.load(f)
+        return copy.deepcopy(cfg.get("model_cfg", cfg))
+    registered = CONFIG_DIR / f"{name_or_path}.json"
+    if not registered.is_file():
+        raise UnknownModelError(
+            f"unknown model {str(name_or_path)!r}; available: {', '.join(list_models())} (or a path to a .json config)"
+        )
+    with open(registered) as f:
+        return json.load(f)
+
+
+def create_model(
+    name_or_cfg: str | os.PathLike | dict,
+    *,
+    patch_dropout: float | None = None,
+    force_patch_dropout: bool | None = None,
+    vocab_size: int | None = None,
+    context_length: int | None = None,
+    eos_id: int | None = None,
+    pad_id: int | None = None,
+    init_logit_bias: float | None = None,
+    device: str | torch.device | None = None,
+) -> CLIP:
+    """Build a randomly initialised CLIP (OpenCLIP init) in train mode.
+
+    - ``name_or_cfg``: a name from ``list_models()``, a path to a JSON config, or a config dict.
+    - ``patch_dropout``: overrides ``vision_cfg.patch_dropout`` (OpenCLIP's ``--force-patch-dropout``).
+    - ``force_patch_dropout``: bool; True also drops patches in eval mode (normally train only).
+    - ``vocab_size`` / ``context_length`` / ``eos_id`` / ``pad_id``: tokenizer-dependent ``text_cfg``
+      overrides. Giving ``eos_id`` while the config pools by ``argmax`` (OpenCLIP's default, which
+      only works for OpenAI's BPE whose EOT has the largest id) switches pooling to ``eos``.
+    - ``init_logit_bias``: SigLIP; adds a ``logit_bias`` parameter and initialises the logit scale
+      to ln(10) (unless the config sets ``init_logit_scale``).
+    - ``device``: where to build the parameters; ``"meta"`` allocates nothing (parameter counting).
+
+    The resolved config (all defaults explicit, overrides applied) is ``model.config``.
+    """
+    cfg = copy.deepcopy(name_or_cfg) if isinstance(name_or_cfg, dict) else get_model_config(name_or_cfg)
+    cfg = cfg.get("model_cfg", cfg)
+    vision, text = cfg.setdefault("vision_cfg", {}), cfg.setdefault("text_cfg", {})
+    if patch_dropout is not None:
+        vision["patch_dropout"] = float(patch_dropout)
+    if force_patch_dropout is not None and not isinstance(force_patch_dropout, bool):
+        raise TypeError(
+            "force_patch_dropout is a bool (apply patch dropout in eval too); "
+            f"got {force_patch_dropout!r}. Use patch_dropout= to override the rate."
+        )
+    for key, value in (("vocab_size", vocab_size), ("context_length", context_length), ("pad_id", pad_id)):
+        if value is not None:
+            text[key] = int(value)
+    if eos_id is not None:
+        text["eos_id"] = int(eos_id)
+        if text.get("pool_type", TEXT_DEFAULTS["pool_type"]) == "argmax":
+            logger.info("eos_id given: text pooling switched from 'argmax' to 'eos'")
+            text["pool_type"] = "eos"
+    if init_logit_bias is not None:
+        cfg["init_logit_bias"] = float(init_logit_bias)
+    cfg = resolve_model_config(cfg)
+
+    with torch.device(device) if device is not None else contextlib.nullcontext():
+        model = CLIP(cfg, force_patch_dropout=bool(force_patch_dropout))
+    return model

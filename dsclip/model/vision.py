@@ -1,0 +1,123 @@
+"""Image tower: timm's ``VisionTransformer`` with CLIP settings plus OpenCLIP's bias-free projection.
+
+CLIP settings: class token, pre-norm (``norm_pre``, and no patch-embed bias), final norm before token
+pooling, LayerNorm eps 1e-5, qkv bias, no classifier head. The projection ``proj`` is a (width, embed)
+parameter used as ``x @ proj`` exactly like OpenCLIP's ``visual.proj``, so conversion is a rename.
+The block loop is written here (not timm's ``checkpoint_seq``) so the engine can inject DeepSpeed's
+activation checkpointing.
+"""
+
+from __future__ import annotations
+
+import torch
+from timm.layers import PatchDropout as _TimmPatchDropout
+from timm.layers.patch_dropout import patch_dropout_forward
+from timm.models.vision_transformer import VisionTransformer
+from torch import nn
+
+from .blocks import CheckpointFn, act_layer, default_checkpoint_fn, norm_layer, reset_block, run_blocks
+
+
+class PatchDropout(_TimmPatchDropout):
+    """timm's PatchDropout (class token kept) that can also run in eval mode (``force=True``)."""
+
+    def __init__(self, prob: float = 0.0, num_prefix_tokens: int = 1, force: bool = False):
+        super().__init__(prob, num_prefix_tokens=num_prefix_tokens)
+        self.force = force
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, 1 + N, W) -> (B, 1 + keep, W)
+        out, _ = patch_dropout_forward(
+            x, self.prob, self.num_prefix_tokens, self.ordered, self.training or self.force
+        )
+        return out
+
+    def extra_repr(self) -> str:
+        return f"prob={self.prob}, force={self.force}"
+
+
+class VisionTower(VisionTransformer):
+    def __init__(
+        self,
+        *,
+        embed_dim: int,
+        image_size: int = 224,
+        patch_size: int = 16,
+        width: int = 768,
+        layers: int = 12,
+        head_width: int = 64,
+        mlp_ratio: float = 4.0,
+        patch_dropout: float = 0.0,
+        ls_init_value: float | None = None,
+        norm_kwargs: dict | None = None,
+        quick_gelu: bool = False,
+        force_patch_dropout: bool = False,
+    ):
+        super().__init__(
+            img_size=image_size,
+            patch_size=patch_size,
+            num_classes=0,
+            global_pool="token",
+            embed_dim=width,
+            depth=layers,
+            num_heads=width // head_width,
+            mlp_ratio=mlp_ratio,
+            qkv_bias=True,
+            init_values=ls_init_value,
+            class_token=True,
+            pre_norm=True,  # adds norm_pre (OpenCLIP ln_pre) and drops the patch-embed bias
+            final_norm=True,
+            fc_norm=False,
+            norm_layer=norm_layer(norm_kwargs),
+            act_layer=act_layer(quick_gelu),
+            weight_init="skip",  # OpenCLIP init below
+            # blocks: timm's default Block (qkv bias, proj bias), the same class text.py uses
+        )
+        # Always present (a no-op at prob 0) so create_model / set_patch_dropout can change it later.
+        self.patch_drop = PatchDropout(patch_dropout, num_prefix_tokens=self.num_prefix_tokens, force=force_patch_dropout)
+        self.proj = nn.Parameter(torch.empty(width, embed_dim))
+        self.width = width
+        self.output_dim = embed_dim
+        self.checkpoint_fn: CheckpointFn | None = None
+        self.init_weights_openclip()
+
+    @torch.no_grad()
+    def init_weights_openclip(self) -> None:
+        # OpenCLIP's VisionTransformer: scale * randn for class/positional embeddings and proj; the blocks
+        # keep nn.MultiheadAttention / nn.Linear defaults (OpenCLIP defines no vision block init).
+        scale = self.width**-0.5
+        self.patch_embed.proj.reset_parameters()
+        nn.init.normal_(self.cls_token, std=scale)
+        nn.init.normal_(self.pos_embed, std=scale)
+        nn.init.normal_(self.proj, std=scale)
+        self.norm_pre.reset_parameters()
+        self.norm.reset_parameters()
+        for blk in self.blocks:
+            reset_block(blk, attn_std=None, proj_std=None, fc_std=None)
+
+    def set_grad_checkpointing(self, enable: bool = True, checkpoint_fn: CheckpointFn | None = None) -> None:
+        self.grad_checkpointing = enable
+        self.checkpoint_fn = (checkpoint_fn or default_checkpoint_fn) if enable else None
+
+    def set_patch_dropout(self, prob: float | None = None, force: bool | None = None) -> None:
+        if prob is not None:
+            if not 0.0 <= prob < 1.0:
+                raise ValueError(f"patch dropout must be in [0, 1), got {prob}")
+            self.patch_drop.prob = float(prob)
+        if force is not None:
+            self.patch_drop.force = bool(force)
+
+    def no_weight_decay(self) -> set[str]:
+        return {"cls_token", "pos_embed"}
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:  # (B, 3, H, W) -> (B, 1 + keep, W)
+        x = self.patch_embed(x)  # (B, N, W)
+        x = self._pos_embed(x)  # (B, 1 + N, W): class token prepended, positions added
+        x = self.patch_drop(x)  # (B, 1 + keep, W)
+        x = self.norm_pre(x)
+        x = run_blocks(self.blocks, x, self.checkpoint_fn if self.grad_checkpointing else None)
+        return self.norm(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, 3, H, W) -> (B, D)
+        x = self.forward_features(x)
+        x = self.pool(x)  # (B, W): class token
+        return x @ self.proj

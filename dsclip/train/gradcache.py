@@ -1,0 +1,218 @@
+"""Engine-aware gradient cache: one optimizer step over K micro-batches, exactly the big-batch gradient.
+
+Why this exists: a contrastive loss couples every sample with every other, so the gradient of a
+32k batch is not the sum of the gradients of eight 4k batches. GradCache (Gao et al., 2021)
+splits the work in two passes:
+
+  pass 1  encode the K micro-batches without building graphs; remember each chunk's RNG state;
+  loss    run the loss once over all K·B cached embeddings (any mode, across ranks) and take the
+          gradient of the loss w.r.t. those embeddings and w.r.t. logit_scale / logit_bias;
+  pass 2  for each chunk: restore its RNG (same dropout / patch-dropout masks as in pass 1),
+          re-forward it with a graph and back-propagate the cached gradient through the scalar
+          surrogate  sum(embedding * cached_grad);  then one optimizer step.
+
+What DeepSpeed needs from us (see ../shared/DEEPSPEED-NOTES.md):
+  * ZeRO-2/3 reduce gradients inside every backward; K backwards per step must be wrapped in
+    ``engine.coalesce_grad_reduction()`` with the boundary flag set before each backward, or
+    ZeRO-2 keeps only the last chunk's gradient.
+  * The surrogate is a scalar so that ``engine.backward`` applies the fp16 loss scale itself; the
+    cached gradients come from an unscaled fp32 loss.
+  * DeepSpeed is configured with gradient_accumulation_steps = 1 (ds_config.py), so nothing is
+    divided by K: the cached gradients already are the big-batch gradients.
+  * logit_scale / logit_bias are read from the engine's forward output (under ZeRO-3 the
+    parameter itself is an empty placeholder outside forward) and their gradient enters the
+    surrogate of exactly one chunk — OpenCLIP's --accum-freq adds it K times.
+
+The last chunk's pass-1 graph can be kept (``keep_last_graph``), saving one forward per step at the
+price of one chunk's activations held during the loss; with K = 1 this is a plain training step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+Batch = tuple[torch.Tensor, torch.Tensor]  # images (B,3,H,W), tokens (B,L)
+
+
+@dataclass
+class StepResult:
+    loss: float  # the full-batch loss (mean over ranks of each rank's part)
+    logit_scale: float
+    logit_bias: float | None
+    grad_norm: float | None
+    applied: bool  # False when the step was skipped (fp16 overflow, non-finite features)
+    skip_reason: str | None = None
+
+
+def snapshot_rng(device: torch.device) -> dict:
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def restore_rng(state: dict, device: torch.device) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _all_reduce(t: torch.Tensor, op=None) -> torch.Tensor:
+    if _world() > 1:
+        dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
+    return t
+
+
+class GradCacheStep:
+    """Runs one optimizer step of a DeepSpeed engine over ``accum_freq`` micro-batches.
+
+    ``reduction`` is "coalesced" (correct, one reduction per step, DeepSpeed >= 0.19.2),
+    "boundary" (boundary flags only: correct where DeepSpeed reduces at the boundary, i.e.
+    ZeRO-0/1 and the BF16_Optimizer wrapper, chosen automatically there), or "naive" (no boundary
+    handling: what forks that call engine.backward K times do; kept only for the regression test).
+    """
+
+    def __init__(
+        self,
+        engine,
+        loss_fn: Callable[..., torch.Tensor],
+        *,
+        keep_last_graph: bool = True,
+        compute_dtype: torch.dtype = torch.float32,
+        reduction: str = "auto",
+    ):
+        self.engine = engine
+        self.loss_fn = loss_fn
+        self.keep_last_graph = keep_last_graph
+        self.compute_dtype = compute_dtype
+        self.device = engine.device if isinstance(engine.device, torch.device) else torch.device(engine.device)
+        if reduction == "auto":
+            reduction = "coalesced" if self._coalescing_supported() else "boundary"
+        if reduction not in ("coalesced", "boundary", "naive"):
+            raise ValueError(f"unknown reduction {reduction!r}")
+        self.reduction = reduction
+        self.last_cached: list[tuple[torch.Tensor, torch.Tensor]] = []  # pass-1 embeddings, for tests
+        self.last_reforwarded: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def _coalescing_supported(self) -> bool:
+        e = self.engine
+        return (
+            hasattr(e, "coalesce_grad_reduction")
+            and e.zero_optimization_stage() in (1, 2, 3)
+            and hasattr(e.optimizer, "_coalesce_grad_reduction")
+        )
+
+    def _forward(self, batch: Batch) -> dict:
+        images, tokens = batch
+        images = images.to(self.device, dtype=self.compute_dtype, non_blocking=True)
+        tokens = tokens.to(self.device, non_blocking=True)
+        return self.engine(image=images, text=tokens)
+
+    def __call__(self, micro_batches: Sequence[Batch], *, record: bool = False) -> StepResult:
+        k = len(micro_batches)
+        if k < 1:
+            raise ValueError("a step needs at least one micro-batch")
+        keep_last = self.keep_last_graph
+
+        # ---- pass 1: embeddings without graphs (the last chunk keeps its graph if asked) ----
+        rng_states, img_cache, txt_cache = [], [], []
+        live = None
+        for i, batch in enumerate(micro_batches):
+            rng_states.append(snapshot_rng(self.device))
+            keep = keep_last and i == k - 1
+            with contextlib.nullcontext() if keep else torch.no_grad():
+                out = self._forward(batch)
+            if keep:
+                live = out
+            img_cache.append(out["image_features"].detach().float())  # (B, D)
+            txt_cache.append(out["text_features"].detach().float())  # (B, D)
+        rng_after = snapshot_rng(self.device)
+        sizes = [t.shape[0] for t in img_cache]
+        scale = out["logit_scale"].detach().float().reshape(())
+        bias = out.get("logit_bias")
+        bias = None if bias is None else bias.detach().float().reshape(())
+
+        # Non-finite embeddings (fp16 forward overflow): every rank must agree to skip, or the
+        # others would block in the loss's collectives.
+        bad = torch.tensor(
+            [float(not (torch.isfinite(torch.cat(img_cache)).all() and torch.isfinite(torch.cat(txt_cache)).all()))],
+            device=self.device,
+        )
+        if _all_reduce(bad).item() > 0:
+            live = None  # nothing was back-propagated: the step is skipped on every rank together
+            return StepResult(float("nan"), scale.item(), None if bias is None else bias.item(), None, False,
+                              "non-finite embeddings")
+
+        # ---- the loss, once, over all cached embeddings (fp32) ----
+        img_all = torch.cat(img_cache).requires_grad_(True)  # (K·B, D)
+        txt_all = torch.cat(txt_cache).requires_grad_(True)
+        scale_leaf = scale.clone().requires_grad_(True)
+        leaves = [img_all, txt_all, scale_leaf]
+        bias_leaf = None
+        if bias is not None:
+            bias_leaf = bias.clone().requires_grad_(True)
+            leaves.append(bias_leaf)
+        with torch.autocast(self.device.type, enabled=False):
+            loss = self.loss_fn(img_all, txt_all, scale_leaf, bias_leaf)
+            grads = torch.autograd.grad(loss, leaves)
+        g_img = grads[0].split(sizes)
+        g_txt = grads[1].split(sizes)
+        g_scale = grads[2]
+        g_bias = grads[3] if bias_leaf is not None else None
+        del img_all, txt_all, leaves, grads
+
+        # ---- pass 2: re-forward each chunk with its pass-1 RNG and back-propagate the cache ----
+        if record:
+            self.last_cached = list(zip(img_cache, txt_cache))
+            self.last_reforwarded = []
+        order = list(range(k - 1)) + [k - 1]  # the kept chunk last: its graph is already there
+        e = self.engine
+        ctx = e.coalesce_grad_reduction() if self.reduction == "coalesced" else contextlib.nullcontext()
+        with ctx:
+            for n, i in enumerate(order):
+                final = n == len(order) - 1
+                if self.reduction != "naive":
+                    e.set_gradient_accumulation_boundary(final)
+                if live is not None and i == k - 1:
+                    out = live
+                else:
+                    restore_rng(rng_states[i], self.device)
+                    out = self._forward(micro_batches[i])
+                img, txt = out["image_features"].float(), out["text_features"].float()
+                if record:
+                    self.last_reforwarded.append((img.detach().clone(), txt.detach().clone()))
+                surrogate = (img * g_img[i]).sum() + (txt * g_txt[i]).sum()
+                if final:  # the temperature (and bias) gradient enters exactly once per step
+                    surrogate = surrogate + out["logit_scale"].float().reshape(()) * g_scale
+                    if g_bias is not None:
+                        surrogate = surrogate + out["logit_bias"].float().reshape(()) * g_bias
+                e.backward(surrogate)
+        if self.reduction != "naive":
+            e.set_gradient_accumulation_boundary(True)
+        restore_rng(rng_after, self.device)
+        live = None
+        e.step()
+
+        applied = bool(e.was_step_applied()) if hasattr(e, "was_step_applied") else True
+        report = torch.tensor([loss.detach().float().item()], device=self.device)
+        report = _all_reduce(report) / _world()
+        grad_norm = e.get_global_grad_norm() if hasattr(e, "get_global_grad_norm") else None
+        if isinstance(grad_norm, torch.Tensor):
+            grad_norm = grad_norm.item()
+        return StepResult(
+            loss=report.item(),
+            logit_scale=scale.item(),
+            logit_bias=None if bias is None else bias.item(),
+            grad_norm=grad_norm,
+            applied=applied,
+            skip_reason=None if applied else "fp16 overflow (loss scale reduced)",
+        )

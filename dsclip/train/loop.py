@@ -1,0 +1,193 @@
+"""The training loop: config -> data/model -> engine -> steps -> logs/checkpoints.
+
+Each component owns its cadence (the checkpointer decides when to save, the metrics logger when to
+print), so this file stays a readable sequence of what happens.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from dsclip import config as cfgmod
+from dsclip.checkpoint import ds_checkpoint
+from dsclip.config import ConfigError, RunConfig
+from dsclip.data import build_tokenizer, build_train_data
+from dsclip.engine import world
+from dsclip.engine.build import autocast_dtype, build_engine, device_type
+from dsclip.engine.ds_config import load_ds_json, resolve_ds_config
+from dsclip.losses import build_loss
+from dsclip.model import create_model, get_model_config
+from dsclip.train.gradcache import GradCacheStep
+from dsclip.train.metrics import MetricsLogger
+
+log = logging.getLogger("dsclip")
+
+SIGLIP_INIT_LOGIT_BIAS = -10.0  # OpenCLIP --siglip: scale init ln(10), bias -10
+
+
+def step_seed(seed: int, step: int, rank: int) -> int:
+    """RNG seed of optimizer step ``step`` on ``rank``: dropout and patch-dropout masks depend only on
+    (seed, step, rank), so a resumed run draws exactly the masks the uninterrupted run drew."""
+    return (seed * 1_000_003 + step * 9_176 + rank * 7_919) % (2**63 - 1)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("DSCLIP_CACHE", Path.home() / ".cache" / "dsclip"))
+
+
+def train(cfg: RunConfig) -> dict:
+    info = world.init_distributed()
+    rank, world_size = info.rank, info.world_size
+    world.install_preemption_handler()
+    cfgmod.validate(cfg, world_size=world_size)
+    run_dir = cfg.run_dir
+    dev = device_type()
+
+    # --- config: everything checked before any expensive work ---
+    model_cfg = get_model_config(cfg.model.model)
+    ds_config = resolve_ds_config(load_ds_json(cfg.train.deepspeed_config), cfg, world_size=world_size,
+                                  device_type=dev)
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        cfgmod.save_run_config(cfg, run_dir / "run_config.yaml")
+        (run_dir / "ds_config.json").write_text(cfgmod.dumps(ds_config))
+    resume = None
+    if cfg.checkpoint.resume:
+        resume = ds_checkpoint.resolve_resume(cfg.checkpoint.resume, run_dir)
+
+    # --- data and model ---
+    text_cfg = model_cfg["text_cfg"]
+    context_length = cfg.model.context_length or text_cfg.get("context_length", 77)
+    tokenizer = build_tokenizer(cfg.data, context_length, cache_dir())
+    image_size = model_cfg["vision_cfg"]["image_size"]
+    data = build_train_data(cfg.data, tokenizer=tokenizer, image_size=image_size, batch_size=cfg.train.batch_size,
+                            rank=rank, world_size=world_size, seed=cfg.train.seed)
+    k = cfg.train.accum_freq
+    steps_per_epoch = data.steps_per_epoch // k
+    if steps_per_epoch < 1:
+        raise ConfigError(
+            f"one optimizer step needs {k} micro-batches of {cfg.train.batch_size} per rank, but an epoch has only "
+            f"{data.steps_per_epoch}; lower --accum-freq/--batch-size or add data"
+        )
+    total_steps = cfg.train.epochs * steps_per_epoch
+    if cfg.train.max_steps is not None:
+        total_steps = min(total_steps, cfg.train.max_steps)
+
+    def model_factory():
+        torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
+        return create_model(
+            model_cfg,
+            force_patch_dropout=cfg.model.force_patch_dropout,
+            vocab_size=tokenizer.vocab_size,
+            context_length=context_length,
+            eos_id=tokenizer.eos_id,
+            pad_id=tokenizer.pad_id,
+            init_logit_bias=SIGLIP_INIT_LOGIT_BIAS if cfg.model.siglip else None,
+        )
+
+    after_construction = None
+    if cfg.model.pretrained:
+        from dsclip.checkpoint.pretrained import load_pretrained_into
+
+        def after_construction(model):
+            load_pretrained_into(model, cfg.model.pretrained)
+
+    bundle = build_engine(cfg, ds_config, model_factory, total_steps=total_steps, steps_per_epoch=steps_per_epoch,
+                          after_construction=after_construction)
+    engine = bundle.engine
+    loss_fn = build_loss(cfg.loss_name, tile_size=cfg.loss.loss_tile_size, label_smoothing=cfg.loss.label_smoothing)
+    step_fn = GradCacheStep(engine, loss_fn, keep_last_graph=cfg.train.keep_last_graph,
+                            compute_dtype=autocast_dtype(bundle))
+
+    step = 0
+    if resume is not None:
+        state = ds_checkpoint.load(engine, *resume)
+        step = int(state["step"])
+        if rank == 0:
+            print(f"resumed from {resume[0] / resume[1]} at step {step}", flush=True)
+
+    checkpointer = ds_checkpoint.Checkpointer(run_dir, every_n_steps=cfg.checkpoint.save_every_n_steps,
+                                              every_n_epochs=cfg.checkpoint.save_frequency,
+                                              keep_last=cfg.checkpoint.keep_last, rank=rank)
+    samples_per_step = cfg.train.batch_size * k * world_size
+    metrics = MetricsLogger(run_dir, rank=rank, world_size=world_size, every_n_steps=cfg.log.log_every_n_steps,
+                            report_to=cfg.log.report_to, samples_per_step=samples_per_step,
+                            total_steps=total_steps, device=engine.device)
+    if rank == 0:
+        print(
+            f"dsclip: {cfg.model.model} | world {world_size} | ZeRO-{bundle.zero_stage} {bundle.precision} | "
+            f"loss {cfg.loss_name} | batch {cfg.train.batch_size} x accum {k} x world {world_size} = "
+            f"{samples_per_step} | {steps_per_epoch} steps/epoch | {total_steps} steps | run {run_dir}",
+            flush=True,
+        )
+
+    def client_state(epoch: int, in_epoch: int) -> dict:
+        return {"step": step, "epoch": epoch, "step_in_epoch": in_epoch, "samples_seen": step * samples_per_step,
+                "world_size": world_size, "accum_freq": k, "batch_size": cfg.train.batch_size,
+                "seed": cfg.train.seed}
+
+    preempted = False
+    epoch, in_epoch = divmod(step, steps_per_epoch)
+    t_wait = time.perf_counter()
+    while step < total_steps and not preempted:
+        batches = data.batches(epoch, start_step=in_epoch * k)
+        chunk: list = []
+        for batch in batches:
+            chunk.append(batch)
+            if len(chunk) < k:
+                continue
+            data_wait = time.perf_counter() - t_wait
+            torch.manual_seed(step_seed(cfg.train.seed, step, rank))
+            engine.train()
+            result = step_fn(chunk)
+            chunk = []
+            step += 1
+            in_epoch += 1
+            epoch_end = in_epoch == steps_per_epoch
+            metrics.step(step, result, data_wait_s=data_wait, lr=engine.get_lr()[0], epoch=epoch,
+                         extra={"bad_samples": sum(data.stats().values())})
+            checkpointer.maybe_save(engine, step, client_state(epoch + epoch_end, 0 if epoch_end else in_epoch),
+                                    epoch_end=epoch_end, epoch=epoch)
+            if world.preemption_requested():
+                preempted = True
+            if step >= total_steps or epoch_end or preempted:
+                break
+            t_wait = time.perf_counter()
+        batches.close()
+        if in_epoch == steps_per_epoch:
+            epoch, in_epoch = epoch + 1, 0
+        t_wait = time.perf_counter()
+
+    final_epoch, final_in_epoch = divmod(step, steps_per_epoch)
+    if checkpointer.last_saved_step != step and (preempted or cfg.checkpoint.save_frequency or
+                                                 cfg.checkpoint.save_every_n_steps):
+        checkpointer.save(engine, step, client_state(final_epoch, final_in_epoch))
+    summary = {"step": step, "run_dir": str(run_dir), "preempted": preempted}
+    if not preempted:
+        summary.update(final_evaluation(cfg, engine, tokenizer, metrics, step, image_size))
+    metrics.close()
+    data.close()
+    if preempted and rank == 0:
+        print(f"preempted: checkpoint saved at step {step}; exiting with {world.EXIT_REQUEUE} to requeue", flush=True)
+    summary["exit_code"] = world.EXIT_REQUEUE if preempted else 0
+    return summary
+
+
+def final_evaluation(cfg: RunConfig, engine, tokenizer, metrics: MetricsLogger, step: int, image_size: int) -> dict:
+    """Zero-shot on the demo's held-out images (demo data), on every rank (ZeRO-3 needs all ranks)."""
+    if cfg.data.resolved_dataset_type() != "demo" and not cfg.data.zeroshot_data:
+        return {}
+    from dsclip.eval.zero_shot import evaluate_demo_zeroshot
+
+    engine.eval()
+    with torch.no_grad():
+        res = evaluate_demo_zeroshot(engine.module, tokenizer, num_samples=cfg.data.demo_eval_samples,
+                                     image_size=image_size, device=engine.device,
+                                     dtype=next(engine.module.parameters()).dtype)
+    metrics.log_eval(step, res, prefix="zeroshot")
+    return {"zeroshot": res}

@@ -1,0 +1,143 @@
+"""Training metrics: an honest console line, TensorBoard scalars and metrics.jsonl.
+
+Honest means: throughput is averaged over the whole logging window (not the last step), reported
+both globally and per rank; the loss is the full-batch loss (mean over ranks); the data-wait
+fraction says how much of the window the step waited for the loader. Only rank 0 writes.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    # ru_maxrss is KiB on Linux: the process's peak resident set.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+class MetricsLogger:
+    def __init__(self, run_dir: Path, *, rank: int, world_size: int, every_n_steps: int, report_to: str,
+                 samples_per_step: int, total_steps: int, device: torch.device):
+        self.rank = rank
+        self.world_size = world_size
+        self.every = every_n_steps
+        self.samples_per_step = samples_per_step  # global: batch × accum_freq × world
+        self.total_steps = total_steps
+        self.device = device
+        self.jsonl = None
+        self.tb = None
+        self.bar = None
+        if rank == 0:
+            self.jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
+            if "tensorboard" in {r.strip() for r in report_to.split(",")}:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+            if sys.stderr.isatty():
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True, leave=False)
+        self._reset_window()
+
+    def _reset_window(self):
+        self.window_start = time.perf_counter()
+        self.window_steps = 0
+        self.window_data_wait = 0.0
+        self.window_losses: list[float] = []
+        self.window_skipped = 0
+
+    def step(self, step: int, result, *, data_wait_s: float, lr: float, epoch: int, extra: dict | None = None) -> None:
+        """Record a finished optimizer step (1-based ``step``); log when the window is full."""
+        self.window_steps += 1
+        self.window_data_wait += data_wait_s
+        if result.applied:
+            self.window_losses.append(result.loss)
+        else:
+            self.window_skipped += 1
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{result.loss:.4f}")
+        if step % self.every == 0 or step == self.total_steps:
+            self.flush(step, result, lr=lr, epoch=epoch, extra=extra)
+
+    def flush(self, step: int, result, *, lr: float, epoch: int, extra: dict | None = None) -> None:
+        elapsed = max(time.perf_counter() - self.window_start, 1e-9)
+        samples = self.window_steps * self.samples_per_step
+        loss = sum(self.window_losses) / len(self.window_losses) if self.window_losses else float("nan")
+        record = {
+            "step": step,
+            "epoch": epoch,
+            "loss": loss,
+            "loss_last": result.loss,
+            "lr": lr,
+            "logit_scale": result.logit_scale,
+            "grad_norm": result.grad_norm,
+            "samples_per_s": samples / elapsed,
+            "samples_per_s_per_rank": samples / elapsed / self.world_size,
+            "data_wait_frac": self.window_data_wait / elapsed,
+            "peak_mem_gb": peak_memory_gb(self.device),
+            "effective_batch": self.samples_per_step,
+            "world_size": self.world_size,
+            "skipped_steps": self.window_skipped,
+            "time": time.time(),
+        }
+        if result.logit_bias is not None:
+            record["logit_bias"] = result.logit_bias
+        if extra:
+            record.update(extra)
+        if self.rank == 0:
+            gn = "n/a" if result.grad_norm is None else f"{result.grad_norm:.3f}"
+            line = (
+                f"step {step}/{self.total_steps} ep {epoch} | loss {loss:.4f} | lr {lr:.3e} | "
+                f"scale {result.logit_scale:.2f} | gnorm {gn} | "
+                f"{record['samples_per_s']:.1f} samples/s ({record['samples_per_s_per_rank']:.1f}/rank) | "
+                f"batch {self.samples_per_step} | data {100 * record['data_wait_frac']:.0f}% | "
+                f"mem {record['peak_mem_gb']:.2f} GB"
+            )
+            if self.window_skipped:
+                line += f" | skipped {self.window_skipped}"
+            for k in ("bad_samples",):
+                if extra and extra.get(k):
+                    line += f" | {k} {extra[k]}"
+            self.write_line(line)
+            self.jsonl.write(json.dumps(record) + "\n")
+            if self.tb is not None:
+                for k, v in record.items():
+                    if isinstance(v, (int, float)) and v is not None and k not in ("step", "time"):
+                        self.tb.add_scalar(f"train/{k}", v, step)
+        self._reset_window()
+
+    def write_line(self, line: str) -> None:
+        if self.rank != 0:
+            return
+        if self.bar is not None:
+            self.bar.write(line)
+        else:
+            print(line, flush=True)
+
+    def log_eval(self, step: int, metrics: dict, prefix: str = "eval") -> None:
+        if self.rank != 0:
+            return
+        self.write_line(f"{prefix} @ step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()
+                                                               if isinstance(v, (int, float))))
+        self.jsonl.write(json.dumps({"step": step, prefix: metrics, "time": time.time()}) + "\n")
+        if self.tb is not None:
+            for k, v in metrics.items():
+                if isinstance(v, (int, float)):
+                    self.tb.add_scalar(f"{prefix}/{k}", v, step)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.jsonl is not None:
+            self.jsonl.close()

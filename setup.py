@@ -1,0 +1,28 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="dsclip",
+    version="0.1.0",
+    description="CLIP-style contrastive image-text training on DeepSpeed (ZeRO-2/3, gradient cache, sharded losses)",
+    python_requires=">=3.10",
+    packages=find_packages(include=["dsclip", "dsclip.*"]),
+    package_data={"dsclip": ["model/configs/*.json", "recipes/*.yaml", "data/*.txt"]},
+    install_requires=[
+        "torch>=2.4",
+        "torchvision",
+        "deepspeed>=0.19.2",  # coalesce_grad_reduction (PR #7992) is what the gradient cache relies on
+        "timm>=1.0",
+        "webdataset>=0.2.86",
+        "sentencepiece",
+        "tensorboard",
+        "pyyaml",
+        "safetensors",
+        "tqdm",
+    ],
+    extras_require={
+        # open_clip_torch is only a test dependency: interop tests load our exports with OpenCLIP itself.
+        "dev": ["pytest", "pytest-timeout", "ruff", "open_clip_torch"],
+        "openclip": ["open_clip_torch"],
+    },
+    entry_points={"console_scripts": ["dsclip=dsclip.cli:main"]},
+)

@@ -1,0 +1,86 @@
+"""DeepSpeed JSON: auto values filled from the run config, contradictions and typos refused."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dsclip.config import ConfigError, make_run_config
+from dsclip.engine.ds_config import load_ds_json, resolve_ds_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def cfg(**kw):
+    kw.setdefault("name", "t")
+    return make_run_config(kw)
+
+
+def resolve(raw, world=2, device="cpu", **kw):
+    return resolve_ds_config(raw, cfg(**kw), world_size=world, device_type=device)
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "ds_configs").glob("*.json")), ids=lambda p: p.name)
+def test_shipped_configs_resolve(path):
+    raw = load_ds_json(path)
+    precision = "auto"
+    ds = resolve(raw, batch_size=8, accum_freq=2, precision=precision, device="cuda")
+    assert ds["train_batch_size"] == 8 * 2 * 2
+    assert ds["gradient_accumulation_steps"] == 1  # the gradient cache owns accumulation
+    assert ds["train_micro_batch_size_per_gpu"] == 16
+    assert "auto" not in json.dumps(ds)
+
+
+def test_batch_triad_contradiction():
+    raw = {"train_batch_size": 100, "zero_optimization": {"stage": 2}}
+    with pytest.raises(ConfigError, match=r"'train_batch_size' is 100 .*--batch-size 8 × --accum-freq 1 × world 2"):
+        resolve(raw, batch_size=8)
+    with pytest.raises(ConfigError, match="'gradient_accumulation_steps' is 4"):
+        resolve({"gradient_accumulation_steps": 4}, batch_size=8)
+    ok = resolve({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 8}, batch_size=8)
+    assert ok["train_batch_size"] == 16
+
+
+def test_unknown_keys_are_errors():
+    with pytest.raises(ConfigError, match="unknown key 'gradient_accumulation_dtype'"):
+        resolve({"gradient_accumulation_dtype": "fp32"})
+    with pytest.raises(ConfigError, match="unknown key 'stage3_prefetch_bucket_sise'.*zero_optimization"):
+        resolve({"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_sise": 1}})
+    with pytest.raises(ConfigError, match="unknown key 'cpu_checkpoint'.*did you mean 'cpu_checkpointing'"):
+        resolve({"activation_checkpointing": {"cpu_checkpoint": True}})
+
+
+def test_precision_resolution():
+    assert resolve({"bf16": {"enabled": "auto"}}, precision="bf16")["bf16"]["enabled"] is True
+    assert resolve({"bf16": {"enabled": True}})["bf16"]["enabled"] is True  # JSON decides when --precision auto
+    auto = resolve({})
+    assert not auto["bf16"]["enabled"] and not auto["fp16"]["enabled"]
+    with pytest.raises(ConfigError, match="sets precision bf16 but --precision is fp32"):
+        resolve({"bf16": {"enabled": True}}, precision="fp32")
+    with pytest.raises(ConfigError, match="fp16 is not supported by DeepSpeed on CPU"):
+        resolve({}, precision="fp16", device="cpu")
+    fp16 = resolve({}, precision="amp", device="cuda")
+    assert fp16["fp16"]["enabled"] and fp16["fp16"]["loss_scale"] == 0  # dynamic loss scaling
+
+
+def test_clip_and_optimizer_autofill():
+    ds = resolve({"gradient_clipping": "auto", "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}},
+                 grad_clip_norm=1.5, lr=3e-4, wd=0.05)
+    assert ds["gradient_clipping"] == 1.5
+    assert ds["optimizer"]["params"]["lr"] == 3e-4 and ds["optimizer"]["params"]["weight_decay"] == 0.05
+    with pytest.raises(ConfigError, match="'gradient_clipping' is 2.0"):
+        resolve({"gradient_clipping": 2.0}, grad_clip_norm=1.0)
+
+
+def test_scheduler_block_refused():
+    with pytest.raises(ConfigError, match="dsclip owns the schedule"):
+        resolve({"scheduler": {"type": "WarmupLR"}})
+
+
+def test_invalid_json_and_missing_file(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"train_batch_size": 4,,}')
+    with pytest.raises(ConfigError, match="not valid JSON: .* line 1"):
+        load_ds_json(bad)
+    with pytest.raises(ConfigError, match="DeepSpeed config not found.*zero2.json"):
+        load_ds_json(tmp_path / "nope.json")
