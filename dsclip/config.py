@@ -51,7 +51,7 @@ class ModelArgs:
     )
     siglip: bool = opt(False, "Use the sigmoid (SigLIP) loss with a learnable logit_bias.")
     force_patch_dropout: float | None = opt(
-        None, "Override the patch-dropout rate (FLIP); also applied in eval, as in OpenCLIP."
+        None, "Override the architecture's patch-dropout rate (FLIP), as OpenCLIP's flag: training only."
     )
     grad_checkpointing: bool = opt(
         False,

@@ -7,6 +7,8 @@ with its own interpreter, so state never leaks between ranks or into the pytest 
 from __future__ import annotations
 
 import os
+import pickle
+import queue as queue_mod
 import socket
 import traceback
 
@@ -37,7 +39,9 @@ def _rank_main(rank, world_size, port, fn, args, queue):
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
         dist.barrier()
-        queue.put((rank, "ok", result))
+        # Plain-pickle the result: a torch.multiprocessing queue would pass tensors as shared-memory
+        # file descriptors that the parent fetches from this process, which may already have exited.
+        queue.put((rank, "ok", pickle.dumps(result)))
     except BaseException:  # report every failure to the parent instead of hanging it
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -63,11 +67,16 @@ def run_world(fn, world_size: int, *args, timeout: float = 600.0) -> list:
     errors = []
     try:
         for _ in range(world_size):
-            rank, status, payload = queue.get(timeout=timeout)
+            try:
+                rank, status, payload = queue.get(timeout=timeout)
+            except queue_mod.Empty:
+                missing = sorted(set(range(world_size)) - set(results))
+                errors.append(f"timed out after {timeout:.0f} s waiting for rank(s) {missing} (hang?)")
+                break
             if status == "error":
                 errors.append(f"rank {rank} failed:\n{payload}")
                 break  # the other ranks may now be stuck in a collective; stop them below
-            results[rank] = payload
+            results[rank] = pickle.loads(payload)
     finally:
         for p in procs:
             p.join(timeout=5 if errors else 60)

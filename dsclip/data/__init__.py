@@ -17,7 +17,9 @@ from .tokenizer import SentencePieceTokenizer
 __all__ = ["DataConfig", "TrainData", "SentencePieceTokenizer", "build_tokenizer", "build_train_data"]
 
 
-def build_tokenizer(data_cfg: DataConfig, context_length: int, cache_dir: str | os.PathLike = ".cache/dsclip"):
+def build_tokenizer(
+    data_cfg: DataConfig, context_length: int, cache_dir: str | os.PathLike = ".cache/dsclip"
+):
     """The tokenizer the run uses: ``data_cfg.tokenizer`` if set, else the demo one for demo data."""
     if data_cfg.tokenizer:
         return SentencePieceTokenizer(data_cfg.tokenizer, context_length)
@@ -25,7 +27,9 @@ def build_tokenizer(data_cfg: DataConfig, context_length: int, cache_dir: str | 
         from .demo import ensure_demo_tokenizer
 
         return SentencePieceTokenizer(ensure_demo_tokenizer(cache_dir), context_length)
-    raise ValueError("no tokenizer: pass --tokenizer path/to/spm.model (train one with `dsclip tokenizer train`)")
+    raise ValueError(
+        "no tokenizer: pass --tokenizer path/to/spm.model (train one with `dsclip tokenizer train`)"
+    )
 
 
 def build_train_data(
@@ -49,16 +53,38 @@ def build_train_data(
 
         n = data_cfg.train_num_samples or data_cfg.demo_num_samples
         ds = DemoDataset(n, image_size=image_size, seed=0)  # fixed universe; the run seed sets the order
-        return MapStyleTrainData(ds, tokenizer=tokenizer, batch_size=batch_size, rank=rank,
-                                 world_size=world_size, seed=seed, workers=data_cfg.workers, name="demo data")
+        return MapStyleTrainData(
+            ds,
+            tokenizer=tokenizer,
+            batch_size=batch_size,
+            rank=rank,
+            world_size=world_size,
+            seed=seed,
+            workers=data_cfg.workers,
+            name="demo data",
+        )
     if kind == "csv":
         from .csv_data import build_csv_train_data
 
-        return build_csv_train_data(data_cfg, tokenizer=tokenizer, image_size=image_size, batch_size=batch_size,
-                                    rank=rank, world_size=world_size, seed=seed)
+        return build_csv_train_data(
+            data_cfg,
+            tokenizer=tokenizer,
+            image_size=image_size,
+            batch_size=batch_size,
+            rank=rank,
+            world_size=world_size,
+            seed=seed,
+        )
     if kind == "webdataset":
         from .webdataset import build_wds_train_data
 
-        return build_wds_train_data(data_cfg, tokenizer=tokenizer, image_size=image_size, batch_size=batch_size,
-                                    rank=rank, world_size=world_size, seed=seed)
+        return build_wds_train_data(
+            data_cfg,
+            tokenizer=tokenizer,
+            image_size=image_size,
+            batch_size=batch_size,
+            rank=rank,
+            world_size=world_size,
+            seed=seed,
+        )
     raise ValueError(f"unknown dataset_type {kind!r}")

@@ -12,8 +12,8 @@ class DataConfig:
     train_data: str | None = field(
         default=None,
         metadata={
-            "help": "Training data: webdataset shards with brace expansion (data/{00000..00099}.tar), several "
-            "sources joined by '::'; or a CSV/TSV file. Unused for dataset_type=demo."
+            "help": "Training data: webdataset shards with brace expansion (data/{00000..00099}.tar), "
+            "several sources joined by '::'; or a CSV/TSV file. Unused for dataset_type=demo."
         },
     )
     train_num_samples: int | None = field(
@@ -25,7 +25,10 @@ class DataConfig:
     )
     dataset_type: str = field(
         default="auto",
-        metadata={"help": "auto|demo|webdataset|csv. auto: .csv/.tsv -> csv, otherwise webdataset, none -> demo."},
+        metadata={
+            "help": "auto|demo|webdataset|csv. auto: .csv/.tsv -> csv, otherwise webdataset, none -> demo.",
+            "choices": DATASET_TYPES,
+        },
     )
     dataset_resampled: bool = field(
         default=False, metadata={"help": "Sample shards with replacement (infinite stream), as OpenCLIP."}
@@ -37,7 +40,9 @@ class DataConfig:
             "dataset_resampled). Default: proportional to each source's shard count."
         },
     )
-    workers: int = field(default=1, metadata={"help": "DataLoader worker processes per rank (0 = main process)."})
+    workers: int = field(
+        default=1, metadata={"help": "DataLoader worker processes per rank (0 = main process)."}
+    )
     shuffle_buffer: int = field(
         default=5000, metadata={"help": "Webdataset sample shuffle buffer per worker (0 disables)."}
     )
@@ -51,11 +56,17 @@ class DataConfig:
     val_num_samples: int | None = field(default=None, metadata={"help": "Cap on validation samples."})
     zeroshot_data: str | None = field(
         default=None,
-        metadata={"help": "Zero-shot class-folder dataset (DIR/<class>/*.jpg), or 'demo' for the demo's held-out set."},
+        metadata={
+            "help": "Zero-shot class-folder dataset (DIR/<class>/*.jpg), "
+            "or 'demo' for the demo's held-out set."
+        },
     )
     zeroshot_templates: str | None = field(
         default=None,
-        metadata={"help": "File with one prompt template per line containing '{c}' (default: OpenCLIP's ImageNet set)."},
+        metadata={
+            "help": "File with one prompt template per line containing '{c}' "
+            "(default: OpenCLIP's ImageNet set)."
+        },
     )
     force_image_size: int | None = field(
         default=None, metadata={"help": "Override the model's image size for the data transforms."}
@@ -65,7 +76,9 @@ class DataConfig:
         metadata={"help": "SentencePiece model path. Default with demo data: the built-in demo tokenizer."},
     )
     demo_num_samples: int = field(default=20000, metadata={"help": "Size of the built-in demo training set."})
-    demo_eval_samples: int = field(default=1000, metadata={"help": "Held-out demo images for zero-shot eval."})
+    demo_eval_samples: int = field(
+        default=1000, metadata={"help": "Held-out demo images for zero-shot eval."}
+    )
 
     def resolved_dataset_type(self) -> str:
         if self.dataset_type not in DATASET_TYPES:

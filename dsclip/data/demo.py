@@ -123,7 +123,9 @@ class DemoDataset(Dataset):
     @classmethod
     def heldout(cls, num_samples: int, image_size: int = 32, seed: int = 0, transform=None) -> DemoDataset:
         """The held-out split for zero-shot evaluation (disjoint random stream from training)."""
-        return cls(num_samples, image_size=image_size, seed=seed + DEMO_HELDOUT_SEED_OFFSET, transform=transform)
+        return cls(
+            num_samples, image_size=image_size, seed=seed + DEMO_HELDOUT_SEED_OFFSET, transform=transform
+        )
 
     def __len__(self) -> int:
         return self.num_samples
@@ -215,7 +217,14 @@ def all_demo_captions() -> list[str]:
     for shape, color, size, pos, bg, t in itertools.product(
         SHAPES, COLORS, SIZES, POSITIONS, BACKGROUNDS, range(len(CAPTION_TEMPLATES))
     ):
-        attrs = {"shape": shape, "color": color, "size": size, "position": pos, "background": bg, "template": t}
+        attrs = {
+            "shape": shape,
+            "color": color,
+            "size": size,
+            "position": pos,
+            "background": bg,
+            "template": t,
+        }
         out.append(DemoDataset.caption_for(attrs))
     # Zero-shot prompts must tokenize well too.
     for task in ("shape", "color", "color_shape"):
@@ -248,14 +257,22 @@ def ensure_demo_tokenizer(cache_dir: str | os.PathLike, vocab_size: int = DEMO_T
         try:
             if not path.exists():
                 # BPE: on this small closed vocabulary it keeps every word whole (unigram would split them).
-                train_sentencepiece(all_demo_captions(), str(path.with_suffix("")), vocab_size, model_type="bpe")
+                train_sentencepiece(
+                    all_demo_captions(), str(path.with_suffix("")), vocab_size, model_type="bpe"
+                )
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
     return str(path)
 
 
-def write_demo_classfolder(root: str | os.PathLike, num_samples: int, image_size: int = 32, seed: int = 0,
-                           task: str = "shape", heldout: bool = True) -> str:
+def write_demo_classfolder(
+    root: str | os.PathLike,
+    num_samples: int,
+    image_size: int = 32,
+    seed: int = 0,
+    task: str = "shape",
+    heldout: bool = True,
+) -> str:
     """Write demo images as ``root/<class>/<index>.png`` (a class-folder zero-shot set) + classnames.txt."""
     from PIL import Image
 

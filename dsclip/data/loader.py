@@ -24,8 +24,13 @@ log = logging.getLogger(__name__)
 
 def mix_seed(*parts: int) -> int:
     """A well-mixed 63-bit seed from integers (seed, epoch, index, ...)."""
-    return int(np.random.SeedSequence([int(p) & 0xFFFFFFFFFFFF for p in parts]).generate_state(2, np.uint32)
-               .astype(np.uint64).dot(np.array([1 << 31, 1], dtype=np.uint64)) & ((1 << 63) - 1))
+    return int(
+        np.random.SeedSequence([int(p) & 0xFFFFFFFFFFFF for p in parts])
+        .generate_state(2, np.uint32)
+        .astype(np.uint64)
+        .dot(np.array([1 << 31, 1], dtype=np.uint64))
+        & ((1 << 63) - 1)
+    )
 
 
 class TrainData:
@@ -126,8 +131,19 @@ class _KeyedDataset(Dataset):
 class MapStyleTrainData(TrainData):
     """Any map-style dataset (demo, CSV) through a DataLoader with persistent workers."""
 
-    def __init__(self, dataset, *, tokenizer, batch_size: int, rank: int, world_size: int, seed: int,
-                 workers: int = 1, pin_memory: bool | None = None, name: str = "dataset"):
+    def __init__(
+        self,
+        dataset,
+        *,
+        tokenizer,
+        batch_size: int,
+        rank: int,
+        world_size: int,
+        seed: int,
+        workers: int = 1,
+        pin_memory: bool | None = None,
+        name: str = "dataset",
+    ):
         super().__init__()
         n = len(dataset)
         if n < batch_size * world_size:

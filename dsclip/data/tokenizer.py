@@ -45,7 +45,9 @@ class SentencePieceTokenizer:
         self.sp.LoadFromSerializedProto(proto)
         self.vocab_size = int(self.sp.GetPieceSize())
         if self.sp.eos_id() < 0:
-            raise ValueError(f"{self.model_path}: sentencepiece model has no EOS piece (train it with --eos_id)")
+            raise ValueError(
+                f"{self.model_path}: sentencepiece model has no EOS piece (train it with --eos_id)"
+            )
         self.eos_id = int(self.sp.eos_id())
         self.pad_id = int(self.sp.pad_id()) if self.sp.pad_id() >= 0 else 0
         self.unk_id = int(self.sp.unk_id())
@@ -147,3 +149,35 @@ def train_sentencepiece(
         for ext in (".vocab", ".model"):  # .model last: its presence means "done"
             os.replace(tmp_prefix + ext, str(prefix) + ext)
     return str(prefix) + ".model"
+
+
+def text_cfg_for(tokenizer: SentencePieceTokenizer) -> dict:
+    """The ``text_cfg`` values a model needs for this tokenizer (pass them to ``create_model``)."""
+    return {
+        "vocab_size": tokenizer.vocab_size,
+        "context_length": tokenizer.context_length,
+        "pool_type": "eos",
+        "eos_id": tokenizer.eos_id,
+        "pad_id": tokenizer.pad_id,
+    }
+
+
+def check_text_cfg(tokenizer: SentencePieceTokenizer, text_cfg: dict) -> None:
+    """Raise ValueError (one line) when a model's text_cfg cannot consume this tokenizer's rows."""
+    vocab, ctx = int(text_cfg.get("vocab_size", 0)), int(text_cfg.get("context_length", 0))
+    if vocab < tokenizer.vocab_size:
+        raise ValueError(f"text vocab_size {vocab} < tokenizer vocab_size {tokenizer.vocab_size}")
+    if ctx and ctx < tokenizer.context_length:
+        raise ValueError(f"text context_length {ctx} < tokenizer context_length {tokenizer.context_length}")
+    pool = text_cfg.get("pool_type", "argmax")
+    if pool == "eos" and text_cfg.get("eos_id") != tokenizer.eos_id:
+        raise ValueError(f"text_cfg eos_id {text_cfg.get('eos_id')} != tokenizer eos_id {tokenizer.eos_id}")
+    if pool == "argmax" and tokenizer.eos_id != tokenizer.vocab_size - 1:
+        raise ValueError(
+            f"pool_type 'argmax' needs EOS to be the largest id, but this sentencepiece model has eos_id "
+            f"{tokenizer.eos_id}: use pool_type 'eos' with eos_id {tokenizer.eos_id}"
+        )
+    if pool in ("last", "first"):
+        raise ValueError(
+            f"pool_type {pool!r} pools a padding/first token with padded sentencepiece rows: use 'eos'"
+        )

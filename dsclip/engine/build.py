@@ -42,6 +42,9 @@ def construction_context(ds_config: dict):
     if zero_stage(ds_config) == 3:
         import deepspeed
 
+        # zero.Init sizes its partitions from deepspeed.comm, which must know the world already
+        # (a no-op when dsclip.engine.world set it up; needed when torch.distributed was set up directly).
+        deepspeed.init_distributed(dist_backend="nccl" if device_type() == "cuda" else "gloo")
         return deepspeed.zero.Init(config_dict_or_path=ds_config)
     return contextlib.nullcontext()
 
@@ -74,6 +77,12 @@ def build_engine(
 
     with construction_context(ds_config):
         model = model_factory()
+    if zero_stage(ds_config) == 3:
+        # zero.Init partitions each layer as soon as it is built, so the model's own weight init ran on
+        # empty placeholders; redo it one layer at a time with that layer gathered.
+        import deepspeed
+
+        model.init_weights(gather=lambda ps: deepspeed.zero.GatheredParameters(ps, modifier_rank=0))
     if after_construction is not None:
         after_construction(model)
     if cfg.model.grad_checkpointing:

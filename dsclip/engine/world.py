@@ -3,10 +3,11 @@
 Sources, in the order they are tried:
 
 ``launcher``  ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` as set by ``deepspeed`` (which also passes
-              ``--local_rank=N`` to the script and sets ``LOCAL_SIZE``), ``torchrun`` (sets
-              ``LOCAL_WORLD_SIZE``; reported as ``source="torchrun"``) or anything else that exports
-              the same variables. Wins over SLURM, so ``srun deepspeed --no_ssh --node_rank=...``
-              (one launcher per node) works although every rank also sees ``SLURM_*``.
+              ``--local_rank=N`` to the script and sets ``LOCAL_SIZE``; ``source="deepspeed"``),
+              ``torchrun`` (``"torchrun"``), ``launch/slurm/srun_dsclip.sh`` (``"slurm"``) or
+              anything else that exports the same variables (``"env"``). Wins over SLURM, so
+              ``srun deepspeed --no_ssh --node_rank=...`` (one launcher per node) works although
+              every rank also sees ``SLURM_*``.
 ``slurm``     one process per task started by ``srun``: ``SLURM_PROCID`` → rank, ``SLURM_LOCALID`` →
               local rank, ``SLURM_STEP_NUM_TASKS``/``SLURM_NTASKS`` → world size, tasks on this node
               from ``SLURM_STEP_TASKS_PER_NODE`` (``"2(x3),1"``); ``MASTER_ADDR`` from the environment
@@ -166,12 +167,19 @@ def discover_world(env=None, argv=None) -> WorldInfo:
             )
         rank, world = _int(env, "RANK"), _int(env, "WORLD_SIZE")
         local_rank = _int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else argv_local_rank
-        if "LOCAL_WORLD_SIZE" in env:
-            source, local_world = "torchrun", _int(env, "LOCAL_WORLD_SIZE")
-        elif "LOCAL_SIZE" in env or argv_local_rank is not None:
-            source, local_world = "deepspeed", _int(env, "LOCAL_SIZE") if "LOCAL_SIZE" in env else 1
+        if "TORCHELASTIC_RUN_ID" in env or "GROUP_RANK" in env:
+            source = "torchrun"
+        elif "CROSS_RANK" in env or argv_local_rank is not None:
+            source = "deepspeed"
+        elif env.get("SLURM_PROCID") == env["RANK"]:
+            source = "slurm"  # launch/slurm/srun_dsclip.sh mapped SLURM_* already
         else:
-            source, local_world = "env", 1
+            source = "env"
+        local_world = 1
+        for v in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
+            if v in env:
+                local_world = _int(env, v)
+                break
         return _checked(WorldInfo(rank, local_rank, world, max(local_world, local_rank + 1),
                                   env["MASTER_ADDR"], _int(env, "MASTER_PORT"), source))
 
@@ -285,6 +293,12 @@ def init_distributed(timeout_s: float | None = None, backend: str | None = None)
     deepspeed.init_distributed(dist_backend=backend, timeout=timeout, auto_mpi_discovery=False,
                                verbose=info.rank == 0)
     _state["info"] = info
+    if os.environ.get("DSCLIP_LOG_WORLD", "1") != "0":
+        # one line per rank: the first thing to look at when a launch misbehaves
+        print(f"[dsclip] rank {info.rank}/{info.world_size} local {info.local_rank}/{info.local_world_size} "
+              f"host {socket.gethostname()} node {os.environ.get('SLURMD_NODENAME', '-')} "
+              f"source {info.source} master {info.master_addr}:{info.master_port} backend {backend} "
+              f"timeout {int(timeout.total_seconds())}s", file=sys.stderr, flush=True)
     if not _state["atexit"]:
         _state["atexit"] = True
         _state["prev_excepthook"] = sys.excepthook

@@ -5,6 +5,8 @@ and model-level helpers that shard the forward passes over ranks and all-gather 
 """
 
 from .evaluator import (
+    Evaluator,
+    append_results,
     encode_dataset,
     evaluate_demo_zeroshot,
     evaluate_retrieval,
@@ -16,6 +18,8 @@ from .templates import OPENAI_IMAGENET_TEMPLATES, SIMPLE_IMAGENET_TEMPLATES, loa
 from .zero_shot import class_embeddings, expand_prompts, zeroshot_topk
 
 __all__ = [
+    "Evaluator",
+    "append_results",
     "OPENAI_IMAGENET_TEMPLATES",
     "SIMPLE_IMAGENET_TEMPLATES",
     "class_embeddings",

@@ -133,8 +133,9 @@ class _Rows(Dataset):
 
 
 @torch.no_grad()
-def zeroshot_classifier(model, tokenizer, classnames: list[str], templates: list[str], *, batch_size: int = 256,
-                        device=None) -> torch.Tensor:
+def zeroshot_classifier(
+    model, tokenizer, classnames: list[str], templates: list[str], *, batch_size: int = 256, device=None
+) -> torch.Tensor:
     """(C, D) class embeddings: every prompt encoded (sharded over ranks), averaged per class."""
     tokens = tokenizer(expand_prompts(classnames, templates))
     with eval_mode(model):
@@ -143,32 +144,65 @@ def zeroshot_classifier(model, tokenizer, classnames: list[str], templates: list
 
 
 @torch.no_grad()
-def evaluate_zeroshot(model, tokenizer, dataset: Dataset, labels, classnames: list[str], templates: list[str], *,
-                      batch_size: int = 256, device=None, workers: int = 0) -> dict[str, float]:
+def evaluate_zeroshot(
+    model,
+    tokenizer,
+    dataset: Dataset,
+    labels,
+    classnames: list[str],
+    templates: list[str],
+    *,
+    batch_size: int = 256,
+    device=None,
+    workers: int = 0,
+) -> dict[str, float]:
     """Top-1/top-5 of ``dataset`` (images, or (image, label) tuples) against prompt-built classes."""
     with eval_mode(model):
-        classifier = zeroshot_classifier(model, tokenizer, classnames, templates, batch_size=batch_size,
-                                         device=device)
+        classifier = zeroshot_classifier(
+            model, tokenizer, classnames, templates, batch_size=batch_size, device=device
+        )
         feats = encode_dataset(model, dataset, "image", batch_size=batch_size, device=device, workers=workers)
     out = zeroshot_topk(feats, torch.as_tensor(labels, device=feats.device), classifier.to(feats.device))
     return {**out, "num_samples": len(dataset), "num_classes": len(classnames)}
 
 
 @torch.no_grad()
-def evaluate_retrieval(model, tokenizer, image_dataset: Dataset, captions: list[str], text_to_image, *,
-                       batch_size: int = 256, device=None, workers: int = 0) -> dict[str, float]:
+def evaluate_retrieval(
+    model,
+    tokenizer,
+    image_dataset: Dataset,
+    captions: list[str],
+    text_to_image,
+    *,
+    batch_size: int = 256,
+    device=None,
+    workers: int = 0,
+) -> dict[str, float]:
     """Retrieval metrics for images and their captions (``text_to_image[t]`` = image of caption t)."""
     with eval_mode(model):
-        img = encode_dataset(model, image_dataset, "image", batch_size=batch_size, device=device, workers=workers)
-        txt = encode_dataset(model, _Rows(tokenizer(list(captions))), "text", batch_size=batch_size, device=device)
+        img = encode_dataset(
+            model, image_dataset, "image", batch_size=batch_size, device=device, workers=workers
+        )
+        txt = encode_dataset(
+            model, _Rows(tokenizer(list(captions))), "text", batch_size=batch_size, device=device
+        )
     out = retrieval_metrics(img, txt, torch.as_tensor(text_to_image, device=img.device))
     return {**out, "num_images": img.shape[0], "num_texts": txt.shape[0]}
 
 
 @torch.no_grad()
-def evaluate_demo_zeroshot(model, tokenizer, *, image_size: int = 32, num_samples: int = 1000, task: str = "shape",
-                           templates: list[str] | None = None, batch_size: int = 256, device=None,
-                           retrieval: bool = False) -> dict[str, float]:
+def evaluate_demo_zeroshot(
+    model,
+    tokenizer,
+    *,
+    image_size: int = 32,
+    num_samples: int = 1000,
+    task: str = "shape",
+    templates: list[str] | None = None,
+    batch_size: int = 256,
+    device=None,
+    retrieval: bool = False,
+) -> dict[str, float]:
     """Zero-shot accuracy on held-out demo images (never seen in training): {"top1", "top5", ...}.
 
     ``task``: "shape" (7 classes), "color" (8) or "color_shape" (56). With ``retrieval=True`` also
@@ -179,10 +213,143 @@ def evaluate_demo_zeroshot(model, tokenizer, *, image_size: int = 32, num_sample
 
     ds = DemoDataset.heldout(num_samples, image_size=image_size)
     labels = [ds.label(i, task) for i in range(num_samples)]
-    out = evaluate_zeroshot(model, tokenizer, ds, labels, demo_zeroshot_classes(task),
-                            templates or demo_zeroshot_templates(), batch_size=batch_size, device=device)
+    out = evaluate_zeroshot(
+        model,
+        tokenizer,
+        ds,
+        labels,
+        demo_zeroshot_classes(task),
+        templates or demo_zeroshot_templates(),
+        batch_size=batch_size,
+        device=device,
+    )
     if retrieval:
-        r = evaluate_retrieval(model, tokenizer, ds, [ds.caption(i) for i in range(num_samples)],
-                               list(range(num_samples)), batch_size=batch_size, device=device)
+        r = evaluate_retrieval(
+            model,
+            tokenizer,
+            ds,
+            [ds.caption(i) for i in range(num_samples)],
+            list(range(num_samples)),
+            batch_size=batch_size,
+            device=device,
+        )
         out.update({f"retrieval_{k}": v for k, v in r.items()})
     return out
+
+
+class Evaluator:
+    """The periodic evaluation the training loop runs (on ALL ranks), configured by the DataConfig.
+
+    ``zeroshot(model)`` uses ``zeroshot_data`` (a class folder, or "demo" for the held-out demo set)
+    with ``zeroshot_templates``; ``retrieval(model)`` uses ``val_data`` (shards or CSV). Datasets are
+    indexed once and reused. Returned keys: ``zeroshot-top1``, ``zeroshot-top5`` and OpenCLIP's
+    retrieval names (``image_to_text_R@1``, ..., ``text_to_image_median_rank``).
+    """
+
+    def __init__(
+        self,
+        data_cfg,
+        *,
+        tokenizer,
+        image_size: int,
+        batch_size: int = 256,
+        device=None,
+        workers: int | None = None,
+    ):
+        self.cfg, self.tokenizer = data_cfg, tokenizer
+        self.image_size = data_cfg.force_image_size or image_size
+        self.batch_size, self.device = batch_size, device
+        self.workers = data_cfg.workers if workers is None else workers
+        self._zs = None
+        self._val = None
+
+    @property
+    def has_zeroshot(self) -> bool:
+        return bool(self.cfg.zeroshot_data)
+
+    @property
+    def has_retrieval(self) -> bool:
+        return bool(self.cfg.val_data)
+
+    def _transform(self):
+        from ..data.transforms import image_transform
+
+        return image_transform(self.image_size, is_train=False)
+
+    def zeroshot(self, model) -> dict[str, float]:
+        if not self.has_zeroshot:
+            return {}
+        from .templates import load_templates
+
+        if self.cfg.zeroshot_data == "demo":
+            r = evaluate_demo_zeroshot(
+                model,
+                self.tokenizer,
+                image_size=self.image_size,
+                num_samples=self.cfg.demo_eval_samples,
+                batch_size=self.batch_size,
+                device=self.device,
+                templates=load_templates(self.cfg.zeroshot_templates)
+                if self.cfg.zeroshot_templates
+                else None,
+            )
+        else:
+            if self._zs is None:
+                from .datasets import ClassFolderDataset
+
+                self._zs = (
+                    ClassFolderDataset(self.cfg.zeroshot_data, self._transform()),
+                    load_templates(self.cfg.zeroshot_templates),
+                )
+            ds, templates = self._zs
+            r = evaluate_zeroshot(
+                model,
+                self.tokenizer,
+                ds,
+                ds.labels,
+                ds.classnames,
+                templates,
+                batch_size=self.batch_size,
+                device=self.device,
+                workers=self.workers,
+            )
+        return {"zeroshot-top1": r["top1"], "zeroshot-top5": r["top5"]}
+
+    def retrieval(self, model) -> dict[str, float]:
+        if not self.has_retrieval:
+            return {}
+        if self._val is None:
+            from .datasets import load_retrieval_set
+
+            self._val = load_retrieval_set(
+                self.cfg.val_data,
+                self._transform(),
+                csv_img_key=self.cfg.csv_img_key,
+                csv_caption_key=self.cfg.csv_caption_key,
+                csv_separator=self.cfg.csv_separator,
+                max_samples=self.cfg.val_num_samples,
+            )
+        ds, captions, t2i = self._val
+        return evaluate_retrieval(
+            model,
+            self.tokenizer,
+            ds,
+            captions,
+            t2i,
+            batch_size=self.batch_size,
+            device=self.device,
+            workers=self.workers,
+        )
+
+
+def append_results(path, record: dict) -> None:
+    """Append one JSON line to ``path`` (results.jsonl) — on rank 0 only, so call it on every rank."""
+    import json
+    from pathlib import Path
+
+    if dist_info()[0] != 0:
+        return
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    with open(p, "a", encoding="utf-8") as f:
+        f.write(json.dumps(record, sort_keys=True) + "\n")

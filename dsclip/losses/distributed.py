@@ -27,6 +27,11 @@ __all__ = [
 ]
 
 
+# torch 2.14 renamed the tensor-in/tensor-out collectives (the old names warn); older torch has only those.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def get_rank_world(group=None) -> tuple[int, int]:
     """``(rank, world_size)`` in ``group``; ``(0, 1)`` when torch.distributed is not initialised."""
     if dist.is_available() and dist.is_initialized():
@@ -45,7 +50,7 @@ def all_gather_sizes(n: int, device: torch.device | str = "cpu", group=None) -> 
         return [int(n)]
     t = torch.tensor([n], dtype=torch.int64, device=device)
     out = torch.empty(world, dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(out, t, group=group)
+    _all_gather_single(out, t, group=group)
     return [int(v) for v in out.tolist()]
 
 
@@ -64,7 +69,7 @@ class _AllGatherWithGrad(torch.autograd.Function):
             send = x.new_zeros((max_b, *rest))
             send[: x.shape[0]] = x
         out = x.new_empty((world * max_b, *rest))
-        dist.all_gather_into_tensor(out, send, group=group)
+        _all_gather_single(out, send, group=group)
         if all(s == max_b for s in sizes):
             return out
         return torch.cat([out[r * max_b : r * max_b + s] for r, s in enumerate(sizes)])
@@ -83,7 +88,7 @@ class _AllGatherWithGrad(torch.autograd.Function):
                 padded[r * max_b : r * max_b + s] = grad[off : off + s]
                 off += s
         mine = grad.new_empty((max_b, *grad.shape[1:]))
-        dist.reduce_scatter_tensor(mine, padded, op=dist.ReduceOp.SUM, group=group)
+        _reduce_scatter_single(mine, padded, op=dist.ReduceOp.SUM, group=group)
         return mine[: sizes[rank]], None, None
 
 

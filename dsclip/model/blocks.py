@@ -7,6 +7,7 @@ transformers when converting to and from OpenCLIP's ``resblocks.N.*`` layout.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -73,21 +74,66 @@ def run_blocks(
     return x
 
 
+InitPlan = list[tuple[nn.Module, Callable[[], None]]]  # (module, fn touching only module's own params)
+GatherFn = Callable[[list[nn.Parameter]], contextlib.AbstractContextManager]
+
+
+def is_materialized(p: torch.Tensor) -> bool:
+    # A ZeRO-3 partitioned parameter is an empty placeholder whose real shape is in `ds_shape`
+    # (duck-typed so this package never imports deepspeed).
+    ds_shape = getattr(p, "ds_shape", None)
+    return ds_shape is None or tuple(p.shape) == tuple(ds_shape)
+
+
 @torch.no_grad()
-def reset_block(block: Block, attn_std: float | None, proj_std: float | None, fc_std: float | None) -> None:
-    """OpenCLIP's block init. ``None`` stds leave torch's defaults, as OpenCLIP does for the vision tower
-    (nn.MultiheadAttention: xavier-uniform in_proj, zero biases; nn.Linear defaults for the rest)."""
-    for m in block.modules():
-        if m is not block and hasattr(m, "reset_parameters"):
-            m.reset_parameters()  # nn.Linear / nn.LayerNorm defaults, LayerScale gamma = init_values
-    if attn_std is None:
-        nn.init.xavier_uniform_(block.attn.qkv.weight)
-    else:
-        nn.init.normal_(block.attn.qkv.weight, std=attn_std)
-    nn.init.zeros_(block.attn.qkv.bias)
-    nn.init.zeros_(block.attn.proj.bias)
-    if proj_std is not None:
-        nn.init.normal_(block.attn.proj.weight, std=proj_std)
-        nn.init.normal_(block.mlp.fc2.weight, std=proj_std)
-    if fc_std is not None:
-        nn.init.normal_(block.mlp.fc1.weight, std=fc_std)
+def apply_init_plan(plan: InitPlan, gather: GatherFn | None = None) -> int:
+    """Run each init fn whose module's own parameters are materialised; returns how many were skipped.
+
+    ``gather(params)`` is a context manager that materialises (and afterwards re-partitions) params,
+    e.g. ``lambda ps: deepspeed.zero.GatheredParameters(ps, modifier_rank=0)``; one module at a time,
+    so memory stays bounded by the largest single layer."""
+    skipped = 0
+    for module, fn in plan:
+        params = list(module.parameters(recurse=False))
+        with gather(params) if gather is not None and params else contextlib.nullcontext():
+            if all(is_materialized(p) for p in params):
+                fn()
+            else:
+                skipped += 1
+    return skipped
+
+
+def block_init_plan(
+    block: Block, attn_std: float | None, proj_std: float | None, fc_std: float | None
+) -> InitPlan:
+    """OpenCLIP's block init. ``None`` stds keep torch's defaults, as OpenCLIP does for the vision tower
+    (nn.MultiheadAttention: xavier-uniform in_proj, zero biases; nn.Linear defaults for the MLP)."""
+    attn, mlp = block.attn, block.mlp
+
+    def qkv():
+        if attn_std is None:
+            nn.init.xavier_uniform_(attn.qkv.weight)
+        else:
+            nn.init.normal_(attn.qkv.weight, std=attn_std)
+        nn.init.zeros_(attn.qkv.bias)
+
+    def out_proj():
+        attn.proj.reset_parameters()
+        if proj_std is not None:
+            nn.init.normal_(attn.proj.weight, std=proj_std)
+        nn.init.zeros_(attn.proj.bias)
+
+    def linear(layer: nn.Linear, std: float | None):
+        def fn():
+            layer.reset_parameters()  # bias: torch's uniform default, as OpenCLIP leaves it
+            if std is not None:
+                nn.init.normal_(layer.weight, std=std)
+
+        return fn
+
+    plan: InitPlan = [(attn.qkv, qkv), (attn.proj, out_proj), (mlp.fc1, linear(mlp.fc1, fc_std))]
+    plan.append((mlp.fc2, linear(mlp.fc2, proj_std)))
+    for m in (block.norm1, block.norm2, block.ls1, block.ls2):
+        if hasattr(m, "reset_parameters"):  # LayerNorm; LayerScale (gamma = init_values)
+            plan.append((m, m.reset_parameters))
+    return plan

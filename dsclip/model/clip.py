@@ -11,18 +11,20 @@ DeepSpeed-facing choices (see shared/DEEPSPEED-NOTES.md):
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .blocks import CheckpointFn
+from .blocks import CheckpointFn, GatherFn, InitPlan, apply_init_plan
 from .config import init_logit_scale, resolve_model_config
 from .text import TextTower
 from .vision import VisionTower
 
 LOGIT_SCALE_MAX = math.log(100.0)
+logger = logging.getLogger(__name__)
 
 
 class CLIP(nn.Module):
@@ -72,6 +74,33 @@ class CLIP(nn.Module):
             self.logit_bias = nn.Parameter(torch.full((1,), float(cfg["init_logit_bias"])))
         else:
             self.register_parameter("logit_bias", None)
+        skipped = self.visual.init_skipped + self.text.init_skipped
+        if skipped:
+            logger.warning(
+                "%d layers were partitioned (ZeRO-3 zero.Init) before the OpenCLIP init could run and keep "
+                "torch's default init; call model.init_weights(gather=...) after construction",
+                skipped,
+            )
+
+    def init_plan(self) -> InitPlan:
+        def own():
+            self.logit_scale.fill_(init_logit_scale(self.config))
+            if self.logit_bias is not None:
+                self.logit_bias.fill_(float(self.config["init_logit_bias"]))
+
+        return [*self.visual.init_plan(), *self.text.init_plan(), (self, own)]
+
+    def init_weights(self, gather: GatherFn | None = None) -> None:
+        """(Re-)run OpenCLIP's initialisation, one layer at a time.
+
+        Construction already does this, except under DeepSpeed ZeRO-3 ``zero.Init``, which partitions
+        each child layer as soon as it is built: those layers are skipped (a warning says how many).
+        Call ``model.init_weights(gather=lambda ps: deepspeed.zero.GatheredParameters(ps,
+        modifier_rank=0))`` on every rank after construction to initialise them properly; each layer
+        is gathered on its own, so memory stays bounded by the largest layer."""
+        skipped = apply_init_plan(self.init_plan(), gather)
+        if skipped:
+            raise RuntimeError(f"{skipped} layers are partitioned; pass gather= to materialise them")
 
     # -- convenience -------------------------------------------------------------------------------
     @property

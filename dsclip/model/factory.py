@@ -41,7 +41,8 @@ def get_model_config(name_or_path: str | os.PathLike) -> dict:
     registered = CONFIG_DIR / f"{name_or_path}.json"
     if not registered.is_file():
         raise UnknownModelError(
-            f"unknown model {str(name_or_path)!r}; available: {', '.join(list_models())} (or a path to a .json config)"
+            f"unknown model {str(name_or_path)!r}; available: {', '.join(list_models())} "
+            "(or a path to a .json config)"
         )
     with open(registered) as f:
         return json.load(f)
@@ -62,8 +63,10 @@ def create_model(
     """Build a randomly initialised CLIP (OpenCLIP init) in train mode.
 
     - ``name_or_cfg``: a name from ``list_models()``, a path to a JSON config, or a config dict.
-    - ``patch_dropout``: overrides ``vision_cfg.patch_dropout`` (OpenCLIP's ``--force-patch-dropout``).
-    - ``force_patch_dropout``: bool; True also drops patches in eval mode (normally train only).
+    - ``patch_dropout``: overrides ``vision_cfg.patch_dropout`` (the fraction of patches dropped in train).
+    - ``force_patch_dropout``: ``True`` also drops patches in eval mode (normally train only). A float
+      is OpenCLIP's ``create_model(force_patch_dropout=rate)`` / ``--force-patch-dropout``: it overrides
+      the rate like ``patch_dropout`` and, as in OpenCLIP, still applies in train mode only.
     - ``vocab_size`` / ``context_length`` / ``eos_id`` / ``pad_id``: tokenizer-dependent ``text_cfg``
       overrides. Giving ``eos_id`` while the config pools by ``argmax`` (OpenCLIP's default, which
       only works for OpenAI's BPE whose EOT has the largest id) switches pooling to ``eos``.
@@ -78,11 +81,11 @@ def create_model(
     vision, text = cfg.setdefault("vision_cfg", {}), cfg.setdefault("text_cfg", {})
     if patch_dropout is not None:
         vision["patch_dropout"] = float(patch_dropout)
-    if force_patch_dropout is not None and not isinstance(force_patch_dropout, bool):
-        raise TypeError(
-            "force_patch_dropout is a bool (apply patch dropout in eval too); "
-            f"got {force_patch_dropout!r}. Use patch_dropout= to override the rate."
-        )
+    force_in_eval = False
+    if isinstance(force_patch_dropout, bool):
+        force_in_eval = force_patch_dropout
+    elif force_patch_dropout is not None:  # a rate: OpenCLIP's create_model(force_patch_dropout=float)
+        vision["patch_dropout"] = float(force_patch_dropout)
     for key, value in (("vocab_size", vocab_size), ("context_length", context_length), ("pad_id", pad_id)):
         if value is not None:
             text[key] = int(value)
@@ -96,5 +99,5 @@ def create_model(
     cfg = resolve_model_config(cfg)
 
     with torch.device(device) if device is not None else contextlib.nullcontext():
-        model = CLIP(cfg, force_patch_dropout=bool(force_patch_dropout))
+        model = CLIP(cfg, force_patch_dropout=force_in_eval)
     return model

@@ -112,7 +112,11 @@ def check_state_dict(
     )
     if missing or unexpected or mismatched:
         lines = [f"{what} does not match the model:"]
-        for title, items in (("missing", missing), ("unexpected", unexpected), ("shape mismatch", mismatched)):
+        for title, items in (
+            ("missing", missing),
+            ("unexpected", unexpected),
+            ("shape mismatch", mismatched),
+        ):
             if items:
                 lines.append(f"  {title} ({len(items)}): " + ", ".join(items))
         raise StateDictMismatchError("\n".join(lines))
@@ -169,6 +173,9 @@ def from_openclip_state_dict(sd: Mapping[str, torch.Tensor], model_config: dict)
     ``create_model(model_config).load_state_dict(out, strict=True)`` accepts. Checked against the
     OpenCLIP layout first, so errors name OpenCLIP's keys."""
     sd = unwrap_state_dict(sd)
+    for key in ("logit_scale", "logit_bias"):  # OpenCLIP's nonscalar_logit_scale variant stores (1,)
+        if key in sd and sd[key].numel() == 1:
+            sd[key] = sd[key].reshape(())
     check_state_dict(sd, _openclip_expected(model_config), "OpenCLIP state dict")
     return _convert(sd, _FROM_OC, "OpenCLIP -> dsclip")
 

@@ -13,7 +13,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .blocks import CheckpointFn, default_checkpoint_fn, make_blocks, norm_layer, reset_block, run_blocks
+from .blocks import (
+    CheckpointFn,
+    InitPlan,
+    apply_init_plan,
+    block_init_plan,
+    default_checkpoint_fn,
+    make_blocks,
+    norm_layer,
+    run_blocks,
+)
 
 POOL_TYPES = ("argmax", "eos", "last", "first")
 
@@ -70,20 +79,26 @@ class TextTower(nn.Module):
         self.text_projection = nn.Parameter(torch.empty(width, embed_dim))
         self.grad_checkpointing = False
         self.checkpoint_fn: CheckpointFn | None = None
-        self.init_weights_openclip()
+        # Under ZeRO-3 zero.Init child layers are already partitioned here and get skipped;
+        # CLIP.init_weights(gather=...) completes the init (see its docstring).
+        self.init_skipped = apply_init_plan(self.init_plan())
 
-    @torch.no_grad()
-    def init_weights_openclip(self) -> None:
+    def init_plan(self) -> InitPlan:
         # OpenCLIP TextTransformer.init_parameters
         proj_std = (self.width**-0.5) * ((2 * self.layers) ** -0.5)
         attn_std = self.width**-0.5
         fc_std = (2 * self.width) ** -0.5
-        nn.init.normal_(self.token_embedding.weight, std=0.02)
-        nn.init.normal_(self.positional_embedding, std=0.01)
+
+        def own():
+            nn.init.normal_(self.positional_embedding, std=0.01)
+            nn.init.normal_(self.text_projection, std=self.width**-0.5)
+
+        plan: InitPlan = [(self, own)]
+        plan.append((self.token_embedding, lambda: nn.init.normal_(self.token_embedding.weight, std=0.02)))
         for blk in self.blocks:
-            reset_block(blk, attn_std=attn_std, proj_std=proj_std, fc_std=fc_std)
-        self.ln_final.reset_parameters()
-        nn.init.normal_(self.text_projection, std=self.width**-0.5)
+            plan += block_init_plan(blk, attn_std=attn_std, proj_std=proj_std, fc_std=fc_std)
+        plan.append((self.ln_final, self.ln_final.reset_parameters))
+        return plan
 
     def set_grad_checkpointing(self, enable: bool = True, checkpoint_fn: CheckpointFn | None = None) -> None:
         self.grad_checkpointing = enable
@@ -97,7 +112,9 @@ class TextTower(nn.Module):
         if seq_len > self.context_length:
             raise ValueError(f"text length {seq_len} exceeds context_length {self.context_length}")
         x = self.token_embedding(text) + self.positional_embedding[:seq_len]  # (B, L, W)
-        x = run_blocks(self.blocks, x, self.checkpoint_fn if self.grad_checkpointing else None, is_causal=True)
+        x = run_blocks(
+            self.blocks, x, self.checkpoint_fn if self.grad_checkpointing else None, is_causal=True
+        )
         return self.ln_final(x)
 
     def forward(self, text: torch.Tensor) -> torch.Tensor:  # (B, L) long -> (B, D)

@@ -15,7 +15,16 @@ from timm.layers.patch_dropout import patch_dropout_forward
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
-from .blocks import CheckpointFn, act_layer, default_checkpoint_fn, norm_layer, reset_block, run_blocks
+from .blocks import (
+    CheckpointFn,
+    InitPlan,
+    act_layer,
+    apply_init_plan,
+    block_init_plan,
+    default_checkpoint_fn,
+    norm_layer,
+    run_blocks,
+)
 
 
 class PatchDropout(_TimmPatchDropout):
@@ -73,26 +82,31 @@ class VisionTower(VisionTransformer):
             # blocks: timm's default Block (qkv bias, proj bias), the same class text.py uses
         )
         # Always present (a no-op at prob 0) so create_model / set_patch_dropout can change it later.
-        self.patch_drop = PatchDropout(patch_dropout, num_prefix_tokens=self.num_prefix_tokens, force=force_patch_dropout)
+        self.patch_drop = PatchDropout(
+            patch_dropout, num_prefix_tokens=self.num_prefix_tokens, force=force_patch_dropout
+        )
         self.proj = nn.Parameter(torch.empty(width, embed_dim))
         self.width = width
         self.output_dim = embed_dim
         self.checkpoint_fn: CheckpointFn | None = None
-        self.init_weights_openclip()
+        # Under ZeRO-3 zero.Init child layers are already partitioned here and get skipped;
+        # CLIP.init_weights(gather=...) completes the init (see its docstring).
+        self.init_skipped = apply_init_plan(self.init_plan())
 
-    @torch.no_grad()
-    def init_weights_openclip(self) -> None:
+    def init_plan(self) -> InitPlan:
         # OpenCLIP's VisionTransformer: scale * randn for class/positional embeddings and proj; the blocks
         # keep nn.MultiheadAttention / nn.Linear defaults (OpenCLIP defines no vision block init).
         scale = self.width**-0.5
-        self.patch_embed.proj.reset_parameters()
-        nn.init.normal_(self.cls_token, std=scale)
-        nn.init.normal_(self.pos_embed, std=scale)
-        nn.init.normal_(self.proj, std=scale)
-        self.norm_pre.reset_parameters()
-        self.norm.reset_parameters()
+
+        def own():
+            for p in (self.cls_token, self.pos_embed, self.proj):
+                nn.init.normal_(p, std=scale)
+
+        plan: InitPlan = [(self, own), (self.patch_embed.proj, self.patch_embed.proj.reset_parameters)]
+        plan += [(self.norm_pre, self.norm_pre.reset_parameters), (self.norm, self.norm.reset_parameters)]
         for blk in self.blocks:
-            reset_block(blk, attn_std=None, proj_std=None, fc_std=None)
+            plan += block_init_plan(blk, attn_std=None, proj_std=None, fc_std=None)
+        return plan
 
     def set_grad_checkpointing(self, enable: bool = True, checkpoint_fn: CheckpointFn | None = None) -> None:
         self.grad_checkpointing = enable

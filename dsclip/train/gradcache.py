@@ -117,7 +117,14 @@ class GradCacheStep:
         tokens = tokens.to(self.device, non_blocking=True)
         return self.engine(image=images, text=tokens)
 
-    def __call__(self, micro_batches: Sequence[Batch], *, record: bool = False) -> StepResult:
+    def __call__(self, micro_batches: Sequence[Batch], *, record: bool = False, optimizer_step: bool = True
+                 ) -> StepResult:
+        """One optimizer step over the K = len(micro_batches) chunks of this rank.
+
+        ``optimizer_step=False`` stops after the gradients are reduced (tests inspect them with
+        ``deepspeed.utils.safe_get_full_grad`` and then call ``engine.step()`` themselves).
+        ``record=True`` keeps pass-1 and pass-2 embeddings in ``last_cached``/``last_reforwarded``.
+        """
         k = len(micro_batches)
         if k < 1:
             raise ValueError("a step needs at least one micro-batch")
@@ -200,11 +207,13 @@ class GradCacheStep:
             e.set_gradient_accumulation_boundary(True)
         restore_rng(rng_after, self.device)
         live = None
+        report = torch.tensor([loss.detach().float().item()], device=self.device)
+        report = _all_reduce(report) / _world()
+        if not optimizer_step:
+            return StepResult(report.item(), scale.item(), None if bias is None else bias.item(), None, True)
         e.step()
 
         applied = bool(e.was_step_applied()) if hasattr(e, "was_step_applied") else True
-        report = torch.tensor([loss.detach().float().item()], device=self.device)
-        report = _all_reduce(report) / _world()
         grad_norm = e.get_global_grad_norm() if hasattr(e, "get_global_grad_norm") else None
         if isinstance(grad_norm, torch.Tensor):
             grad_norm = grad_norm.item()

@@ -182,12 +182,14 @@ def final_evaluation(cfg: RunConfig, engine, tokenizer, metrics: MetricsLogger, 
     """Zero-shot on the demo's held-out images (demo data), on every rank (ZeRO-3 needs all ranks)."""
     if cfg.data.resolved_dataset_type() != "demo" and not cfg.data.zeroshot_data:
         return {}
-    from dsclip.eval.zero_shot import evaluate_demo_zeroshot
+    from dsclip.eval.evaluator import evaluate_demo_zeroshot
 
     engine.eval()
+    res = {}
     with torch.no_grad():
-        res = evaluate_demo_zeroshot(engine.module, tokenizer, num_samples=cfg.data.demo_eval_samples,
-                                     image_size=image_size, device=engine.device,
-                                     dtype=next(engine.module.parameters()).dtype)
+        for task in ("shape", "color"):  # 7 and 8 classes: chance is 14% and 12.5%
+            r = evaluate_demo_zeroshot(engine.module, tokenizer, num_samples=cfg.data.demo_eval_samples,
+                                       image_size=image_size, device=engine.device, task=task)
+            res.update({f"{task}_{k}": v for k, v in r.items()})
     metrics.log_eval(step, res, prefix="zeroshot")
     return {"zeroshot": res}

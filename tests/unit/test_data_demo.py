@@ -53,8 +53,10 @@ def _collect(td, epoch, start=0):
 
 def test_train_data_ranks_resume(tok):
     cfg = DataConfig(dataset_type="demo", demo_num_samples=70, workers=0)
-    tds = [build_train_data(cfg, tokenizer=tok, image_size=32, batch_size=8, rank=r, world_size=2, seed=3)
-           for r in range(2)]
+    tds = [
+        build_train_data(cfg, tokenizer=tok, image_size=32, batch_size=8, rank=r, world_size=2, seed=3)
+        for r in range(2)
+    ]
     assert tds[0].steps_per_epoch == tds[1].steps_per_epoch == 70 // 16
     assert tds[0].num_samples == 64
     e0 = [_collect(td, 0) for td in tds]
@@ -75,10 +77,24 @@ def test_train_data_ranks_resume(tok):
 
 def test_train_data_workers_match_main_process(tok):
     base = dict(dataset_type="demo", demo_num_samples=48)
-    a = build_train_data(DataConfig(**base, workers=0), tokenizer=tok, image_size=32, batch_size=8, rank=0,
-                         world_size=1, seed=1)
-    b = build_train_data(DataConfig(**base, workers=2), tokenizer=tok, image_size=32, batch_size=8, rank=0,
-                         world_size=1, seed=1)
+    a = build_train_data(
+        DataConfig(**base, workers=0),
+        tokenizer=tok,
+        image_size=32,
+        batch_size=8,
+        rank=0,
+        world_size=1,
+        seed=1,
+    )
+    b = build_train_data(
+        DataConfig(**base, workers=2),
+        tokenizer=tok,
+        image_size=32,
+        batch_size=8,
+        rank=0,
+        world_size=1,
+        seed=1,
+    )
     try:
         for epoch in (0, 1):  # second epoch reuses the persistent workers
             x, y = _collect(a, epoch), _collect(b, epoch)
@@ -93,8 +109,15 @@ def test_train_data_workers_match_main_process(tok):
 
 def test_too_small(tok):
     with pytest.raises(ValueError, match="fewer than one global batch"):
-        build_train_data(DataConfig(demo_num_samples=10, workers=0), tokenizer=tok, image_size=32, batch_size=8,
-                         rank=0, world_size=2, seed=0)
+        build_train_data(
+            DataConfig(demo_num_samples=10, workers=0),
+            tokenizer=tok,
+            image_size=32,
+            batch_size=8,
+            rank=0,
+            world_size=2,
+            seed=0,
+        )
 
 
 def test_no_deepspeed_imports():

@@ -1,5 +1,6 @@
-"""dsclip.model: configs, shapes, gradients, logit scale, patch dropout, checkpointing, pooling, weights I/O."""
+"""dsclip.model: configs, shapes, gradients, logit scale, patch dropout, checkpointing, pooling, I/O."""
 
+import contextlib
 import json
 import math
 from pathlib import Path
@@ -27,7 +28,9 @@ def _inputs(model: CLIP, batch: int = 4, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     size = model.image_size
     images = torch.randn(batch, 3, size, size, generator=g)
-    tokens = torch.randint(3, model.config["text_cfg"]["vocab_size"], (batch, model.context_length), generator=g)
+    tokens = torch.randint(
+        3, model.config["text_cfg"]["vocab_size"], (batch, model.context_length), generator=g
+    )
     return images, tokens
 
 
@@ -82,7 +85,9 @@ def test_param_counts_known_values(name, count):
 
 
 def test_create_model_overrides():
-    m = create_model("tiny", vocab_size=500, context_length=16, eos_id=7, pad_id=3, patch_dropout=0.25, device="meta")
+    m = create_model(
+        "tiny", vocab_size=500, context_length=16, eos_id=7, pad_id=3, patch_dropout=0.25, device="meta"
+    )
     t = m.config["text_cfg"]
     assert (t["vocab_size"], t["context_length"], t["eos_id"], t["pad_id"]) == (500, 16, 7, 3)
     assert t["pool_type"] == "eos"  # eos_id given on an argmax config
@@ -93,8 +98,11 @@ def test_create_model_overrides():
     cfg = get_model_config("tiny")
     cfg["text_cfg"]["pool_type"] = "last"
     assert create_model(cfg, eos_id=7, device="meta").config["text_cfg"]["pool_type"] == "last"
-    with pytest.raises(TypeError, match="patch_dropout="):
-        create_model("tiny", force_patch_dropout=0.5, device="meta")
+    # OpenCLIP-style float: a rate override, train-only (open_clip create_model(force_patch_dropout=...))
+    m = create_model("tiny", force_patch_dropout=0.5, device="meta")
+    assert m.visual.patch_drop.prob == 0.5 and not m.visual.patch_drop.force
+    m = create_model("tiny", force_patch_dropout=True, device="meta")
+    assert m.visual.patch_drop.prob == 0.0 and m.visual.patch_drop.force
 
 
 def test_model_config_is_resolved_and_json_serialisable():
@@ -151,6 +159,53 @@ def test_every_parameter_gets_a_gradient():
     _clip_loss(model(image=images, text=tokens)).backward()
     missing = [n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
     assert not missing, missing
+
+
+def test_same_seed_same_weights():
+    torch.manual_seed(5)
+    a = create_model("tiny").state_dict()
+    torch.manual_seed(5)
+    b = create_model("tiny").state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_openclip_init_statistics():
+    torch.manual_seed(0)
+    model = create_model("demo")
+    width, layers = 128, 4
+    text_blk = model.text.blocks[0]
+    assert abs(model.text.token_embedding.weight.std().item() - 0.02) < 2e-3
+    assert abs(text_blk.attn.qkv.weight.std().item() - width**-0.5) < 0.01
+    assert abs(text_blk.mlp.fc2.weight.std().item() - width**-0.5 * (2 * layers) ** -0.5) < 0.01
+    assert abs(model.visual.pos_embed.std().item() - width**-0.5) < 0.01
+    for blk in (*model.visual.blocks, *model.text.blocks):
+        assert not blk.attn.qkv.bias.any() and not blk.attn.proj.bias.any()
+
+
+def test_init_weights_with_partitioned_parameters():
+    """ZeRO-3 zero.Init partitions each layer as soon as it is built (an empty tensor + ds_shape);
+    init_weights(gather=...) must initialise layer by layer through the gather context."""
+    model = create_model("tiny")
+    partitioned = [p for n, p in model.named_parameters() if ".blocks." in n]
+    for p in partitioned:
+        p.ds_shape = p.shape
+        p.data = torch.empty(0)
+    with pytest.raises(RuntimeError, match="partitioned"):
+        model.init_weights()
+    gathered = []
+
+    @contextlib.contextmanager
+    def gather(params):
+        gathered.append(len(params))
+        for p in params:
+            if hasattr(p, "ds_shape") and p.numel() == 0:
+                p.data = torch.full(p.ds_shape, float("nan"))
+        yield
+
+    model.init_weights(gather=gather)
+    assert max(gathered) <= 3  # one module's own parameters at a time (cls, pos, proj at most)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert not model.text.blocks[1].attn.qkv.bias.any()
 
 
 def test_no_weight_decay_names_exist():

@@ -141,11 +141,16 @@ def test_wrappers_prefixes_and_checkpoint_files(tmp_path: Path):
     oc = _openclip_model(cfg)
     sd = oc.state_dict()
     wrapped = {"state_dict": {f"module.{k}": v for k, v in sd.items()}, "epoch": 3}
+    wrapped["state_dict"]["module.logit_scale"] = sd["logit_scale"].reshape(1)  # nonscalar variant
     torch.save(wrapped, tmp_path / "epoch_3.pt")
     from safetensors.torch import save_file
 
     save_file(sd, str(tmp_path / "oc.safetensors"))
-    for source in (wrapped, load_openclip_checkpoint(tmp_path / "epoch_3.pt"), load_openclip_checkpoint(tmp_path / "oc.safetensors")):
+    for source in (
+        wrapped,
+        load_openclip_checkpoint(tmp_path / "epoch_3.pt"),
+        load_openclip_checkpoint(tmp_path / "oc.safetensors"),
+    ):
         ds = create_model(cfg)
         ds.load_state_dict(from_openclip_state_dict(source, cfg), strict=True)
         _assert_same_embeddings(oc, ds, cfg)
@@ -156,7 +161,10 @@ def test_key_map_errors_name_the_keys():
     oc_sd = _openclip_model(cfg).state_dict()
     missing = dict(oc_sd)
     del missing["visual.transformer.resblocks.1.attn.in_proj_weight"]
-    with pytest.raises(StateDictMismatchError, match=r"missing \(1\): visual\.transformer\.resblocks\.1\.attn\.in_proj_weight"):
+    with pytest.raises(
+        StateDictMismatchError,
+        match=r"missing \(1\): visual\.transformer\.resblocks\.1\.attn\.in_proj_weight",
+    ):
         from_openclip_state_dict(missing, cfg)
 
     extra = dict(oc_sd, **{"visual.attn_pool.query": torch.zeros(1)})
@@ -166,7 +174,9 @@ def test_key_map_errors_name_the_keys():
     wrong = dict(oc_sd, token_embedding__weight=None)
     del wrong["token_embedding__weight"]
     wrong["token_embedding.weight"] = torch.zeros(999, 64)
-    with pytest.raises(StateDictMismatchError, match=r"token_embedding\.weight: got \(999, 64\), expected \(1000, 64\)"):
+    with pytest.raises(
+        StateDictMismatchError, match=r"token_embedding\.weight: got \(999, 64\), expected \(1000, 64\)"
+    ):
         from_openclip_state_dict(wrong, cfg)
 
     ds_sd = create_model(cfg).state_dict()

@@ -57,3 +57,19 @@ def test_errors(tmp_path):
         SentencePieceTokenizer(tmp_path / "nope.model")
     with pytest.raises(ValueError):
         train_sentencepiece(["", "  "], tmp_path / "x", 50)
+
+
+def test_text_cfg_checks(demo_tok):
+    from dsclip.data.tokenizer import check_text_cfg, text_cfg_for
+
+    cfg = text_cfg_for(demo_tok)
+    check_text_cfg(demo_tok, cfg)
+    check_text_cfg(demo_tok, {**cfg, "vocab_size": 1000, "context_length": 32})
+    for bad, msg in (
+        ({"vocab_size": 10}, "vocab_size"),
+        ({"pool_type": "argmax"}, "argmax"),
+        ({"eos_id": 5}, "eos_id"),
+        ({"pool_type": "last"}, "last"),
+    ):
+        with pytest.raises(ValueError, match=msg):
+            check_text_cfg(demo_tok, {**cfg, **bad})

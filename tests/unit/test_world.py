@@ -42,6 +42,14 @@ def test_local_rank_only_in_argv():
     assert discover_world(env, ["--local-rank=1"]).local_rank == 1
 
 
+def test_srun_wrapper_env_is_slurm():
+    env = {**SLURM, "RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
+           "LOCAL_SIZE": "2", "MASTER_ADDR": "gpu07", "MASTER_PORT": "16234"}
+    w = discover_world(env, [])
+    assert (w.rank, w.local_world_size, w.source) == (3, 2, "slurm")
+    assert discover_world({**env, "SLURM_PROCID": "0"}, []).source == "env"
+
+
 def test_torchrun_env():
     w = discover_world(TORCHRUN, [])
     assert (w.rank, w.local_rank, w.world_size, w.local_world_size, w.source) == (3, 1, 4, 2, "torchrun")

@@ -1,0 +1,112 @@
+"""CSV/TSV image-caption input (``--dataset-type csv``, ``--csv-img-key``, ``--csv-caption-key``).
+
+Small local sets: the table is read once (image paths + captions), samples go through the same
+per-epoch permutation as the demo data (exact batch counts on every rank, exact resume). Relative
+image paths are resolved against the working directory, then against the CSV's own directory.
+A sample whose image is missing or corrupt, or whose caption is empty, is replaced by the next good
+one (deterministically) and counted, so a batch always has B rows.
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import os
+from pathlib import Path
+
+import torch
+from torch.utils.data import Dataset
+
+from .loader import MapStyleTrainData, mix_seed
+from .shards import BadData, decode_image
+from .transforms import image_transform
+
+log = logging.getLogger("dsclip.data")
+_MAX_REPLACEMENTS = 100
+
+
+def read_csv(
+    path: str | os.PathLike, img_key: str, caption_key: str, sep: str = "\t"
+) -> tuple[list[str], list[str]]:
+    """(image paths, captions) from a CSV/TSV; errors name the missing file or column."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"CSV not found: {p}")
+    with open(p, newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f, delimiter=sep)
+        cols = reader.fieldnames or []
+        for key, flag in ((img_key, "--csv-img-key"), (caption_key, "--csv-caption-key")):
+            if key not in cols:
+                raise ValueError(f"{p}: no column {key!r} ({flag}); columns are {cols} (separator {sep!r})")
+        rows = [(r[img_key] or "", r[caption_key] or "") for r in reader]
+    if not rows:
+        raise ValueError(f"{p}: no rows")
+    base = p.parent
+    images = []
+    for img, _ in rows:
+        if img and not os.path.isabs(img) and not os.path.exists(img) and (base / img).exists():
+            img = str(base / img)
+        images.append(img)
+    return images, [c for _, c in rows]
+
+
+class CsvDataset(Dataset):
+    """``get_sample(index, epoch) -> (image tensor, caption, bad-data counts)``, augmentation seeded by
+    (seed, epoch, index) so results do not depend on the worker that loads them."""
+
+    def __init__(self, images: list[str], captions: list[str], transform, seed: int = 0):
+        self.images, self.captions, self.transform, self.seed = images, captions, transform, seed
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def _load(self, index: int, epoch: int, bad: BadData):
+        path, caption = self.images[index], self.captions[index].strip()
+        if not caption:
+            bad.add("missing_caption", f"row {index} ({path})")
+            return None
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except OSError as e:
+            bad.add("missing_image", f"row {index} ({path}: {e.__class__.__name__})")
+            return None
+        try:
+            img = decode_image(data)
+        except Exception as e:  # PIL raises many types for corrupt data
+            bad.add("corrupt_image", f"row {index} ({path}: {e.__class__.__name__}: {e})")
+            return None
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(mix_seed(self.seed, epoch, index))
+            return self.transform(img), caption
+
+    def get_sample(self, index: int, epoch: int = 0):
+        bad = BadData()
+        for k in range(_MAX_REPLACEMENTS):
+            out = self._load((index + k) % len(self), epoch, bad)
+            if out is not None:
+                return out[0], out[1], bad.take()
+        raise RuntimeError(f"{_MAX_REPLACEMENTS} consecutive bad CSV rows from row {index}")
+
+    def __getitem__(self, index: int):
+        return self.get_sample(index)
+
+
+def build_csv_train_data(
+    data_cfg, *, tokenizer, image_size, batch_size, rank, world_size, seed
+) -> MapStyleTrainData:
+    images, captions = read_csv(
+        data_cfg.train_data, data_cfg.csv_img_key, data_cfg.csv_caption_key, data_cfg.csv_separator
+    )
+    # As in OpenCLIP, an epoch is the whole table (train_num_samples is not used for CSV input).
+    ds = CsvDataset(images, captions, image_transform(image_size, is_train=True), seed=seed)
+    return MapStyleTrainData(
+        ds,
+        tokenizer=tokenizer,
+        batch_size=batch_size,
+        rank=rank,
+        world_size=world_size,
+        seed=seed,
+        workers=data_cfg.workers,
+        name=f"CSV {data_cfg.train_data}",
+    )

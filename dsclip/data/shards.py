@@ -1,0 +1,242 @@
+"""Webdataset shard plumbing: URL expansion, existence checks, tar reading with bad-data accounting.
+
+A sample is the group of consecutive tar members sharing a key (``dir/name`` up to the first dot of
+the file name, as webdataset does): ``000123.jpg`` + ``000123.txt`` -> {"__key__": "000123",
+"jpg": b"...", "txt": b"..."}. Reading never raises for bad data: a truncated tar or an unreadable
+shard is logged, counted in ``stats`` and the reader moves on.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import re
+import tarfile
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import braceexpand
+
+log = logging.getLogger("dsclip.data")
+
+IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
+TEXT_EXTS = ("txt", "json")
+_REMOTE = re.compile(r"^(pipe:|https?://|s3://|gs://|ais://)")
+_WARN_LIMIT = 5  # warnings per reason per process; everything is still counted
+
+
+class ShardError(ValueError):
+    """A problem with the shard specification found before training (missing path, empty pattern)."""
+
+
+def is_remote(url: str) -> bool:
+    return bool(_REMOTE.match(url))
+
+
+def expand_urls(spec: str) -> list[str]:
+    """Brace-expand one source (``data/{00000..00099}.tar``); a spec without braces is one URL."""
+    urls = []
+    for part in spec.split():  # whitespace also separates patterns, as in webdataset
+        urls.extend(braceexpand.braceexpand(part))
+    return urls
+
+
+def parse_sources(train_data: str, upsampling_factors: str | None = None) -> list[tuple[list[str], float]]:
+    """``"a/{0..9}.tar::b/{0..3}.tar"`` -> [(urls_a, w_a), (urls_b, w_b)]; every URL checked to exist.
+
+    Weights are per-shard sampling weights for resampled mode (OpenCLIP's
+    --train-data-upsampling-factors; default 1.0 = uniform over shards).
+    """
+    if not train_data or not train_data.strip():
+        raise ShardError("empty --train-data")
+    specs = [s.strip() for s in train_data.split("::")]
+    if upsampling_factors:
+        factors = [float(f) for f in upsampling_factors.split("::")]
+        if len(factors) != len(specs):
+            raise ShardError(
+                f"--train-data-upsampling-factors has {len(factors)} values for {len(specs)} sources"
+            )
+        if any(f < 0 for f in factors) or sum(factors) <= 0:
+            raise ShardError("--train-data-upsampling-factors must be non-negative and not all zero")
+    else:
+        factors = [1.0] * len(specs)
+    out = []
+    for spec, w in zip(specs, factors):
+        if not spec:
+            raise ShardError(f"empty source in --train-data {train_data!r}")
+        urls = expand_urls(spec)
+        if not urls:
+            raise ShardError(f"pattern {spec!r} matches no shards")
+        missing = [u for u in urls if not is_remote(u) and not os.path.isfile(u)]
+        if missing:
+            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            raise ShardError(f"shard not found: {missing[0]}{more}")
+        out.append((urls, w))
+    return out
+
+
+def dataset_size(urls: list[str]) -> int | None:
+    """Total samples from ``sizes.json`` files ({shard file name: count}) next to the shards, if complete."""
+    cache: dict[str, dict] = {}
+    total = 0
+    for u in urls:
+        if is_remote(u):
+            return None
+        d = os.path.dirname(u) or "."
+        if d not in cache:
+            p = Path(d) / "sizes.json"
+            try:
+                cache[d] = json.loads(p.read_text()) if p.is_file() else {}
+            except (OSError, ValueError):
+                cache[d] = {}
+        n = cache[d].get(os.path.basename(u))
+        if n is None:
+            return None
+        total += int(n)
+    return total
+
+
+def split_key(name: str) -> tuple[str, str] | None:
+    """``"dir/000123.seg.jpg"`` -> ("dir/000123", "seg.jpg"); None for names without an extension."""
+    d, base = os.path.split(name)
+    if "." not in base or base.startswith("."):
+        return None
+    stem, ext = base.split(".", 1)
+    return (f"{d}/{stem}" if d else stem), ext.lower()
+
+
+class BadData:
+    """Counts bad samples by reason and rate-limits the warnings."""
+
+    def __init__(self) -> None:
+        self.counts: Counter = Counter()
+
+    def add(self, reason: str, where: str) -> None:
+        self.counts[reason] += 1
+        if self.counts[reason] <= _WARN_LIMIT:
+            extra = " (further ones counted silently)" if self.counts[reason] == _WARN_LIMIT else ""
+            log.warning("skipping %s: %s%s", reason.replace("_", " "), where, extra)
+
+    def take(self) -> dict[str, int]:
+        """Counts since the last take (what a batch carries to the main process)."""
+        out = dict(self.counts)
+        self.counts = Counter()
+        return out
+
+
+def _open(url: str):
+    if is_remote(url):
+        from webdataset.gopen import gopen
+
+        return gopen(url, "rb")
+    return open(url, "rb")
+
+
+def iter_tar(url: str, bad: BadData) -> Iterator[dict]:
+    """Samples of one tar shard, in file order. Incomplete trailing data of a truncated tar is dropped."""
+    try:
+        stream = _open(url)
+    except OSError as e:
+        bad.add("unreadable_shard", f"{url} ({e.__class__.__name__}: {e})")
+        return
+    current: dict | None = None
+    try:
+        with stream, tarfile.open(fileobj=stream, mode="r|*") as tar:
+            for member in tar:
+                if not member.isfile():
+                    continue
+                kx = split_key(member.name)
+                if kx is None:
+                    continue
+                key, ext = kx
+                data = tar.extractfile(member).read()
+                if len(data) != member.size:
+                    raise EOFError("member cut short")
+                if current is not None and current["__key__"] != key:
+                    yield current
+                    current = None
+                if current is None:
+                    current = {"__key__": key, "__url__": url}
+                current[ext] = data
+            end = tar.offset
+        if not is_remote(url) and not _has_end_marker(url, end):
+            # tarfile ends silently at a cut-off header: the last sample may be incomplete, drop it
+            bad.add("truncated_tar", f"{url} (no end-of-archive marker after byte {end})")
+            return
+        if current is not None:
+            yield current
+    except (tarfile.ReadError, EOFError, OSError, tarfile.TarError) as e:
+        # tarfile reports a cut-off archive as ReadError/EOFError; an unreadable file as ReadError at open.
+        reason = (
+            "truncated_tar"
+            if current is not None or "unexpected end" in str(e).lower()
+            else "unreadable_shard"
+        )
+        bad.add(reason, f"{url} ({e.__class__.__name__}: {e})")
+
+
+def _has_end_marker(path: str, offset: int) -> bool:
+    """A complete tar has two zero 512-byte blocks where its last member ends."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            tail = f.read(1024)
+    except OSError:
+        return False
+    return len(tail) == 1024 and not tail.strip(b"\0")
+
+
+def image_bytes(sample: dict) -> bytes | None:
+    for ext in IMAGE_EXTS:
+        if ext in sample:
+            return sample[ext]
+    return None
+
+
+def captions_of(sample: dict) -> list[str]:
+    """Captions of a raw sample: ``txt`` (one per line) or json ``caption``/``text``/``captions``."""
+    if "txt" in sample:
+        try:
+            text = sample["txt"].decode("utf-8")
+        except UnicodeDecodeError:
+            text = sample["txt"].decode("utf-8", errors="replace")
+        caps = [ln.strip() for ln in text.splitlines() if ln.strip()]
+        if caps:
+            return caps
+    if "json" in sample:
+        try:
+            meta = json.loads(sample["json"])
+        except ValueError:
+            return []
+        if isinstance(meta, dict):
+            for k in ("caption", "text"):
+                if isinstance(meta.get(k), str) and meta[k].strip():
+                    return [meta[k].strip()]
+            caps = meta.get("captions")
+            if isinstance(caps, list):
+                return [c.strip() for c in caps if isinstance(c, str) and c.strip()]
+    return []
+
+
+def check_sample(sample: dict, bad: BadData) -> bool:
+    """Raw-level validity (no decoding): has an image and a caption."""
+    where = f"{sample['__url__']}:{sample['__key__']}"
+    if image_bytes(sample) is None:
+        bad.add("missing_image", where)
+        return False
+    if not captions_of(sample):
+        bad.add("missing_caption", where)
+        return False
+    return True
+
+
+def decode_image(data: bytes):
+    """bytes -> RGB PIL image, fully decoded (so a corrupt file fails here, not later in a transform)."""
+    from PIL import Image
+
+    img = Image.open(io.BytesIO(data))
+    img.load()
+    return img.convert("RGB")

@@ -1,0 +1,436 @@
+"""Shard tools behind ``dsclip data`` and ``dsclip tokenizer``.
+
+``dsclip data write``: image folder (+ captions TSV or sidecar .txt files) or a CSV -> webdataset
+shards ``<out>/<prefix>-NNNNN.tar`` with ``key.{jpg|png|webp}``, ``key.txt``, ``key.json`` and a
+``sizes.json`` ({shard: count}, what OpenCLIP and dsclip read for the epoch size). Each shard is
+written to a temp file and renamed when complete; the manifest ``_progress.json`` records the next
+input row, so an interrupted run resumes after the last complete shard (same options required).
+
+``dsclip data inspect``: per-shard sample counts, member extensions and broken samples.
+``dsclip tokenizer train``: a sentencepiece model from a caption file, a CSV, or shards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import logging
+import os
+import sys
+import tarfile
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+from .shards import BadData, captions_of, decode_image, expand_urls, image_bytes, iter_tar, split_key
+
+log = logging.getLogger("dsclip.data")
+
+_EXT_FOR_SUFFIX = {".jpg": "jpg", ".jpeg": "jpg", ".png": "png", ".webp": "webp"}
+
+
+class DataToolError(ValueError):
+    """A user-facing problem with the tool's input; the CLI prints it as one line."""
+
+
+# ---------------------------------------------------------------------------------------------- inputs
+def _folder_samples(images: Path, captions_file: Path | None) -> list[tuple[str, str]]:
+    if not images.is_dir():
+        raise DataToolError(f"image folder not found: {images}")
+    if captions_file is not None:
+        if not captions_file.is_file():
+            raise DataToolError(f"captions file not found: {captions_file}")
+        out = []
+        for n, line in enumerate(captions_file.read_text(encoding="utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            if "\t" not in line:
+                raise DataToolError(f"{captions_file}:{n}: expected '<image path>\\t<caption>'")
+            name, cap = line.split("\t", 1)
+            out.append((str(images / name), cap.strip()))
+        return out
+    out = []
+    for p in sorted(images.rglob("*")):
+        if p.suffix.lower() in _EXT_FOR_SUFFIX:
+            side = p.with_suffix(".txt")
+            out.append((str(p), side.read_text(encoding="utf-8").strip() if side.is_file() else ""))
+    if not out:
+        raise DataToolError(f"no images (.jpg/.jpeg/.png/.webp) under {images}")
+    return out
+
+
+def _csv_samples(path: Path, img_key: str, caption_key: str, sep: str) -> list[tuple[str, str]]:
+    from .csv_data import read_csv
+
+    try:
+        images, captions = read_csv(path, img_key, caption_key, sep)
+    except FileNotFoundError as e:
+        raise DataToolError(str(e)) from None
+    return list(zip(images, captions))
+
+
+# ----------------------------------------------------------------------------------------------- write
+def _encode(path: str, resize: int | None, verify: bool) -> tuple[bytes, str]:
+    """(bytes, ext) for an image file; re-encoded as JPEG when resizing."""
+    with open(path, "rb") as f:
+        data = f.read()
+    ext = _EXT_FOR_SUFFIX.get(Path(path).suffix.lower())
+    if resize or ext is None:
+        from PIL import Image
+
+        img = decode_image(data)
+        if resize:
+            scale = resize / min(img.size)
+            if scale < 1:
+                img = img.resize((round(img.width * scale), round(img.height * scale)), Image.BICUBIC)
+        buf = io.BytesIO()
+        img.save(buf, format="JPEG", quality=95)
+        return buf.getvalue(), "jpg"
+    if verify:
+        decode_image(data)
+    return data, ext
+
+
+def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size, info.mtime, info.mode = len(data), 0, 0o644
+    tar.addfile(info, io.BytesIO(data))
+
+
+def write_shards(
+    samples: list[tuple[str, str]],
+    out_dir: str | os.PathLike,
+    *,
+    shard_size: int = 10000,
+    max_shard_bytes: int | None = None,
+    prefix: str = "shard",
+    resize: int | None = None,
+    verify: bool = True,
+    progress: bool | None = None,
+) -> dict:
+    """Write (image path, caption) samples as shards; resumable. Returns {"shards", "samples", "skipped"}."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    manifest_path = out / "_progress.json"
+    options = {
+        "shard_size": shard_size,
+        "max_shard_bytes": max_shard_bytes,
+        "prefix": prefix,
+        "resize": resize,
+        "num_inputs": len(samples),
+    }
+    state = {"options": options, "next_row": 0, "sizes": {}, "skipped": {}}
+    if manifest_path.is_file():
+        prev = json.loads(manifest_path.read_text())
+        if prev.get("options") != options:
+            raise DataToolError(
+                f"{out} holds shards written with other options {prev.get('options')}; "
+                "use the same options to resume or another --out"
+            )
+        state = prev
+        if state["next_row"] >= len(samples):
+            log.info("%s: already complete (%d shards)", out, len(state["sizes"]))
+            return {
+                "shards": len(state["sizes"]),
+                "samples": sum(state["sizes"].values()),
+                "skipped": sum(state["skipped"].values()),
+            }
+        log.info("resuming at input row %d (%d shards done)", state["next_row"], len(state["sizes"]))
+    for stale in out.glob(".*.tar.tmp"):
+        stale.unlink()
+    skipped = Counter(state["skipped"])
+    if progress is None:
+        progress = sys.stderr.isatty()
+    from tqdm import tqdm
+
+    bar = tqdm(total=len(samples), initial=state["next_row"], unit="img", disable=not progress, desc="shards")
+    row = state["next_row"]
+
+    def save_state():
+        state["skipped"] = dict(skipped)
+        tmp = manifest_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state, indent=1))
+        os.replace(tmp, manifest_path)
+        sizes_tmp = out / ".sizes.json.tmp"
+        sizes_tmp.write_text(json.dumps(state["sizes"], indent=1))
+        os.replace(sizes_tmp, out / "sizes.json")
+
+    while row < len(samples):
+        name = f"{prefix}-{len(state['sizes']):05d}.tar"
+        tmp = out / f".{name}.tmp"
+        count, nbytes = 0, 0
+        with tarfile.open(tmp, "w", format=tarfile.USTAR_FORMAT) as tar:
+            while (
+                row < len(samples)
+                and count < shard_size
+                and not (max_shard_bytes and nbytes >= max_shard_bytes)
+            ):
+                path, caption = samples[row]
+                key = f"{row:09d}"
+                row += 1
+                bar.update(1)
+                if not caption.strip():
+                    skipped["missing_caption"] += 1
+                    log.warning("skipping %s: empty caption", path)
+                    continue
+                try:
+                    data, ext = _encode(path, resize, verify)
+                except OSError as e:
+                    skipped["unreadable_image"] += 1
+                    log.warning("skipping %s: %s", path, e)
+                    continue
+                except Exception as e:  # PIL: corrupt image
+                    skipped["corrupt_image"] += 1
+                    log.warning("skipping %s: corrupt image (%s)", path, e)
+                    continue
+                text = caption.strip().encode("utf-8")
+                meta = json.dumps({"caption": caption.strip(), "source": os.path.basename(path)}).encode()
+                _add(tar, f"{key}.{ext}", data)
+                _add(tar, f"{key}.txt", text)
+                _add(tar, f"{key}.json", meta)
+                count += 1
+                nbytes += len(data) + len(text) + len(meta) + 3 * 512
+        if count == 0:
+            tmp.unlink()
+        else:
+            os.replace(tmp, out / name)
+            state["sizes"][name] = count
+        state["next_row"] = row
+        save_state()  # after the rename: a crash before it just rewrites this shard
+    bar.close()
+    return {
+        "shards": len(state["sizes"]),
+        "samples": sum(state["sizes"].values()),
+        "skipped": sum(skipped.values()),
+    }
+
+
+# --------------------------------------------------------------------------------------------- inspect
+def inspect_shards(pattern: str, decode: bool = True, max_shards: int | None = None) -> dict:
+    """Report per shard: samples, member extensions, broken samples by reason."""
+    urls = []
+    for spec in pattern.split("::"):
+        urls.extend(expand_urls(spec))
+    if not urls:
+        raise DataToolError(f"pattern {pattern!r} matches no shards")
+    missing = [u for u in urls if not os.path.isfile(u)]
+    if missing:
+        raise DataToolError(
+            f"shard not found: {missing[0]}" + (f" (and {len(missing) - 1} more)" if missing[1:] else "")
+        )
+    report = {"shards": [], "total": Counter()}
+    for url in urls[:max_shards]:
+        bad = BadData()
+        exts: Counter = Counter()
+        n = good = 0
+        for s in iter_tar(url, bad):
+            n += 1
+            exts.update(k for k in s if not k.startswith("__"))
+            img = image_bytes(s)
+            if img is None:
+                bad.counts["missing_image"] += 1
+                continue
+            if not captions_of(s):
+                bad.counts["missing_caption"] += 1
+                continue
+            if decode:
+                try:
+                    decode_image(img)
+                except Exception:
+                    bad.counts["corrupt_image"] += 1
+                    continue
+            good += 1
+        entry = {
+            "shard": url,
+            "samples": n,
+            "good": good,
+            "extensions": dict(exts),
+            "broken": dict(bad.counts),
+        }
+        report["shards"].append(entry)
+        report["total"].update({"shards": 1, "samples": n, "good": good, **bad.counts})
+    report["total"] = dict(report["total"])
+    return report
+
+
+# ------------------------------------------------------------------------------------------------- CLI
+def _setup_logging():
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+
+
+def _write_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dsclip data write", description="Write webdataset shards.")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--images", help="Image folder (captions from --captions or <image>.txt side files).")
+    src.add_argument("--csv", help="CSV/TSV with image paths and captions.")
+    p.add_argument("--captions", help="TSV '<path relative to --images>\\t<caption>' per line.")
+    p.add_argument("--csv-img-key", default="filepath")
+    p.add_argument("--csv-caption-key", default="title")
+    p.add_argument("--csv-separator", default="\t")
+    p.add_argument("--out", required=True, help="Output folder.")
+    p.add_argument("--shard-size", type=int, default=10000, help="Samples per shard (default 10000).")
+    p.add_argument("--num-shards", type=int, help="Split evenly into this many shards (sets --shard-size).")
+    p.add_argument(
+        "--max-shard-bytes", type=float, help="Also start a new shard past this many bytes (e.g. 1e9)."
+    )
+    p.add_argument("--prefix", default="shard", help="Shard file name prefix.")
+    p.add_argument("--resize", type=int, help="Downscale the shorter side to this (re-encodes as JPEG q95).")
+    p.add_argument("--no-verify", action="store_true", help="Do not decode images to check them.")
+    return p
+
+
+def _inspect_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dsclip data inspect", description="Count samples and broken samples.")
+    p.add_argument(
+        "shards", nargs="+", help="Shard pattern(s), e.g. 'data/shard-{00000..00099}.tar' or files."
+    )
+    p.add_argument(
+        "--no-decode", action="store_true", help="Skip image decoding (faster, misses corrupt images)."
+    )
+    p.add_argument("--max-shards", type=int, help="Only the first N shards.")
+    p.add_argument("--json", action="store_true", help="Print the report as JSON.")
+    return p
+
+
+def main_data(argv: list[str]) -> int:
+    """``dsclip data [write] ...`` / ``dsclip data inspect ...``; returns the exit code."""
+    _setup_logging()
+    if argv and argv[0] in ("-h", "--help"):
+        print(
+            "usage: dsclip data {write,inspect} ...\n\n  write    write webdataset shards "
+            "(image folder + captions, or CSV)\n  inspect  count samples, keys and broken samples"
+        )
+        return 0
+    try:
+        if argv and argv[0] == "inspect":
+            a = _inspect_parser().parse_args(argv[1:])
+            rep = inspect_shards("::".join(a.shards), decode=not a.no_decode, max_shards=a.max_shards)
+            if a.json:
+                print(json.dumps(rep, indent=1))
+            else:
+                for e in rep["shards"]:
+                    broken = ", ".join(f"{k}={v}" for k, v in sorted(e["broken"].items())) or "none"
+                    exts = ",".join(sorted(e["extensions"]))
+                    print(
+                        f"{e['shard']}: {e['samples']} samples, {e['good']} good, keys [{exts}], "
+                        f"broken: {broken}"
+                    )
+                t = rep["total"]
+                extra = ", ".join(
+                    f"{k}={v}" for k, v in sorted(t.items()) if k not in ("shards", "samples", "good")
+                )
+                print(
+                    f"total: {t.get('shards', 0)} shards, {t.get('samples', 0)} samples, "
+                    f"{t.get('good', 0)} good" + (f", broken: {extra}" if extra else "")
+                )
+            return 0
+        a = _write_parser().parse_args(argv[1:] if argv and argv[0] == "write" else argv)
+        if a.images:
+            samples = _folder_samples(Path(a.images), Path(a.captions) if a.captions else None)
+        else:
+            samples = _csv_samples(Path(a.csv), a.csv_img_key, a.csv_caption_key, a.csv_separator)
+        shard_size = a.shard_size
+        if a.num_shards:
+            shard_size = max(1, -(-len(samples) // a.num_shards))
+        t0 = time.time()
+        r = write_shards(
+            samples,
+            a.out,
+            shard_size=shard_size,
+            max_shard_bytes=int(a.max_shard_bytes) if a.max_shard_bytes else None,
+            prefix=a.prefix,
+            resize=a.resize,
+            verify=not a.no_verify,
+        )
+        print(
+            f"wrote {r['samples']} samples in {r['shards']} shards to {a.out} ({r['skipped']} skipped, "
+            f"{time.time() - t0:.1f}s); train with --train-data '{a.out}/{a.prefix}-"
+            f"{{00000..{max(r['shards'] - 1, 0):05d}}}.tar'"
+        )
+        return 0
+    except (DataToolError, ValueError, FileNotFoundError) as e:
+        print(f"dsclip data: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _iter_captions(src: str, csv_caption_key: str, csv_separator: str) -> Iterator[str]:
+    if src.lower().endswith((".csv", ".tsv")):
+        import csv
+
+        with open(src, newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f, delimiter=csv_separator)
+            if csv_caption_key not in (reader.fieldnames or []):
+                raise DataToolError(f"{src}: no column {csv_caption_key!r}; columns are {reader.fieldnames}")
+            for r in reader:
+                yield r[csv_caption_key] or ""
+        return
+    if src.lower().endswith(".tar") or "{" in src or "::" in src:
+        from .shards import parse_sources
+
+        bad = BadData()
+        for urls, _ in parse_sources(src):
+            for url in urls:
+                for s in iter_tar(url, bad):
+                    yield from captions_of(s)
+        return
+    if not os.path.isfile(src):
+        raise DataToolError(f"caption source not found: {src}")
+    with open(src, encoding="utf-8") as f:
+        for line in f:
+            yield line.rstrip("\n")
+
+
+def main_tokenizer(argv: list[str]) -> int:
+    """``dsclip tokenizer train --input SRC --vocab-size N --out PREFIX``; returns the exit code."""
+    _setup_logging()
+    p = argparse.ArgumentParser(prog="dsclip tokenizer", description="Train a sentencepiece tokenizer.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    t = sub.add_parser("train", help="Train from a caption file (one per line), a CSV/TSV, or shards.")
+    t.add_argument(
+        "--input",
+        required=True,
+        action="append",
+        help="Caption .txt file, CSV/TSV, or shard pattern (repeatable).",
+    )
+    t.add_argument("--out", required=True, help="Model prefix: writes PREFIX.model and PREFIX.vocab.")
+    t.add_argument("--vocab-size", type=int, default=32000)
+    t.add_argument("--model-type", default="unigram", choices=("unigram", "bpe", "char", "word"))
+    t.add_argument("--max-sentences", type=int, default=2_000_000, help="Sentences sampled for training.")
+    t.add_argument("--character-coverage", type=float, default=0.9995)
+    t.add_argument("--csv-caption-key", default="title")
+    t.add_argument("--csv-separator", default="\t")
+    t.add_argument("--hard-vocab-limit", action="store_true", help="Fail if the corpus can't fill the vocab.")
+    t.add_argument("--context-length", type=int, default=77, help="Only for the summary printed at the end.")
+    a = p.parse_args(argv)
+    from .tokenizer import SentencePieceTokenizer, train_sentencepiece
+
+    try:
+
+        def texts():
+            for src in a.input:
+                yield from _iter_captions(src, a.csv_caption_key, a.csv_separator)
+
+        path = train_sentencepiece(
+            texts(),
+            a.out,
+            a.vocab_size,
+            model_type=a.model_type,
+            character_coverage=a.character_coverage,
+            input_sentence_size=a.max_sentences,
+            hard_vocab_limit=a.hard_vocab_limit,
+        )
+        tok = SentencePieceTokenizer(path, a.context_length)
+    except (DataToolError, ValueError, FileNotFoundError, RuntimeError) as e:
+        print(f"dsclip tokenizer: error: {e}", file=sys.stderr)
+        return 2
+    print(
+        f"wrote {path}: vocab_size={tok.vocab_size} pad_id={tok.pad_id} eos_id={tok.eos_id} "
+        f"(text_cfg: vocab_size {tok.vocab_size}, pool_type 'eos', eos_id {tok.eos_id}, pad_id {tok.pad_id})"
+    )
+    return 0
+
+
+__all__ = ["inspect_shards", "main_data", "main_tokenizer", "split_key", "write_shards"]

@@ -1,0 +1,267 @@
+"""Webdataset streaming input: deterministic, rank/worker split, exact batch counts, bad-data tolerant.
+
+How a rank's epoch is produced
+------------------------------
+* ``steps_per_epoch = train_num_samples // (batch_size * world_size)``: the same on every rank.
+* The rank's steps are dealt round-robin to W = max(1, workers) *logical workers*: logical worker L
+  makes steps L, L+W, L+2W, ... and yields exactly that many batches, each of exactly
+  ``batch_size`` samples. The DataLoader fetches round-robin from its workers, so it returns the
+  steps in order and stops after exactly ``steps_per_epoch`` batches on every rank — a rank whose
+  shards hold fewer samples repeats its data (a new shuffled pass) instead of ending early and
+  leaving the other ranks hanging in a collective.
+* Sharding: the R*W (rank, logical worker) slots split the shard list (after a per-epoch shuffle
+  shared by all ranks): slot g reads shards g, g+R*W, ...; with fewer shards than slots, every slot
+  reads all shards and keeps every (R*W)-th sample instead. Without resampling, an epoch whose
+  train_num_samples equals the data size sees every sample once when the shards divide evenly.
+  With ``dataset_resampled``, each slot draws shards with replacement (weighted by the upsampling
+  factors), as OpenCLIP.
+* Shuffling: a per-slot sample shuffle buffer over raw (undecoded) samples; every random choice
+  comes from (seed, epoch, rank, slot), and the augmentation of step k from (seed, epoch, rank, k).
+* Decoding happens after batching, in the worker: a sample whose image fails to decode is replaced
+  by another good sample of the same batch (and counted), so batch composition never depends on
+  decoding. That makes ``batches(epoch, start_step)`` exact without decoding the skipped part:
+  resuming only re-reads the tar bytes up to the resume point.
+* Determinism holds for a fixed (seed, world_size, batch_size, workers, shard list).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import random
+from collections.abc import Iterator
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from .loader import TrainData, mix_seed
+from .shards import (
+    BadData,
+    ShardError,
+    captions_of,
+    check_sample,
+    dataset_size,
+    decode_image,
+    image_bytes,
+    iter_tar,
+)
+from .shards import parse_sources as parse_sources
+from .transforms import image_transform
+
+log = logging.getLogger("dsclip.data")
+
+
+class _ShuffleBuffer:
+    """Deterministic sample shuffle buffer, webdataset's algorithm: while filling, read two samples per
+    output; start emitting once ``initial`` are buffered; emit a uniformly random buffered sample."""
+
+    def __init__(self, size: int, rng: random.Random, initial: int | None = None):
+        self.size, self.rng = size, rng
+        self.initial = min(size, initial if initial is not None else max(1, size // 5))
+
+    def _pop(self, buf: list) -> dict:
+        i = self.rng.randrange(len(buf))
+        buf[i], buf[-1] = buf[-1], buf[i]
+        return buf.pop()
+
+    def __call__(self, samples: Iterator[dict]) -> Iterator[dict]:
+        if self.size <= 1:
+            yield from samples
+            return
+        it = iter(samples)
+        buf: list[dict] = []
+        for s in it:
+            buf.append(s)
+            if len(buf) < self.size:
+                nxt = next(it, None)
+                if nxt is not None:
+                    buf.append(nxt)
+            if len(buf) >= self.initial:
+                yield self._pop(buf)
+        while buf:
+            yield self._pop(buf)
+
+
+class WdsBatches(IterableDataset):
+    """Yields this rank's batches ``(images, tokens, bad_data_counts)`` for the epoch in ``self.state``.
+
+    ``state`` is shared memory (epoch, start_step) so persistent workers see the new epoch.
+    """
+
+    def __init__(
+        self,
+        sources,
+        *,
+        tokenizer,
+        transform,
+        batch_size,
+        rank,
+        world_size,
+        seed,
+        workers,
+        steps_per_epoch,
+        resampled,
+        shuffle_buffer,
+    ):
+        super().__init__()
+        self.urls = [u for urls, _ in sources for u in urls]
+        self.weights = [w for urls, w in sources for _ in urls]
+        self.tokenizer, self.transform = tokenizer, transform
+        self.batch_size, self.rank, self.world_size, self.seed = batch_size, rank, world_size, seed
+        self.num_slots = max(1, workers)
+        self.steps_per_epoch, self.resampled, self.shuffle_buffer = steps_per_epoch, resampled, shuffle_buffer
+        self.state = mp.Array("q", [0, 0])  # epoch, start_step
+
+    # -- raw sample stream of one (rank, logical worker) slot -------------------------------------------
+    def _valid(self, url: str, bad: BadData) -> Iterator[dict]:
+        return (s for s in iter_tar(url, bad) if check_sample(s, bad))
+
+    def _raw_stream(self, epoch: int, slot: int, bad: BadData) -> Iterator[dict]:
+        """Infinite stream of valid raw samples, shuffled; passes are shuffled separately so the first
+        pass (the whole epoch when the data suffices) holds exactly this slot's share."""
+        total_slots = self.world_size * self.num_slots
+        g = self.rank * self.num_slots + slot  # global slot id
+        rng = random.Random(mix_seed(self.seed, epoch, self.rank, slot, 0xD5))
+        shuffle = _ShuffleBuffer(
+            self.shuffle_buffer, random.Random(mix_seed(self.seed, epoch, self.rank, slot, 0xB0F))
+        )
+        if self.resampled:
+
+            def resampled():
+                while True:  # shards drawn with replacement
+                    (url,) = rng.choices(self.urls, weights=self.weights)
+                    yield from self._valid(url, bad)
+
+            yield from shuffle(resampled())
+            return
+
+        def one_pass(order):
+            if len(order) >= total_slots:
+                for url in order[g::total_slots]:
+                    yield from self._valid(url, bad)
+            else:  # fewer shards than slots: split by sample position instead
+                i = 0
+                for url in order:
+                    for s in self._valid(url, bad):
+                        if i % total_slots == g:
+                            yield s
+                        i += 1
+
+        n_pass = 0
+        while True:  # more than one pass only if this slot's share runs short of its steps
+            order = list(self.urls)
+            random.Random(mix_seed(self.seed, epoch, n_pass, 0x5EED)).shuffle(order)  # same on all ranks
+            got = 0
+            for s in shuffle(one_pass(order)):
+                got += 1
+                yield s
+            if got == 0:
+                raise RuntimeError(f"no valid samples in the shards of rank {self.rank} slot {slot}")
+            n_pass += 1
+
+    def _decode_batch(self, raw: list[dict], epoch: int, step: int, bad: BadData):
+        images, captions, bad_idx = [], [], []
+        rng = random.Random(mix_seed(self.seed, epoch, self.rank, step, 0xCA9))
+        with torch.random.fork_rng(devices=[]):  # never disturb the training process's RNG (workers=0)
+            torch.manual_seed(mix_seed(self.seed, epoch, self.rank, step, 0xA06))
+            for j, s in enumerate(raw):
+                try:
+                    images.append(self.transform(decode_image(image_bytes(s))))
+                except Exception as e:  # PIL raises many types for corrupt data
+                    bad.add("corrupt_image", f"{s['__url__']}:{s['__key__']} ({e.__class__.__name__}: {e})")
+                    images.append(None)
+                    bad_idx.append(j)
+                caps = captions_of(s)
+                captions.append(caps[rng.randrange(len(caps))] if len(caps) > 1 else caps[0])
+        good = [j for j in range(len(raw)) if images[j] is not None]
+        if not good:
+            return None
+        for j in bad_idx:  # keep B rows and the batch composition: reuse a good sample of this batch
+            k = good[rng.randrange(len(good))]
+            images[j], captions[j] = images[k], captions[k]
+        return torch.stack(images), self.tokenizer(captions)
+
+    def __iter__(self):
+        info = get_worker_info()
+        slot = info.id if info is not None else 0
+        if info is not None and info.num_workers != self.num_slots:
+            raise RuntimeError(f"expected {self.num_slots} workers, got {info.num_workers}")
+        epoch, start = int(self.state[0]), int(self.state[1])
+        # DataLoader worker w serves logical slot (w + start) % W so that fetch order = step order.
+        slot = (slot + start) % self.num_slots
+        steps = [k for k in range(start, self.steps_per_epoch) if k % self.num_slots == slot]
+        n_skip = len(range(slot, min(start, self.steps_per_epoch), self.num_slots))  # its steps before start
+        bad = BadData()
+        stream = self._raw_stream(epoch, slot, bad)
+        B = self.batch_size
+        for _ in range(n_skip * B):  # resume: skip raw samples, no decoding
+            next(stream)
+        bad.take()  # problems met while skipping were counted by the original run
+        for step in steps:
+            out = None
+            while out is None:  # None only if all B images are corrupt: then take the next B samples
+                out = self._decode_batch([next(stream) for _ in range(B)], epoch, step, bad)
+            yield out[0], out[1], bad.take()
+
+
+class WdsTrainData(TrainData):
+    def __init__(self, dataset: WdsBatches, loader: DataLoader, num_samples: int):
+        super().__init__()
+        self.dataset, self.loader = dataset, loader
+        self.batch_size = dataset.batch_size
+        self.steps_per_epoch = dataset.steps_per_epoch
+        self.num_samples = num_samples
+
+    def _iterate(self, epoch: int, start_step: int):
+        self.dataset.state[0], self.dataset.state[1] = epoch, start_step
+        if start_step >= self.steps_per_epoch:
+            return
+        yield from self.loader
+
+    def close(self) -> None:
+        it = getattr(self.loader, "_iterator", None)
+        if it is not None and hasattr(it, "_shutdown_workers"):
+            it._shutdown_workers()
+        self.loader._iterator = None
+
+
+def build_wds_train_data(
+    data_cfg, *, tokenizer, image_size, batch_size, rank, world_size, seed
+) -> WdsTrainData:
+    """Streaming training input from webdataset shards (see the module docstring)."""
+    if data_cfg.train_data_upsampling_factors and not data_cfg.dataset_resampled:
+        raise ShardError("--train-data-upsampling-factors needs --dataset-resampled")
+    sources = parse_sources(data_cfg.train_data, data_cfg.train_data_upsampling_factors)
+    all_urls = [u for urls, _ in sources for u in urls]
+    num = data_cfg.train_num_samples or dataset_size(all_urls)
+    if not num:
+        raise ShardError(
+            "--train-num-samples is required for webdataset input (no complete sizes.json found)"
+        )
+    steps = num // (batch_size * world_size)
+    if steps < 1:
+        raise ShardError(f"train_num_samples {num} < one global batch ({batch_size} x {world_size})")
+    workers = max(0, data_cfg.workers)
+    n_slots = max(1, workers) * world_size
+    if not data_cfg.dataset_resampled and len(all_urls) < n_slots:
+        log.info(
+            "%d shards < %d (rank, worker) slots: splitting by sample instead of by shard",
+            len(all_urls),
+            n_slots,
+        )
+    ds = WdsBatches(
+        sources,
+        tokenizer=tokenizer,
+        transform=image_transform(image_size, is_train=True),
+        batch_size=batch_size,
+        rank=rank,
+        world_size=world_size,
+        seed=seed,
+        workers=workers,
+        steps_per_epoch=steps,
+        resampled=data_cfg.dataset_resampled,
+        shuffle_buffer=data_cfg.shuffle_buffer,
+    )
+    kw = dict(persistent_workers=True, prefetch_factor=2) if workers > 0 else {}
+    loader = DataLoader(ds, batch_size=None, num_workers=workers, pin_memory=torch.cuda.is_available(), **kw)
+    return WdsTrainData(ds, loader, steps * batch_size * world_size)

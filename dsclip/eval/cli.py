@@ -1,0 +1,111 @@
+"""``dsclip eval``: zero-shot and/or retrieval evaluation of a saved model; results appended to a jsonl.
+
+    dsclip eval --model runs/x/export --zeroshot-data DIR [--zeroshot-templates FILE]
+                [--val-data 'shards/{0..9}.tar' | data.csv] [--tokenizer spm.model] [--results results.jsonl]
+
+``--model`` is what ``dsclip.model.load_model`` reads (a folder with model.safetensors + config.json).
+The tokenizer defaults to ``tokenizer.model`` next to the weights, else the built-in demo tokenizer.
+Works under a launcher too (every rank evaluates its shard; rank 0 prints and writes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dsclip eval", description="Zero-shot classification and retrieval.")
+    p.add_argument("--model", required=True, help="Saved model folder or weights file (dsclip or OpenCLIP).")
+    p.add_argument(
+        "--tokenizer", help="SentencePiece model (default: tokenizer.model beside the weights, or demo)."
+    )
+    p.add_argument("--zeroshot-data", help="Class-folder dataset DIR/<class>/*.jpg, or 'demo'.")
+    p.add_argument(
+        "--zeroshot-templates",
+        help="Prompt templates file, one per line with {c} (default: OpenCLIP "
+        "ImageNet templates; demo: the demo prompts).",
+    )
+    p.add_argument("--val-data", help="Retrieval set: webdataset shards or CSV/TSV.")
+    p.add_argument("--val-num-samples", type=int, help="Use at most this many images of --val-data.")
+    p.add_argument("--csv-img-key", default="filepath")
+    p.add_argument("--csv-caption-key", default="title")
+    p.add_argument("--csv-separator", default="\t")
+    p.add_argument("--demo-eval-samples", type=int, default=1000)
+    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--device", default=None, help="Default: cuda if available, else cpu.")
+    p.add_argument("--force-image-size", type=int)
+    p.add_argument("--results", default="results.jsonl", help="Append one JSON record here.")
+    return p
+
+
+def main_eval(argv: list[str]) -> int:
+    """Entry point of ``dsclip eval``; returns the exit code."""
+    a = _parser().parse_args(argv)
+    if not a.zeroshot_data and not a.val_data:
+        print("dsclip eval: error: give --zeroshot-data and/or --val-data", file=sys.stderr)
+        return 2
+    import torch
+
+    from ..data.config import DataConfig
+    from ..data.tokenizer import SentencePieceTokenizer
+    from .evaluator import Evaluator, append_results, dist_info
+
+    try:
+        from ..model.weights import load_model  # the CLI is the one place eval touches the model package
+
+        device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        model = load_model(a.model, device=device)
+        cfg = model.config
+        ctx = int(cfg["text_cfg"]["context_length"])
+        image_size = cfg["vision_cfg"]["image_size"]
+        image_size = image_size[0] if isinstance(image_size, (list, tuple)) else int(image_size)
+        tok_path = a.tokenizer
+        if tok_path is None:
+            mp = Path(a.model)
+            cand = (mp if mp.is_dir() else mp.parent) / "tokenizer.model"
+            if cand.is_file():
+                tok_path = str(cand)
+        if tok_path is None:
+            from ..data.demo import ensure_demo_tokenizer
+
+            tok_path = ensure_demo_tokenizer(Path.home() / ".cache" / "dsclip")
+        tokenizer = SentencePieceTokenizer(tok_path, ctx)
+        dcfg = DataConfig(
+            zeroshot_data=a.zeroshot_data,
+            zeroshot_templates=a.zeroshot_templates,
+            val_data=a.val_data,
+            val_num_samples=a.val_num_samples,
+            csv_img_key=a.csv_img_key,
+            csv_caption_key=a.csv_caption_key,
+            csv_separator=a.csv_separator,
+            force_image_size=a.force_image_size,
+            demo_eval_samples=a.demo_eval_samples,
+            workers=a.workers,
+        )
+        ev = Evaluator(
+            dcfg, tokenizer=tokenizer, image_size=image_size, batch_size=a.batch_size, device=device
+        )
+        t0 = time.time()
+        metrics = {**ev.zeroshot(model), **ev.retrieval(model)}
+    except (ValueError, FileNotFoundError, KeyError) as e:
+        print(f"dsclip eval: error: {e}", file=sys.stderr)
+        return 2
+    record = {
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "model": str(a.model),
+        "zeroshot_data": a.zeroshot_data,
+        "val_data": a.val_data,
+        "seconds": round(time.time() - t0, 2),
+        "metrics": metrics,
+    }
+    if dist_info()[0] == 0:
+        for k, v in metrics.items():
+            print(f"{k}: {v:.4f}" if isinstance(v, float) else f"{k}: {v}")
+        print(json.dumps({"results": a.results}))
+    append_results(a.results, record)
+    return 0

@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# Multi-node dsclip training with the DeepSpeed launcher and a hostfile.
+#
+#   pdsh/ssh (default): run once, on any node that can ssh to all hosts of the hostfile
+#       HOSTFILE=launch/hostfile launch/deepspeed_hostfile.sh [dsclip train flags...]
+#   one launcher per node, no ssh (--no_ssh --node_rank): run on every node, NODE_RANK = its line
+#   in the hostfile (0 = the first host, which also is MASTER_ADDR)
+#       NODE_RANK=0 HOSTFILE=launch/hostfile launch/deepspeed_hostfile.sh ...   # on the 1st host
+#       NODE_RANK=1 HOSTFILE=launch/hostfile launch/deepspeed_hostfile.sh ...   # on the 2nd host
+#
+# Every variable below can be set in the environment; trailing arguments go to `dsclip train`
+# (e.g. --epochs 3 --batch-size 256 --resume latest).
+set -euo pipefail
+
+# ---- knobs -------------------------------------------------------------------------------------
+HOSTFILE=${HOSTFILE:-launch/hostfile}      # "<host> slots=<GPUs>" per line (launch/hostfile.example)
+NUM_GPUS=${NUM_GPUS:-}                     # ranks per node; empty = the hostfile's slots
+MASTER_ADDR=${MASTER_ADDR:-}               # empty = first host of the hostfile. Always passed
+                                           # explicitly: DeepSpeed would otherwise ask `ssh host
+                                           # hostname -I` and may pick an unreachable interface.
+MASTER_PORT=${MASTER_PORT:-29500}          # rendezvous port on MASTER_ADDR; one per concurrent job
+NODE_RANK=${NODE_RANK:-}                   # set → `--no_ssh --node_rank=$NODE_RANK` (per-node form)
+LAUNCHER=${LAUNCHER:-pdsh}                 # DeepSpeed multi-node backend (pdsh, openmpi, ...)
+SSH_PORT=${SSH_PORT:-}                     # if your sshd is not on 22
+RECIPE=${RECIPE:-dsclip/recipes/demo.yaml} # dsclip train --config
+DS_CONFIG=${DS_CONFIG:-}                   # dsclip train --deepspeed-config (empty = recipe's)
+LOGS=${LOGS:-$PWD/logs}                    # run folders go to $LOGS/$NAME
+NAME=${NAME:-$(basename "$RECIPE" .yaml)}  # same NAME + --resume latest continues a run
+MODULE=${MODULE:-dsclip}                   # python -m $MODULE train ... on every rank
+DEEPSPEED_TIMEOUT=${DEEPSPEED_TIMEOUT:-}   # process-group timeout in minutes (dsclip: 30)
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+VENV=${VENV:-$REPO/.venv}                  # activated here; remote ranks get its PATH
+# Variables remote ranks need besides PYTHON*/NCCL*/UCX* (which DeepSpeed forwards by itself):
+# written to DS_ENV_FILE, which DeepSpeed reads and exports on every node. DSCLIP_* are added.
+DS_ENV_VARS=${DS_ENV_VARS:-"PATH LD_LIBRARY_PATH TORCH_EXTENSIONS_DIR OMP_NUM_THREADS DEEPSPEED_TIMEOUT
+  CUDA_HOME HF_HOME TRITON_CACHE_DIR GLOO_SOCKET_IFNAME TP_SOCKET_IFNAME"}
+# -------------------------------------------------------------------------------------------------
+
+die() { echo "deepspeed_hostfile.sh: $*" >&2; exit 2; }
+
+[[ -f $HOSTFILE ]] || die "no hostfile at $HOSTFILE (copy launch/hostfile.example)"
+HOSTFILE=$(cd "$(dirname "$HOSTFILE")" && pwd)/$(basename "$HOSTFILE")
+first_host=$(awk '!/^[[:space:]]*(#|$)/ {print $1; exit}' "$HOSTFILE")
+[[ -n $first_host ]] || die "$HOSTFILE lists no host"
+MASTER_ADDR=${MASTER_ADDR:-$first_host}
+
+if [[ -f $VENV/bin/activate ]]; then
+  # shellcheck disable=SC1091
+  source "$VENV/bin/activate"              # its python, deepspeed and ninja first on PATH
+fi
+command -v deepspeed >/dev/null || die "deepspeed not on PATH (set VENV)"
+# `python -m dsclip` from a checkout that is not pip-installed: ranks import from the repo
+export PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH}
+[[ -n $DEEPSPEED_TIMEOUT ]] && export DEEPSPEED_TIMEOUT
+
+ds_args=(--hostfile "$HOSTFILE" --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT")
+[[ -n $NUM_GPUS ]] && ds_args+=(--num_gpus "$NUM_GPUS")
+if [[ -n $NODE_RANK ]]; then
+  ds_args+=(--no_ssh --node_rank "$NODE_RANK")
+else
+  ds_args+=(--launcher "$LAUNCHER")
+  [[ -n $SSH_PORT ]] && ds_args+=(--ssh_port "$SSH_PORT")
+  # pdsh starts remote ranks with a bare environment: hand them ours through DS_ENV_FILE.
+  env_file=$(mktemp "${TMPDIR:-/tmp}/dsclip-ds-env.XXXXXX")
+  trap 'rm -f "$env_file"' EXIT
+  for v in $DS_ENV_VARS $(compgen -e | grep '^DSCLIP_' || true); do
+    [[ -n ${!v:-} ]] && printf '%s=%s\n' "$v" "${!v}" >>"$env_file"
+  done
+  export DS_ENV_FILE=$env_file             # an absolute path: DeepSpeed's os.path.join keeps it
+fi
+
+train_args=(train --config "$RECIPE" --logs "$LOGS" --name "$NAME")
+[[ -n $DS_CONFIG ]] && train_args+=(--deepspeed-config "$DS_CONFIG")
+
+echo "deepspeed_hostfile.sh: hosts $(awk '!/^[[:space:]]*(#|$)/ {printf "%s ", $1}' "$HOSTFILE")| master" \
+  "$MASTER_ADDR:$MASTER_PORT | ${NODE_RANK:+node_rank $NODE_RANK (no ssh) | }run $LOGS/$NAME" >&2
+if [[ -z $NODE_RANK ]]; then
+  # not exec: the EXIT trap removes the env file. deepspeed exits with the failing rank's code.
+  deepspeed "${ds_args[@]}" --module "$MODULE" "${train_args[@]}" "$@"
+  exit
+fi
+
+# Per-node form. SIGUSR1 (SLURM's warning before the time limit, forwarded by
+# slurm/train_per_node.sbatch) would kill DeepSpeed's launcher processes, which do not handle it:
+# send it (and SIGTERM) to the ranks instead; they checkpoint and exit 85, which the launcher passes on.
+deepspeed "${ds_args[@]}" --module "$MODULE" "${train_args[@]}" "$@" &
+ds_pid=$!
+interrupted=0
+forward() {
+  interrupted=1
+  local launch rank
+  for launch in $(pgrep -P "$ds_pid"); do                   # deepspeed runner -> launch.py
+    for rank in $(pgrep -P "$launch"); do kill -"$1" "$rank" 2>/dev/null || true; done  # -> ranks
+  done
+}
+trap 'forward USR1' USR1
+trap 'forward TERM' TERM
+set +e
+while :; do
+  interrupted=0
+  wait "$ds_pid"; rc=$?
+  if ((interrupted)) && kill -0 "$ds_pid" 2>/dev/null; then continue; fi
+  if ((interrupted)); then wait "$ds_pid"; r2=$?; ((r2 != 127)) && rc=$r2; fi
+  exit "$rc"
+done

@@ -1,0 +1,315 @@
+"""The launch/ scripts against a real SLURM and real ssh hosts (tests/cluster.sh up).
+
+Every test starts the real script the README tells users to run — launch/slurm/train.sbatch via
+`sbatch --wait`, launch/slurm/train_per_node.sbatch, launch/deepspeed_hostfile.sh over pdsh/ssh —
+on two "nodes" (node1, node2: two slurmd / two sshd on this machine), training the tiny recipe
+with the real `dsclip train`. A run passes when its loss went down, both ranks reported world size
+2 from different nodes, and a checkpoint was written. A rank killed with SIGKILL must make the
+whole job exit non-zero quickly (no wait for the 30-minute collective timeout).
+
+Skipped (with the reason) only when the test cluster is not up. DSCLIP_LAUNCH_TRAINER=standin runs
+the same tests with tests/e2e/launch_standin.py instead of the trainer (to debug the launch layer).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+CLUSTER = REPO / "tests" / "cluster.sh"
+PY = REPO / ".venv" / "bin" / "python"
+STANDIN = os.environ.get("DSCLIP_LAUNCH_TRAINER") == "standin"
+TRAIN_STEPS = 8  # tiny.yaml's max_steps
+FAIL_FAST_S = 45  # "well under a minute" from the SIGKILL to the launcher's non-zero exit
+SBATCH_RES = ["--nodes=2", "--gpus-per-node=0", "--cpus-per-task=1", "--time=10"]  # no GPUs on CI
+
+pytestmark = pytest.mark.launch
+
+
+# ---- cluster and environment -------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def cluster_env() -> dict[str, str]:
+    """The environment of a shell that sourced the cluster's env.sh, plus test settings."""
+    try:
+        r = subprocess.run([str(CLUSTER), "env"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        pytest.skip(f"launch tests need the test cluster: `tests/cluster.sh env` failed ({e})")
+    if r.returncode != 0 or not r.stdout.strip():
+        pytest.skip("launch tests need the SLURM/ssh test cluster, which is not up: run "
+                    "`sudo tests/cluster.sh up` first (.ci/run does), `tests/cluster.sh down` after")
+    env_sh = r.stdout.strip()
+    out = subprocess.run(["bash", "-c", f'source "{env_sh}" && env -0'], capture_output=True, check=True)
+    env = dict(kv.split("=", 1) for kv in out.stdout.decode().split("\0") if "=" in kv)
+    for k in [k for k in env if k.startswith(("SLURM_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_"))
+              and k != "SLURM_CONF"]:
+        del env[k]  # a pytest started inside an allocation must not leak its job into ours
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), DSCLIP_LOG_WORLD="1",
+               # short enough that a lost rank cannot stall anything for long; whole minutes
+               DEEPSPEED_TIMEOUT="2")
+    if not STANDIN:
+        # the demo tokenizer is trained once and cached: do it here, not inside the timed runs
+        subprocess.run([str(PY), "-c", "from dsclip.train.loop import cache_dir; "
+                        "from dsclip.data.demo import ensure_demo_tokenizer as e; e(cache_dir())"],
+                       env=env, cwd=REPO, check=True, capture_output=True, timeout=600)
+    return env
+
+
+def free_port() -> int:
+    # below the ephemeral range and away from 295xx (others' jobs on shared machines)
+    for _ in range(100):
+        port = random.randint(20000, 27999)
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+                return port
+            except OSError:
+                continue
+    raise RuntimeError("no free port")
+
+
+class Run:
+    """One launch: its own run folder, port and tag (to find and clean up its processes)."""
+
+    def __init__(self, env: dict[str, str], tmp: Path, name: str, extra: list[str] | None = None):
+        self.tag = uuid.uuid4().hex
+        self.logs = tmp / "logs"
+        self.name = name
+        self.dir = self.logs / name
+        self.tmp = tmp
+        self.env = dict(env, DSCLIP_LAUNCH_TEST_ID=self.tag, LOGS=str(self.logs), NAME=name,
+                        MASTER_PORT=str(free_port()), RECIPE="dsclip/recipes/tiny.yaml",
+                        MODULE="tests.e2e.launch_standin" if STANDIN else "dsclip")
+        self.extra = extra or []
+
+    def metrics(self) -> list[dict]:
+        p = self.dir / "metrics.jsonl"
+        if not p.exists():
+            return []
+        return [r for r in map(json.loads, p.read_text().splitlines()) if "loss" in r]
+
+    def rank_pids(self, rank: int) -> list[int]:
+        """Our rank processes (python, not a launcher) with this RANK, found by the run's tag."""
+        pids = []
+        for d in os.listdir("/proc"):
+            if not d.isdigit():
+                continue
+            try:
+                environ = Path(f"/proc/{d}/environ").read_bytes().split(b"\0")
+                cmd = Path(f"/proc/{d}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if (f"DSCLIP_LAUNCH_TEST_ID={self.tag}".encode() in environ
+                    and (rank is None or f"RANK={rank}".encode() in environ)
+                    and b"python" in cmd
+                    and b"deepspeed.launcher" not in cmd and b"bin/deepspeed" not in cmd):
+                pids.append(int(d))
+        return pids
+
+    def cleanup(self) -> None:
+        for pid in self.rank_pids(None):  # only processes this run started
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+def check_trained(run: Run, output: str, steps: int = TRAIN_STEPS) -> None:
+    m = run.metrics()
+    assert [r["step"] for r in m] == list(range(1, steps + 1)), output[-3000:]
+    assert all(r["world_size"] == 2 for r in m)
+    assert m[-1]["loss"] < m[0]["loss"], [r["loss"] for r in m]
+    # both ranks joined the same 2-rank world, from different nodes
+    lines = [line for line in output.splitlines() if "[dsclip] rank " in line]
+    for rank in (0, 1):
+        assert any(f"rank {rank}/2 " in line for line in lines), output[-3000:]
+    ckpts = [p for p in (run.dir / "checkpoints").iterdir() if p.is_dir()]
+    assert ckpts and any(any(p.iterdir()) for p in ckpts), "no checkpoint written"
+    assert (run.dir / "checkpoints" / "latest").exists()
+
+
+def sbatch(run: Run, script: str, args: list[str], *, wait: bool = True, timeout: float = 240):
+    out = run.tmp / "slurm-%j.out"
+    cmd = ["sbatch", "--parsable", "--wait", *SBATCH_RES, f"--output={out}", f"--job-name=t-{run.name}",
+           *args, script, *run.extra]
+    if not wait:
+        return subprocess.Popen(cmd, cwd=REPO, env=run.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
+    r = subprocess.run(cmd, cwd=REPO, env=run.env, capture_output=True, text=True, timeout=timeout)
+    return r.returncode, slurm_output(run) + r.stdout + r.stderr
+
+
+def slurm_output(run: Run) -> str:
+    return "".join(p.read_text(errors="replace") for p in sorted(run.tmp.glob("slurm-*.out")))
+
+
+def hostfile(tmp: Path) -> Path:
+    p = tmp / "hostfile"
+    p.write_text("node1 slots=1\nnode2 slots=1\n")
+    return p
+
+
+@pytest.fixture
+def runs():
+    made: list[Run] = []
+    yield made
+    for r in made:
+        r.cleanup()
+
+
+# ---- training through each launch path ---------------------------------------------------------
+
+def test_sbatch_srun_one_task_per_gpu(cluster_env, tmp_path, runs):
+    run = Run(cluster_env, tmp_path, "srun")
+    runs.append(run)
+    rc, out = sbatch(run, "launch/slurm/train.sbatch", ["--ntasks-per-node=1"])
+    assert rc == 0, out[-4000:]
+    check_trained(run, out)
+    assert "node node1 source slurm" in out and "node node2 source slurm" in out
+
+
+def test_sbatch_deepspeed_launcher_per_node(cluster_env, tmp_path, runs):
+    run = Run(cluster_env, tmp_path, "pernode")
+    run.env["GPUS_PER_NODE"] = "1"
+    runs.append(run)
+    rc, out = sbatch(run, "launch/slurm/train_per_node.sbatch", ["--ntasks-per-node=1"])
+    assert rc == 0, out[-4000:]
+    check_trained(run, out)
+    assert "node node1 source deepspeed" in out and "node node2 source deepspeed" in out
+    assert "node_rank 1 (no ssh)" in out
+
+
+def test_deepspeed_hostfile_over_pdsh(cluster_env, tmp_path, runs):
+    run = Run(cluster_env, tmp_path, "pdsh")
+    run.env["HOSTFILE"] = str(hostfile(tmp_path))
+    runs.append(run)
+    r = subprocess.run(["launch/deepspeed_hostfile.sh"], cwd=REPO, env=run.env, capture_output=True,
+                       text=True, timeout=240)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-4000:]
+    check_trained(run, out)
+    # each rank ran on its own ssh host, MASTER_ADDR was the hostfile's first host, not `hostname -I`
+    assert any(line.startswith("node1: [dsclip] rank 0/2") for line in out.splitlines()), out[-3000:]
+    assert any(line.startswith("node2: [dsclip] rank 1/2") for line in out.splitlines()), out[-3000:]
+    assert f"master node1:{run.env['MASTER_PORT']}" in out
+
+
+# ---- a rank that dies ends the job quickly -----------------------------------------------------
+
+LONG = ["--max-steps", "100000", "--epochs", "1000", "--save-frequency", "0"]
+LONG_STANDIN = ["--max-steps", "100000", "--step-sleep", "0.2"]
+
+
+def kill_rank_and_time(run: Run, proc: subprocess.Popen, output) -> tuple[int, float]:
+    """Wait for training to be under way, SIGKILL rank 1, return (exit code, seconds to exit)."""
+    deadline = time.monotonic() + 180
+    while len(run.metrics()) < 2:
+        assert proc.poll() is None, f"launch ended before training ran:\n{output()[-4000:]}"
+        assert time.monotonic() < deadline, f"no training steps after 180 s:\n{output()[-4000:]}"
+        time.sleep(0.3)
+    pids = run.rank_pids(1)
+    assert len(pids) == 1, f"expected one rank-1 process, found {pids}"
+    os.kill(pids[0], signal.SIGKILL)
+    t0 = time.monotonic()
+    try:
+        rc = proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"job still running 120 s after rank 1 was killed:\n{output()[-4000:]}")
+    return rc, time.monotonic() - t0
+
+
+def test_killed_rank_fails_sbatch_fast(cluster_env, tmp_path, runs):
+    run = Run(cluster_env, tmp_path, "srunkill", LONG_STANDIN if STANDIN else LONG)
+    runs.append(run)
+    proc = sbatch(run, "launch/slurm/train.sbatch", ["--ntasks-per-node=1"], wait=False)
+    try:
+        rc, took = kill_rank_and_time(run, proc, lambda: slurm_output(run))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        job = (proc.stdout.read() or "").split()[:1] if proc.stdout else []
+        if job:
+            subprocess.run(["scancel", job[0]], env=run.env, capture_output=True)
+    out = slurm_output(run)
+    assert rc != 0, out[-4000:]
+    assert took < FAIL_FAST_S, f"job took {took:.0f} s to fail after a rank died:\n{out[-4000:]}"
+    assert not run.rank_pids(0), "rank 0 survived the job"
+
+
+def test_killed_rank_fails_pdsh_fast(cluster_env, tmp_path, runs):
+    run = Run(cluster_env, tmp_path, "pdshkill", LONG_STANDIN if STANDIN else LONG)
+    run.env["HOSTFILE"] = str(hostfile(tmp_path))
+    runs.append(run)
+    log = tmp_path / "launcher.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen(["launch/deepspeed_hostfile.sh", *run.extra], cwd=REPO, env=run.env, stdout=f,
+                                stderr=subprocess.STDOUT)
+        try:
+            rc, took = kill_rank_and_time(run, proc, log.read_text)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    out = log.read_text()
+    assert rc != 0, out[-4000:]
+    assert took < FAIL_FAST_S, f"deepspeed took {took:.0f} s to fail after a rank died:\n{out[-4000:]}"
+    time.sleep(1)
+    assert not run.rank_pids(0), "rank 0 survived the launcher"
+
+
+# ---- requeue: signal before the time limit -> checkpoint -> requeue -> resume ------------------
+
+def test_sbatch_preemption_requeues_and_resumes(cluster_env, tmp_path, runs):
+    steps = 40 if STANDIN else 120
+    extra = ["--max-steps", str(steps)] + (["--step-sleep", "0.2"] if STANDIN else ["--epochs", "100"])
+    run = Run(cluster_env, tmp_path, "requeue", extra)
+    runs.append(run)
+    proc = sbatch(run, "launch/slurm/train.sbatch", ["--ntasks-per-node=1"], wait=False)
+    try:
+        deadline = time.monotonic() + 180
+        job = None
+        while job is None or len(run.metrics()) < 2:
+            assert proc.poll() is None, slurm_output(run)[-4000:]
+            assert time.monotonic() < deadline, slurm_output(run)[-4000:]
+            if job is None:
+                q = subprocess.run(["squeue", "-h", "-n", f"t-{run.name}", "-o", "%i"], env=run.env,
+                                   capture_output=True, text=True)
+                job = q.stdout.split()[0] if q.stdout.split() else None
+            time.sleep(0.2)
+        # what --signal=B:USR1@120 does at the time limit: signal the batch shell only
+        subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=run.env, check=True)
+        # SLURM holds a requeued job for ~2 minutes (BeginTime): release it at once
+        # (only once it is PENDING again: while COMPLETING the update does not stick)
+        deadline = time.monotonic() + 150
+        while proc.poll() is None:
+            info = subprocess.run(["scontrol", "show", "job", job], env=run.env, capture_output=True,
+                                  text=True).stdout
+            if "Restarts=1" in info:
+                if "JobState=RUNNING" in info:
+                    break
+                if "Reason=BeginTime" in info:
+                    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=run.env)
+            assert time.monotonic() < deadline, slurm_output(run)[-4000:]
+            time.sleep(0.5)
+        rc = proc.wait(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = slurm_output(run)
+    assert rc == 0, out[-4000:]
+    assert "requeueing job" in out and "restart 1" in out, out[-4000:]
+    resumed = re.search(r"resumed from \S+ at step (\d+)", out)
+    assert resumed and 2 <= int(resumed.group(1)) < steps, out[-4000:]
+    logged = [r["step"] for r in run.metrics()]
+    assert logged[-1] == steps and int(resumed.group(1)) + 1 in logged, logged

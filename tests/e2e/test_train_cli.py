@@ -1,0 +1,113 @@
+"""`dsclip train` as users run it: the deepspeed launcher with 2 CPU ranks, and bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.distutil import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+PY = sys.executable
+DEEPSPEED = str(Path(PY).parent / "deepspeed")
+
+
+def env():
+    e = dict(os.environ)
+    e.setdefault("OMP_NUM_THREADS", "1")
+    e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
+    return e
+
+
+def run_cli(args, *, world=1, timeout=600, check=True):
+    if world == 1:
+        cmd = [PY, "-m", "dsclip", *args]
+    else:
+        cmd = [DEEPSPEED, "--num_gpus", str(world), "--master_port", str(free_port()), "--module", "dsclip", *args]
+    p = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
+    if check and p.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}")
+    return p
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    out = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if "loss" in rec:
+            out[rec["step"]] = rec["loss_last"]
+    return out
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("ds_config", ["zero2_fp32", "zero2_bf16", "zero3_fp32", "zero3_bf16"])
+def test_two_rank_deepspeed_launcher_trains_and_resumes_exactly(tmp_path, ds_config):
+    common = ["train", "--config", "tiny", "--logs", str(tmp_path), "--deepspeed-config", f"ds_configs/{ds_config}.json",
+              "--max-steps", "10", "--lr-scheduler", "cosine", "--warmup", "2", "--save-every-n-steps", "5",
+              "--batch-size", "8", "--accum-freq", "2", "--precision", "auto"]
+    full = run_cli(common + ["--name", "full"], world=2)
+    run = tmp_path / "full"
+    curve = losses(run)
+    assert sorted(curve) == list(range(1, 11))
+    first, last3 = curve[1], sum(curve[k] for k in (8, 9, 10)) / 3
+    assert last3 < first - 0.05, f"loss did not decrease: {curve}"
+    ckpts = run / "checkpoints"
+    assert (ckpts / "latest").read_text().strip() == "step_000000010"
+    for tag in ("step_000000005", "step_000000010"):
+        assert (ckpts / tag / "COMPLETE").exists()
+    rec = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["world_size"] == 2 and r["effective_batch"] == 8 * 2 * 2 for r in rec if "loss" in r)
+    assert "zeroshot" in full.stdout
+
+    # Resume from step 5 into a new run folder: steps 6..10 must reproduce the uninterrupted curve.
+    run_cli(common + ["--name", "resumed", "--resume", str(ckpts / "step_000000005")], world=2)
+    resumed = losses(tmp_path / "resumed")
+    assert sorted(resumed) == list(range(6, 11))
+    tol = 1e-5 if "fp32" in ds_config else 2e-2
+    for step, value in resumed.items():
+        assert value == pytest.approx(curve[step], abs=tol), (step, value, curve[step])
+
+
+def test_resume_latest_without_checkpoint_starts_fresh_and_continues(tmp_path):
+    args = ["train", "--config", "tiny", "--logs", str(tmp_path), "--name", "r", "--max-steps", "4",
+            "--save-every-n-steps", "2", "--resume", "latest"]
+    run_cli(args)
+    assert sorted(losses(tmp_path / "r")) == [1, 2, 3, 4]
+    p = run_cli(args[:-4] + ["--max-steps", "6", "--resume", "latest"])
+    assert "resumed from" in p.stdout and "step_000000004" in p.stdout
+
+
+def _write(tmp_path, name, text):
+    p = tmp_path / name
+    p.write_text(text)
+    return str(p)
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["missing_recipe", "unknown_flag", "unknown_json_key", "batch_mismatch", "unknown_model", "invalid_json",
+     "fp16_on_cpu"],
+)
+def test_bad_input_is_one_line_and_nonzero(tmp_path, case):
+    base = ["train", "--config", "tiny", "--logs", str(tmp_path), "--name", "bad"]
+    args, expect = {
+        "missing_recipe": (["train", "--config", str(tmp_path / "nope.yaml")], "recipe not found"),
+        "unknown_flag": (base + ["--batch-sise", "4"], "unknown flag --batch-sise"),
+        "unknown_json_key": (base + ["--deepspeed-config", _write(tmp_path, "k.json", '{"zero_optimisation": {}}')],
+                             "unknown key 'zero_optimisation'"),
+        "batch_mismatch": (base + ["--deepspeed-config", _write(tmp_path, "b.json", '{"train_batch_size": 1000}')],
+                           "'train_batch_size' is 1000"),
+        "unknown_model": (base + ["--model", "ViT-Q-99"], "ViT-B-32"),
+        "invalid_json": (base + ["--deepspeed-config", _write(tmp_path, "j.json", "{nope")], "not valid JSON"),
+        "fp16_on_cpu": (base + ["--precision", "fp16"], "fp16 is not supported by DeepSpeed on CPU"),
+    }[case]
+    p = run_cli(args, check=False, timeout=300)
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert "Traceback" not in p.stderr
+    err_lines = [line for line in p.stderr.splitlines() if line.startswith("dsclip train: error:")]
+    assert len(err_lines) == 1 and expect in err_lines[0], p.stderr[-3000:]
