@@ -8,7 +8,8 @@ Compares, at global batch N (each rank holds N / W rows of D-dim fp32 embeddings
 
 Every (N, loss) runs in fresh processes so one measurement cannot inherit another's heap. Per rank:
 a small warm-up call (gloo connections, lazy init), then ``malloc_trim``, reset of the kernel's
-peak-RSS counter (``/proc/self/clear_refs`` <- 5) and one timed forward+backward; "peak" is
+peak-RSS counter (``/proc/self/clear_refs`` <- 5) and one timed forward+backward (wall time and
+process CPU time, the latter less sensitive to other jobs sharing the cores; max over ranks); "peak" is
 ``VmHWM - VmRSS`` at the reset, i.e. the extra resident memory the loss needed on top of the
 embeddings already allocated. The column "beyond grads" subtracts the two embedding gradients
 (2 * b * D * 4 bytes) that any loss must produce. A config whose estimated peak would not fit in the
@@ -105,14 +106,20 @@ def _rank_main(rank, world, port, name, n, d, tile, queue):
         dist.barrier()
         exact = _reset_peak()
         rss0 = _status_kb("VmRSS")
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         loss = loss_fn(x, y, s) if bias is None else loss_fn(x, y, s, bias)
         loss.backward()
-        elapsed = time.perf_counter() - t0
+        elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
         peak = _status_kb("VmHWM") - rss0  # without clear_refs: lifetime peak (an upper bound)
         assert x.grad is not None and y.grad is not None and torch.isfinite(loss)
         dist.barrier()
-        queue.put((rank, "ok", dict(time=elapsed, peak=peak * 1024, exact=exact, loss=float(loss.detach()))))
+        queue.put(
+            (
+                rank,
+                "ok",
+                dict(time=elapsed, cpu=cpu, peak=peak * 1024, exact=exact, loss=float(loss.detach())),
+            )
+        )
         dist.destroy_process_group()
     except BaseException:
         queue.put((rank, "error", traceback.format_exc()))
@@ -197,31 +204,36 @@ def main(argv=None):
             avail = _mem_available()
             if args.world * need > args.mem_fraction * avail:
                 note = f"skipped: needs ~{need / 2**30:.1f} GiB/rank, {avail / 2**30:.1f} GiB available"
-                rows.append((n, name, None, None, None, note))
+                rows.append((n, name, None, None, None, None, note))
                 print(f"N={n} {name}: {note}", flush=True)
                 continue
             out, err = run_config(name, n, args.dim, args.world, args.tile_size, args.timeout)
             if err:
-                rows.append((n, name, None, None, None, f"failed: {err}"))
+                rows.append((n, name, None, None, None, None, f"failed: {err}"))
                 print(f"N={n} {name}: failed: {err}", flush=True)
                 continue
             t = max(o["time"] for o in out.values())
+            cpu = max(o["cpu"] for o in out.values())
             peak = max(o["peak"] for o in out.values())
             grads = 2 * (n // args.world) * args.dim * 4
             note = "" if all(o["exact"] for o in out.values()) else "peak = lifetime max RSS (no clear_refs)"
-            rows.append((n, name, t, peak, peak - grads, note))
-            msg = f"{t:.2f} s, peak +{peak / MB:.0f} MB/rank ({(peak - grads) / MB:.0f} MB beyond grads)"
+            rows.append((n, name, t, cpu, peak, peak - grads, note))
+            msg = f"{t:.2f} s (CPU {cpu:.2f} s), +{peak / MB:.0f} MB/rank"
+            msg += f" ({(peak - grads) / MB:.0f} MB beyond grads)"
             print(f"N={n} {name}: {msg} loss={out[0]['loss']:.4f}", flush=True)
     print()
-    print(
-        "| global N | loss | time fwd+bwd (s) | peak extra RSS / rank (MB) | beyond emb. grads (MB) | note |"
-    )
-    print("|---:|---|---:|---:|---:|---|")
-    for n, name, t, peak, beyond, note in rows:
-        fmt = lambda v, f: "—" if v is None else f.format(v)
+    print("| global N | loss | wall s | CPU s | peak extra RSS / rank (MB) | beyond emb. grads (MB) | note |")
+    print("|---:|---|---:|---:|---:|---:|---|")
+
+    def fmt(v, f):
+        return "—" if v is None else f.format(v)
+
+    for n, name, t, cpu, peak, beyond, note in rows:
+        peak_mb = None if peak is None else peak / MB
+        beyond_mb = None if beyond is None else beyond / MB
         print(
-            f"| {n} | {name} | {fmt(t, '{:.2f}')} | {fmt(None if peak is None else peak / MB, '{:.0f}')} | "
-            f"{fmt(None if beyond is None else beyond / MB, '{:.0f}')} | {note} |"
+            f"| {n} | {name} | {fmt(t, '{:.2f}')} | {fmt(cpu, '{:.2f}')} | {fmt(peak_mb, '{:.0f}')} | "
+            f"{fmt(beyond_mb, '{:.0f}')} | {note} |"
         )
     return 0
 

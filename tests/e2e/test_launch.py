@@ -230,22 +230,56 @@ def kill_rank_and_time(run: Run, proc: subprocess.Popen, output) -> tuple[int, f
     return rc, time.monotonic() - t0
 
 
-def test_killed_rank_fails_sbatch_fast(cluster_env, tmp_path, runs):
-    run = Run(cluster_env, tmp_path, "srunkill", LONG_STANDIN if STANDIN else LONG)
+@pytest.mark.parametrize("script", ["train.sbatch", "train_per_node.sbatch"])
+def test_killed_rank_fails_sbatch_fast(cluster_env, tmp_path, runs, script):
+    run = Run(cluster_env, tmp_path, "kill-" + script.split(".")[0], LONG_STANDIN if STANDIN else LONG)
+    run.env["GPUS_PER_NODE"] = "1"
     runs.append(run)
-    proc = sbatch(run, "launch/slurm/train.sbatch", ["--ntasks-per-node=1"], wait=False)
+    proc = sbatch(run, f"launch/slurm/{script}", ["--ntasks-per-node=1"], wait=False)
     try:
         rc, took = kill_rank_and_time(run, proc, lambda: slurm_output(run))
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        job = (proc.stdout.read() or "").split()[:1] if proc.stdout else []
-        if job:
-            subprocess.run(["scancel", job[0]], env=run.env, capture_output=True)
+        stop_job(run, proc)
     out = slurm_output(run)
+    print(f"{script}: exit {rc} {took:.1f} s after rank 1 was killed")
     assert rc != 0, out[-4000:]
     assert took < FAIL_FAST_S, f"job took {took:.0f} s to fail after a rank died:\n{out[-4000:]}"
     assert not run.rank_pids(0), "rank 0 survived the job"
+
+
+def test_hung_rank_is_bounded_by_the_collective_timeout(cluster_env, tmp_path, runs):
+    """A rank that stops answering (SIGSTOP) without dying: the others give up after
+    DSCLIP_DIST_TIMEOUT, exit non-zero, and srun --kill-on-bad-exit ends the stopped one."""
+    run = Run(cluster_env, tmp_path, "hang", LONG_STANDIN if STANDIN else LONG)
+    run.env["DSCLIP_DIST_TIMEOUT"] = "15"
+    runs.append(run)
+    proc = sbatch(run, "launch/slurm/train.sbatch", ["--ntasks-per-node=1"], wait=False)
+    try:
+        deadline = time.monotonic() + 180
+        while len(run.metrics()) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, slurm_output(run)[-4000:]
+            time.sleep(0.3)
+        (pid,) = run.rank_pids(1)
+        os.kill(pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        rc = proc.wait(timeout=150)
+        took = time.monotonic() - t0
+    finally:
+        stop_job(run, proc)
+    out = slurm_output(run)
+    print(f"hung rank: exit {rc} {took:.1f} s after SIGSTOP (timeout 15 s)")
+    assert rc != 0, out[-4000:]
+    assert took < 15 + FAIL_FAST_S, out[-4000:]
+    assert "timeout 15s" in out  # the configured timeout is the one the process group got
+
+
+def stop_job(run: Run, proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    job = (proc.stdout.read() or "").split()[:1] if proc.stdout else []
+    if job and job[0].isdigit():
+        subprocess.run(["scancel", job[0]], env=run.env, capture_output=True)
 
 
 def test_killed_rank_fails_pdsh_fast(cluster_env, tmp_path, runs):
@@ -262,6 +296,7 @@ def test_killed_rank_fails_pdsh_fast(cluster_env, tmp_path, runs):
             if proc.poll() is None:
                 proc.kill()
     out = log.read_text()
+    print(f"pdsh: exit {rc} {took:.1f} s after rank 1 was killed")
     assert rc != 0, out[-4000:]
     assert took < FAIL_FAST_S, f"deepspeed took {took:.0f} s to fail after a rank died:\n{out[-4000:]}"
     time.sleep(1)
