@@ -80,26 +80,9 @@ if [[ -z $NODE_RANK ]]; then
   exit
 fi
 
-# Per-node form. SIGUSR1 (SLURM's warning before the time limit, forwarded by
-# slurm/train_per_node.sbatch) would kill DeepSpeed's launcher processes, which do not handle it:
-# send it (and SIGTERM) to the ranks instead; they checkpoint and exit 85, which the launcher passes on.
-deepspeed "${ds_args[@]}" --module "$MODULE" "${train_args[@]}" "$@" &
-ds_pid=$!
-interrupted=0
-forward() {
-  interrupted=1
-  local launch rank
-  for launch in $(pgrep -P "$ds_pid"); do                   # deepspeed runner -> launch.py
-    for rank in $(pgrep -P "$launch"); do kill -"$1" "$rank" 2>/dev/null || true; done  # -> ranks
-  done
-}
-trap 'forward USR1' USR1
-trap 'forward TERM' TERM
-set +e
-while :; do
-  interrupted=0
-  wait "$ds_pid"; rc=$?
-  if ((interrupted)) && kill -0 "$ds_pid" 2>/dev/null; then continue; fi
-  if ((interrupted)); then wait "$ds_pid"; r2=$?; ((r2 != 127)) && rc=$r2; fi
-  exit "$rc"
-done
+# Per-node form. SLURM delivers signals to every process of a task (srun forwarding, scancel
+# --signal, --signal=USR1@T): the ranks handle SIGUSR1 (checkpoint, exit 85, requeue), but
+# DeepSpeed's launcher processes do not and would die of it. An ignored signal stays ignored across
+# exec, so they inherit SIG_IGN; the ranks install their own handler.
+trap '' USR1
+exec deepspeed "${ds_args[@]}" --module "$MODULE" "${train_args[@]}" "$@"

@@ -349,10 +349,16 @@ _preempt = {"signum": None}
 
 
 def install_preemption_handler(signals=PREEMPT_SIGNALS) -> None:
-    """Record (not act on) ``SIGUSR1``/``SIGTERM``; the loop checks :func:`preemption_requested`."""
+    """Record (not act on) ``SIGUSR1``/``SIGTERM``; the loop checks :func:`preemption_requested`.
+
+    Only the first one is deferred: the handler then restores the default action, so a second
+    signal (SLURM's SIGTERM at the time limit, a launcher tearing down its ranks after another rank
+    failed, a user's second ``scancel``) ends the process at once."""
 
     def handler(signum, frame):
         _preempt["signum"] = signum
+        for s in signals:
+            signal.signal(s, signal.SIG_DFL)
 
     for s in signals:
         signal.signal(s, handler)

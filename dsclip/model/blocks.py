@@ -44,7 +44,12 @@ def make_blocks(
     ls_init_value: float | None,
     quick_gelu: bool,
     norm_kwargs: dict | None,
+    dropout: float = 0.0,
+    attn_dropout: float = 0.0,
+    drop_path_rate: float = 0.0,
 ) -> nn.Sequential:
+    # Stochastic depth grows linearly with depth, as in timm's VisionTransformer.
+    dpr = [drop_path_rate * i / max(layers - 1, 1) for i in range(layers)]
     return nn.Sequential(
         *[
             Block(
@@ -56,6 +61,9 @@ def make_blocks(
                 init_values=ls_init_value,
                 norm_layer=norm_layer(norm_kwargs),
                 act_layer=act_layer(quick_gelu),
+                proj_drop=dropout,
+                attn_drop=attn_dropout,
+                drop_path=dpr[i],
                 depth=i,
             )
             for i in range(layers)

@@ -53,6 +53,9 @@ class CLIP(nn.Module):
             norm_kwargs=vcfg.get("norm_kwargs"),
             quick_gelu=cfg["quick_gelu"],
             force_patch_dropout=force_patch_dropout,
+            dropout=vcfg["dropout"],
+            attn_dropout=vcfg["attn_dropout"],
+            drop_path_rate=vcfg["drop_path_rate"],
         )
         self.text = TextTower(
             embed_dim=cfg["embed_dim"],
@@ -67,6 +70,9 @@ class CLIP(nn.Module):
             eos_id=tcfg["eos_id"],
             pad_id=tcfg["pad_id"],
             norm_kwargs=tcfg.get("norm_kwargs"),
+            dropout=tcfg["dropout"],
+            attn_dropout=tcfg["attn_dropout"],
+            drop_path_rate=tcfg["drop_path_rate"],
             quick_gelu=cfg["quick_gelu"],
         )
         self.logit_scale = nn.Parameter(torch.full((1,), init_logit_scale(cfg)))

@@ -30,6 +30,9 @@ VISION_DEFAULTS: dict[str, Any] = {
     "patch_dropout": 0.0,
     "ls_init_value": None,
 }
+# dsclip extensions (regularisation only: they change no weight, so OpenCLIP exports drop them).
+DROPOUT_DEFAULTS: dict[str, Any] = {"dropout": 0.0, "attn_dropout": 0.0, "drop_path_rate": 0.0}
+VISION_DEFAULTS.update(DROPOUT_DEFAULTS)
 TEXT_DEFAULTS: dict[str, Any] = {
     "context_length": 77,
     "vocab_size": 49408,
@@ -41,6 +44,7 @@ TEXT_DEFAULTS: dict[str, Any] = {
     "pool_type": "argmax",
     "eos_id": 2,
     "pad_id": 0,
+    **DROPOUT_DEFAULTS,
 }
 # OpenCLIP options accepted only at their default value (anything else builds a different network).
 VISION_FIXED: dict[str, Any] = {

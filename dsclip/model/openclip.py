@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from .config import resolve_model_config
+from .config import DROPOUT_DEFAULTS, resolve_model_config
 
 # OpenCLIP / OpenAI normalisation constants (open_clip.constants)
 OPENAI_DATASET_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -188,6 +188,9 @@ def openclip_model_config(model_config: dict, preprocess_cfg: dict | None = None
     """``open_clip_config.json`` content: ``{"model_cfg": <resolved config>, "preprocess_cfg": {...}}``.
     ``preprocess_cfg`` entries override the defaults (OpenAI mean/std, bicubic, config image size)."""
     cfg = resolve_model_config(model_config)
+    for section in ("vision_cfg", "text_cfg"):  # dsclip-only regularisation keys: OpenCLIP's cfg rejects them
+        for key in DROPOUT_DEFAULTS:
+            cfg[section].pop(key, None)
     pre = {
         "size": cfg["vision_cfg"]["image_size"],
         "mode": "RGB",

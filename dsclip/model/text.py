@@ -59,6 +59,9 @@ class TextTower(nn.Module):
         pad_id: int = 0,
         norm_kwargs: dict | None = None,
         quick_gelu: bool = False,
+        dropout: float = 0.0,
+        attn_dropout: float = 0.0,
+        drop_path_rate: float = 0.0,
     ):
         super().__init__()
         if pool_type not in POOL_TYPES:
@@ -74,7 +77,10 @@ class TextTower(nn.Module):
 
         self.token_embedding = nn.Embedding(vocab_size, width)
         self.positional_embedding = nn.Parameter(torch.empty(context_length, width))
-        self.blocks = make_blocks(width, layers, heads, mlp_ratio, ls_init_value, quick_gelu, norm_kwargs)
+        self.blocks = make_blocks(
+            width, layers, heads, mlp_ratio, ls_init_value, quick_gelu, norm_kwargs,
+            dropout=dropout, attn_dropout=attn_dropout, drop_path_rate=drop_path_rate,
+        )
         self.ln_final = norm_layer(norm_kwargs)(width)
         self.text_projection = nn.Parameter(torch.empty(width, embed_dim))
         self.grad_checkpointing = False

@@ -60,6 +60,9 @@ class VisionTower(VisionTransformer):
         norm_kwargs: dict | None = None,
         quick_gelu: bool = False,
         force_patch_dropout: bool = False,
+        dropout: float = 0.0,
+        attn_dropout: float = 0.0,
+        drop_path_rate: float = 0.0,
     ):
         super().__init__(
             img_size=image_size,
@@ -79,6 +82,9 @@ class VisionTower(VisionTransformer):
             norm_layer=norm_layer(norm_kwargs),
             act_layer=act_layer(quick_gelu),
             weight_init="skip",  # OpenCLIP init below
+            proj_drop_rate=dropout,
+            attn_drop_rate=attn_dropout,
+            drop_path_rate=drop_path_rate,
             # blocks: timm's default Block (qkv bias, proj bias), the same class text.py uses
         )
         # Always present (a no-op at prob 0) so create_model / set_patch_dropout can change it later.

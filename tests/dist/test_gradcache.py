@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dsclip.model import create_model  # imported before zero.Init patches torch.Tensor (timm -> dynamo)
+from dsclip.model import create_model, get_model_config  # imported before zero.Init patches torch.Tensor (timm -> dynamo)
 from tests.distutil import run_world
 
 B, SEED = 4, 1234
@@ -46,14 +46,14 @@ def rank_chunks(images, tokens, rank, world, k):
     return [(im[i * B:(i + 1) * B], tk[i * B:(i + 1) * B]) for i in range(k)]
 
 
-def make_model(patch_dropout=0.0, drop=0.0):
+def make_model(patch_dropout=0.0):
+    """The tiny model; with patch dropout we also switch on dropout, attention dropout and drop-path."""
+    cfg = get_model_config("tiny")
+    if patch_dropout:
+        for tower in ("vision_cfg", "text_cfg"):
+            cfg[tower].update(dropout=0.1, attn_dropout=0.1, drop_path_rate=0.2)
     torch.manual_seed(SEED)
-    m = create_model("tiny", vocab_size=256, eos_id=2, pad_id=0, force_patch_dropout=patch_dropout or None)
-    if drop:
-        for mod in m.modules():
-            if isinstance(mod, torch.nn.Dropout):
-                mod.p = drop
-    return m
+    return create_model(cfg, vocab_size=256, eos_id=2, pad_id=0, patch_dropout=patch_dropout or None)
 
 
 def make_cfg(stage, k, lr=1e-3):
@@ -144,7 +144,12 @@ def test_gradcache_without_kept_graph_equals_big_batch():
     assert_matches(results, reference_step(results[0]["initial"], 2, 2))
 
 
-def test_patch_dropout_masks_replayed_bit_for_bit():
+def test_dropout_and_patch_dropout_masks_replayed_bit_for_bit():
+    model = make_model(0.5).train()  # the masks really are random: two forwards differ
+    images, tokens = make_batches(1, 1)
+    a, b = model(image=images, text=tokens), model(image=images, text=tokens)
+    assert not torch.allclose(a["image_features"], b["image_features"])
+    assert not torch.allclose(a["text_features"], b["text_features"])
     results = run_world(_rank_step, 2, 2, 4, "auto", 0.5, False)
     assert all(r["same_embeddings"] for r in results)
     assert_matches(results, reference_step(results[0]["initial"], 2, 4, patch_dropout=0.5))

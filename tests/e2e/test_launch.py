@@ -305,12 +305,14 @@ def test_killed_rank_fails_pdsh_fast(cluster_env, tmp_path, runs):
 
 # ---- requeue: signal before the time limit -> checkpoint -> requeue -> resume ------------------
 
-def test_sbatch_preemption_requeues_and_resumes(cluster_env, tmp_path, runs):
+@pytest.mark.parametrize("script", ["train.sbatch", "train_per_node.sbatch"])
+def test_sbatch_preemption_requeues_and_resumes(cluster_env, tmp_path, runs, script):
     steps = 40 if STANDIN else 120
     extra = ["--max-steps", str(steps)] + (["--step-sleep", "0.2"] if STANDIN else ["--epochs", "100"])
-    run = Run(cluster_env, tmp_path, "requeue", extra)
+    run = Run(cluster_env, tmp_path, "requeue-" + script.split(".")[0], extra)
+    run.env["GPUS_PER_NODE"] = "1"
     runs.append(run)
-    proc = sbatch(run, "launch/slurm/train.sbatch", ["--ntasks-per-node=1"], wait=False)
+    proc = sbatch(run, f"launch/slurm/{script}", ["--ntasks-per-node=1"], wait=False)
     try:
         deadline = time.monotonic() + 180
         job = None

@@ -15,7 +15,6 @@ from dsclip.model import (
     load_model,
     load_openclip_checkpoint,
     openclip_model_config,
-    resolve_model_config,
     to_openclip_state_dict,
 )
 
@@ -26,7 +25,7 @@ BIG = ["ViT-B-32", "ViT-B-16", "ViT-L-14", "ViT-H-14", "ViT-g-14", "ViT-bigG-14"
 
 def _openclip_model(cfg: dict):
     """open_clip.CLIP from a (resolved) OpenCLIP-schema config, default random init."""
-    return open_clip.CLIP(**resolve_model_config(cfg))
+    return open_clip.CLIP(**openclip_model_config(cfg)["model_cfg"])
 
 
 def _tiny_cfg(pool_type="argmax", **vision):

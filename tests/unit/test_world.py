@@ -200,6 +200,8 @@ def test_preemption_flag_unsynced(monkeypatch):
         os.kill(os.getpid(), signal.SIGUSR1)
         assert world.preemption_requested(sync=False)
         assert world.preemption_requested()  # no process group: local answer
+        # a second signal is not deferred any more
+        assert all(signal.getsignal(s) == signal.SIG_DFL for s in world.PREEMPT_SIGNALS)
     finally:
         for s, h in old.items():
             signal.signal(s, h)
