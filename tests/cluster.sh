@@ -28,7 +28,7 @@ set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 ROOT=${DSCLIP_CLUSTER_ROOT:-/tmp/dsclip-cluster}
-MARK="# dsclip-cluster"
+MARK="# dsclip-cluster:$ROOT"   # /etc/hosts lines of this cluster (sed pattern: no | in ROOT)
 SSH_PORT=${DSCLIP_CLUSTER_SSH_PORT:-2222}
 CTLD_PORT=${DSCLIP_CLUSTER_SLURMCTLD_PORT:-6817}
 SLURMD_PORTS=${DSCLIP_CLUSTER_SLURMD_PORTS:-6818-6819}
@@ -86,7 +86,7 @@ install_packages() {
 }
 
 hosts_entries() {
-  sed -i "/$MARK\$/d" /etc/hosts
+  sed -i "\|$MARK\$|d" /etc/hosts
   {
     # slurmd/slurmctld resolve this machine's own short name
     getent hosts "$(hostname -s)" >/dev/null || echo "127.0.1.1 $(hostname -s) $MARK"
@@ -299,7 +299,7 @@ down() {
   for f in "$ROOT"/slurm/slurmd-*.pid; do [[ -e $f ]] && stop_pidfile "$f" slurmd; done
   stop_pidfile "$ROOT/slurm/slurmctld.pid" slurmctld   # its child slurmscriptd exits with it
   stop_pidfile "$ROOT/munged.pid" munged               # absent when we reused a running munged
-  sed -i "/$MARK\$/d" /etc/hosts
+  sed -i "\|$MARK\$|d" /etc/hosts
   rm -rf "$ROOT"
   log "down"
 }

@@ -2,22 +2,35 @@
 
 Layout of ``<run>/checkpoints/``::
 
-    step_000000120/            one DeepSpeed tag (all ranks' shards + dsclip_state.json)
-    step_000000120/COMPLETE    written by rank 0 only after every rank finished writing
-    latest                     the newest COMPLETE tag; replaced atomically (DeepSpeed tools read it)
+    step_000000120/                    one DeepSpeed tag (all ranks' shards + dsclip_state.json
+                                       + model_config.json)
+    step_000000120/COMPLETE            written by rank 0 only after every rank finished writing
+    step_000000120/universal/          a world-size-independent copy, made on demand when a run
+                                       resumes on a different number of ranks (dsclip.checkpoint.universal)
+    latest                             the newest COMPLETE tag; replaced atomically (DeepSpeed tools read it)
+    .partial.step_000000120/           a save in progress (never read; removed by the next save)
+
+A save writes every rank's shards into ``.partial.<tag>``, then rank 0 adds the dsclip state, the
+model config and ``COMPLETE`` and renames the folder to ``<tag>`` (one atomic rename), and only
+then points ``latest`` at it. So a folder named ``step_*`` is always complete, whenever the job is
+killed, and re-saving a tag that ``latest`` names (a preempted run saving again at the step it
+resumed from) never leaves ``latest`` pointing at half-written shards.
 
 DeepSpeed's own ``latest`` file is written at the end of ``save_checkpoint`` without a
 completeness check across ranks and without an atomic rename, so we switch it off
 (``save_latest=False``) and write it ourselves once the tag is complete. ``--resume latest``
 only ever sees complete checkpoints; pruning (``--keep-last``) happens after the new one is
-complete, and only removes complete tags older than it.
+complete, and only removes complete tags older than it (each is first renamed out of the way, so
+a kill during the deletion never leaves a half-deleted folder that still looks complete).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +39,13 @@ import torch.distributed as dist
 COMPLETE = "COMPLETE"
 LATEST = "latest"
 STATE_FILE = "dsclip_state.json"
+MODEL_CONFIG_FILE = "model_config.json"  # {"model_cfg": <resolved model config>}, as dsclip.model.save_model writes
+TOKENIZER_FILE = "tokenizer.model"  # the run's SentencePiece model, copied into the run folder
+TOKENIZER_SPEC_FILE = "tokenizer.json"  # {"tokenizer": "open_clip:NAME"} for non-file tokenizers
+PARTIAL_PREFIX = ".partial."
+TRASH_PREFIX = ".trash."
+_TAG_RE = re.compile(r"step_\d+")
+SLOW_SAVE_ENV = "DSCLIP_TEST_SLOW_SAVE_S"  # tests: sleep between the shard writes and COMPLETE
 
 
 def tag_for_step(step: int) -> str:
@@ -44,18 +64,42 @@ def _atomic_write(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
+    _fsync_dir(path.parent)
+
+
+def complete_tags(ckpt_dir: Path) -> list[str]:
+    """Complete ``step_*`` tags, oldest first (in-progress ``.partial.*`` folders are never listed)."""
+    if not ckpt_dir.is_dir():
+        return []
+    tags = [p.name for p in ckpt_dir.iterdir() if _TAG_RE.fullmatch(p.name) and (p / COMPLETE).exists()]
+    return sorted(tags)
+
+
+def _fsync_dir(path: Path) -> None:
+    dir_fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
 
 
-def complete_tags(ckpt_dir: Path) -> list[str]:
-    if not ckpt_dir.is_dir():
-        return []
-    tags = [p.name for p in ckpt_dir.iterdir() if p.is_dir() and (p / COMPLETE).exists()]
-    return sorted(tags)
+def record_tokenizer(run_dir: Path, tokenizer) -> None:
+    """Keep the run's tokenizer with the run (rank 0): ``dsclip convert`` copies it next to the weights.
+
+    A SentencePiece model file is copied to ``<run>/tokenizer.model`` (the cache it came from may be
+    gone by the time someone converts the run); a tokenizer without a file but with a ``spec`` such as
+    ``open_clip:ViT-B-32`` is recorded in ``<run>/tokenizer.json``."""
+    path = getattr(tokenizer, "model_path", None)
+    spec = getattr(tokenizer, "spec", None)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if path and Path(path).is_file():
+        dst = run_dir / TOKENIZER_FILE
+        if Path(path).resolve() != dst.resolve():
+            tmp = dst.with_name(f".{dst.name}.tmp.{os.getpid()}")
+            shutil.copyfile(path, tmp)
+            os.replace(tmp, dst)
+    elif spec:
+        _atomic_write(run_dir / TOKENIZER_SPEC_FILE, json.dumps({"tokenizer": spec}))
 
 
 def latest_complete(ckpt_dir: Path) -> str | None:
@@ -85,7 +129,7 @@ def resolve_resume(resume: str, run_dir: Path) -> tuple[Path, str] | None:
         tag = latest_complete(ckpt_dir)
         if tag is not None:
             return ckpt_dir, tag
-    if p.is_dir() and any(p.glob("*/mp_rank_*_model_states.pt")) or (p / LATEST).exists():
+    if p.is_dir() and any(p.glob("*/*model_states.pt")) or (p / LATEST).exists():
         raise FileNotFoundError(f"--resume {resume}: no complete checkpoint there (an interrupted save?)")
     raise FileNotFoundError(f"--resume {resume}: not a checkpoint, checkpoints folder or run folder")
 
@@ -116,34 +160,59 @@ class Checkpointer:
         """Collective: every rank must call it (DeepSpeed writes each rank's shards)."""
         tag = tag_for_step(step)
         tag_dir = self.dir / tag
+        partial = PARTIAL_PREFIX + tag
         if self.rank == 0:
             self.dir.mkdir(parents=True, exist_ok=True)
-            (tag_dir / COMPLETE).unlink(missing_ok=True)  # re-saving a tag: not complete until done again
+            self._remove_leftovers()  # of saves or prunes a kill interrupted
         _barrier()
-        engine.save_checkpoint(str(self.dir), tag=tag, client_state={"dsclip": state}, save_latest=False)
+        engine.save_checkpoint(str(self.dir), tag=partial, client_state={"dsclip": state}, save_latest=False)
         _barrier()  # every rank's shards are on disk
         if self.rank == 0:
-            _atomic_write(tag_dir / STATE_FILE, json.dumps(state, indent=2))
-            _atomic_write(tag_dir / COMPLETE, json.dumps({"step": step}))
+            slow = float(os.environ.get(SLOW_SAVE_ENV, "0") or 0)
+            if slow > 0:  # tests kill the job in this window: shards written, not yet complete
+                time.sleep(slow)
+            part_dir = self.dir / partial
+            _atomic_write(part_dir / STATE_FILE, json.dumps(state, indent=2))
+            model_cfg = getattr(getattr(engine, "module", None), "config", None)
+            if isinstance(model_cfg, dict):
+                _atomic_write(part_dir / MODEL_CONFIG_FILE, json.dumps({"model_cfg": model_cfg}, indent=2))
+            _atomic_write(part_dir / COMPLETE, json.dumps({"step": step}))
+            if tag_dir.exists():  # re-saving a tag: move the old one aside, then swap the new one in
+                os.replace(tag_dir, self.dir / (TRASH_PREFIX + tag))
+            os.replace(part_dir, tag_dir)
+            _fsync_dir(self.dir)
             _atomic_write(self.dir / LATEST, tag)
             self._prune(keep=tag)
+            self._remove_leftovers()
         _barrier()
         self.last_saved_step = step
         return tag_dir
+
+    def _remove_leftovers(self) -> None:
+        for p in self.dir.iterdir():
+            if p.is_dir() and (p.name.startswith(PARTIAL_PREFIX) or p.name.startswith(TRASH_PREFIX)):
+                shutil.rmtree(p, ignore_errors=True)
 
     def _prune(self, keep: str) -> None:
         if self.keep_last <= 0:
             return
         tags = [t for t in complete_tags(self.dir) if t <= keep]
         for old in tags[: -self.keep_last]:
-            shutil.rmtree(self.dir / old, ignore_errors=True)
+            trash = self.dir / (TRASH_PREFIX + old)
+            os.replace(self.dir / old, trash)  # atomic: it stops being a complete tag before any file goes
+            shutil.rmtree(trash, ignore_errors=True)
 
 
 def load(engine, ckpt_dir: Path, tag: str, *, load_optimizer_states: bool = True) -> dict[str, Any]:
     """Load a tag into the engine (collective); return dsclip's client state."""
-    path, client_state = engine.load_checkpoint(
-        str(ckpt_dir), tag=tag, load_optimizer_states=load_optimizer_states, load_lr_scheduler_states=True
-    )
+    if engine.load_universal_checkpoint():  # saved on another world size (dsclip.checkpoint.universal)
+        from dsclip.checkpoint.universal import load_universal
+
+        path, client_state = load_universal(engine, ckpt_dir, tag)
+    else:
+        path, client_state = engine.load_checkpoint(
+            str(ckpt_dir), tag=tag, load_optimizer_states=load_optimizer_states, load_lr_scheduler_states=True
+        )
     if path is None:
         raise FileNotFoundError(f"DeepSpeed could not load checkpoint {ckpt_dir / tag}")
     state = (client_state or {}).get("dsclip")

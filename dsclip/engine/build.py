@@ -42,9 +42,6 @@ def construction_context(ds_config: dict):
     if zero_stage(ds_config) == 3:
         import deepspeed
 
-        # zero.Init sizes its partitions from deepspeed.comm, which must know the world already
-        # (a no-op when dsclip.engine.world set it up; needed when torch.distributed was set up directly).
-        deepspeed.init_distributed(dist_backend="nccl" if device_type() == "cuda" else "gloo")
         return deepspeed.zero.Init(config_dict_or_path=ds_config)
     return contextlib.nullcontext()
 
@@ -75,6 +72,10 @@ def build_engine(
 ) -> EngineBundle:
     import deepspeed
 
+    # zero.Init and activation checkpointing read the world from deepspeed.comm, which must exist
+    # before them (a no-op after dsclip.engine.world.init_distributed; needed when a caller set up
+    # torch.distributed directly, as the multi-process tests do).
+    deepspeed.init_distributed(dist_backend="nccl" if device_type() == "cuda" else "gloo")
     with construction_context(ds_config):
         model = model_factory()
     if zero_stage(ds_config) == 3:

@@ -185,6 +185,13 @@ def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, *, world_size: int, d
         if zero.get("offload_optimizer", {}).get("device", "none") not in ("none", None):
             ds.setdefault("zero_force_ds_cpu_optimizer", False)
 
+    ac = ds.get("activation_checkpointing", {})
+    if device_type == "cpu" and ac.get("cpu_checkpointing"):
+        # Activations already live in host memory; DeepSpeed 0.19's offload path then hands the
+        # recomputation an empty tensor ("expected input with shape [*, W], but got input of size[]").
+        print(f"dsclip: {where}: activation_checkpointing.cpu_checkpointing ignored on a CPU device", flush=True)
+        ac["cpu_checkpointing"] = False
+
     ds.setdefault("steps_per_print", 10**9)  # dsclip prints its own, honest, line
     ds.setdefault("wall_clock_breakdown", False)
     return ds

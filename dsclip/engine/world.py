@@ -351,14 +351,15 @@ _preempt = {"signum": None}
 def install_preemption_handler(signals=PREEMPT_SIGNALS) -> None:
     """Record (not act on) ``SIGUSR1``/``SIGTERM``; the loop checks :func:`preemption_requested`.
 
-    Only the first one is deferred: the handler then restores the default action, so a second
-    signal (SLURM's SIGTERM at the time limit, a launcher tearing down its ranks after another rank
-    failed, a user's second ``scancel``) ends the process at once."""
+    Only the first signal is deferred; after it, SIGTERM gets its default action back, so SLURM's
+    SIGTERM at the time limit (after the USR1 warning) or a second ``scancel`` ends the process at
+    once. A repeated SIGUSR1 (SLURM may deliver it to a rank both directly and via the batch
+    script) stays harmless."""
 
     def handler(signum, frame):
         _preempt["signum"] = signum
-        for s in signals:
-            signal.signal(s, signal.SIG_DFL)
+        if signal.SIGTERM in signals:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
     for s in signals:
         signal.signal(s, handler)

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from dsclip import config as cfgmod
-from dsclip.checkpoint import ds_checkpoint
+from dsclip.checkpoint import ds_checkpoint, universal
 from dsclip.config import ConfigError, RunConfig
 from dsclip.data import build_tokenizer, build_train_data
 from dsclip.engine import world
@@ -59,11 +59,17 @@ def train(cfg: RunConfig) -> dict:
     resume = None
     if cfg.checkpoint.resume:
         resume = ds_checkpoint.resolve_resume(cfg.checkpoint.resume, run_dir)
+    if resume is not None and universal.needs_universal(universal.saved_state(*resume), world_size):
+        # saved on another number of ranks: load a re-shardable (universal) copy of the tag
+        resume = universal.prepare_universal(*resume, rank=rank)
+        ds_config["checkpoint"] = {**ds_config.get("checkpoint", {}), "load_universal": True}
 
     # --- data and model ---
     text_cfg = model_cfg["text_cfg"]
     context_length = cfg.model.context_length or text_cfg.get("context_length", 77)
     tokenizer = build_tokenizer(cfg.data, context_length, cache_dir())
+    if rank == 0:
+        ds_checkpoint.record_tokenizer(run_dir, tokenizer)  # `dsclip convert` ships it with the weights
     image_size = model_cfg["vision_cfg"]["image_size"]
     data = build_train_data(cfg.data, tokenizer=tokenizer, image_size=image_size, batch_size=cfg.train.batch_size,
                             rank=rank, world_size=world_size, seed=cfg.train.seed)
@@ -104,17 +110,20 @@ def train(cfg: RunConfig) -> dict:
     step_fn = GradCacheStep(engine, loss_fn, keep_last_graph=cfg.train.keep_last_graph,
                             compute_dtype=autocast_dtype(bundle))
 
+    samples_per_step = cfg.train.batch_size * k * world_size
     step = 0
     if resume is not None:
         state = ds_checkpoint.load(engine, *resume)
-        step = int(state["step"])
+        # same global batch: same step; otherwise the same place in the data (rule in checkpoint/universal.py)
+        step, moved = universal.resume_position(state, global_batch=samples_per_step, steps_per_epoch=steps_per_epoch)
+        if moved:
+            universal.set_schedule_step(engine, step)
         if rank == 0:
             print(f"resumed from {resume[0] / resume[1]} at step {step}", flush=True)
 
     checkpointer = ds_checkpoint.Checkpointer(run_dir, every_n_steps=cfg.checkpoint.save_every_n_steps,
                                               every_n_epochs=cfg.checkpoint.save_frequency,
                                               keep_last=cfg.checkpoint.keep_last, rank=rank)
-    samples_per_step = cfg.train.batch_size * k * world_size
     metrics = MetricsLogger(run_dir, rank=rank, world_size=world_size, every_n_steps=cfg.log.log_every_n_steps,
                             report_to=cfg.log.report_to, samples_per_step=samples_per_step,
                             total_steps=total_steps, device=engine.device)

@@ -84,3 +84,9 @@ def test_invalid_json_and_missing_file(tmp_path):
         load_ds_json(bad)
     with pytest.raises(ConfigError, match="DeepSpeed config not found.*zero2.json"):
         load_ds_json(tmp_path / "nope.json")
+
+
+def test_cpu_checkpointing_dropped_on_cpu_kept_on_gpu():
+    raw = {"activation_checkpointing": {"cpu_checkpointing": True}}
+    assert resolve(raw, device="cpu")["activation_checkpointing"]["cpu_checkpointing"] is False
+    assert resolve(raw, device="cuda")["activation_checkpointing"]["cpu_checkpointing"] is True

@@ -1,0 +1,129 @@
+"""Resume on a different number of ranks: DeepSpeed universal checkpoints, made on demand.
+
+A ZeRO checkpoint stores each rank's slice of the flat fp32 master weights and Adam moments, so
+it only loads on the world size that wrote it. ``deepspeed.checkpoint.ds_to_universal`` rewrites a
+tag as one file per parameter and optimizer state (``zero/<param>/{fp32,exp_avg,exp_avg_sq}.pt``),
+which an engine configured with ``"checkpoint": {"load_universal": true}`` re-slices for its own
+world size. Checked with DeepSpeed 0.19.8 on CPU/gloo for ZeRO-2 and ZeRO-3, world 2 -> 1 and 1 -> 2
+(tests/e2e/test_checkpoint_resume.py).
+
+The universal copy lives inside the tag (``<tag>/universal/``), is written by rank 0 into a
+temporary folder and renamed into place with a COMPLETE marker, so a kill during the conversion
+leaves nothing that looks usable, and a second resume reuses it.
+
+Data position and schedule (see ``resume_position``): the loop's data order depends only on the
+global batch (rank r's micro-batch m of an epoch is ``perm[(m * world + r) * B : ...]``, so one
+optimizer step always covers the next ``world * B * accum`` samples of the epoch's permutation).
+- Same global batch (e.g. 2 ranks x 8 -> 1 rank x 16): resume at the same optimizer step; the LR
+  schedule state is restored as saved and every later step sees the same samples as the
+  uninterrupted run.
+- Different global batch: resume at ``samples_done_in_epoch // new_global_batch`` within the saved
+  epoch (a few samples may be seen twice, none skipped), and the LR schedule is re-positioned to
+  that step of the new run's schedule (its total length follows the new batch size).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from argparse import Namespace
+from pathlib import Path
+from typing import Any
+
+from dsclip.checkpoint.ds_checkpoint import COMPLETE, STATE_FILE, _barrier
+
+UNIVERSAL = "universal"
+
+
+def saved_state(ckpt_dir: Path, tag: str) -> dict[str, Any]:
+    """The dsclip state of a complete tag (step, epoch, world size, batch triad, ...)."""
+    return json.loads((Path(ckpt_dir) / tag / STATE_FILE).read_text())
+
+
+def needs_universal(state: dict[str, Any], world_size: int) -> bool:
+    saved = state.get("world_size")
+    return saved is not None and int(saved) != int(world_size)
+
+
+def convert_to_universal(ckpt_dir: Path, tag: str) -> Path:
+    """Write ``<ckpt_dir>/<tag>/universal`` (idempotent; single process). Returns that folder."""
+    from deepspeed.checkpoint import ds_to_universal
+
+    tag_dir = Path(ckpt_dir) / tag
+    out = tag_dir / UNIVERSAL
+    if (out / COMPLETE).exists():
+        return out
+    tmp = tag_dir / f".{UNIVERSAL}.tmp.{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    args = Namespace(input_folder=str(tag_dir), output_folder=str(tmp), num_extract_workers=1,
+                     num_merge_workers=1, keep_temp_folder=False, strict=True,
+                     inject_missing_state=True)  # plain (non-Megatron) models carry no universal_checkpoint_info
+    ds_to_universal.main(args)
+    (tag_dir / "latest_universal").unlink(missing_ok=True)  # ds_to_universal's pointer; we pass tags explicitly
+    shutil.copyfile(tag_dir / STATE_FILE, tmp / STATE_FILE)
+    (tmp / COMPLETE).write_text(json.dumps({"from": tag}))
+    shutil.rmtree(out, ignore_errors=True)  # an older incomplete attempt
+    os.replace(tmp, out)
+    return out
+
+
+def prepare_universal(ckpt_dir: Path, tag: str, *, rank: int) -> tuple[Path, str]:
+    """Collective: rank 0 converts (if not done before), everyone waits. Returns the (load_dir, tag)
+    to pass to ``engine.load_checkpoint`` with ``load_universal`` on."""
+    if rank == 0:
+        convert_to_universal(ckpt_dir, tag)
+    _barrier()
+    return Path(ckpt_dir) / tag, UNIVERSAL
+
+
+def resume_position(state: dict[str, Any], *, global_batch: int, steps_per_epoch: int) -> tuple[int, bool]:
+    """(optimizer step to continue from, whether it differs from the saved step).
+
+    Same global batch: the saved step. Otherwise the saved epoch plus the samples already done in it,
+    in whole steps of the new global batch."""
+    step = int(state["step"])
+    old_global = int(state.get("batch_size", 0)) * int(state.get("accum_freq", 1)) * int(state.get("world_size", 0))
+    if old_global in (0, global_batch):
+        return step, False
+    epoch, in_epoch = int(state["epoch"]), int(state["step_in_epoch"])
+    new_step = epoch * steps_per_epoch + min(in_epoch * old_global // global_batch, steps_per_epoch)
+    return new_step, new_step != step
+
+
+def set_schedule_step(engine, step: int) -> None:
+    """Re-position the LR scheduler so the next optimizer step uses the LR of step ``step``."""
+    sched = engine.lr_scheduler
+    if sched is None or not hasattr(sched, "lr_lambdas"):
+        return
+    lrs = [base * fn(step) for base, fn in zip(sched.base_lrs, sched.lr_lambdas)]
+    for group, lr in zip(sched.optimizer.param_groups, lrs):
+        group["lr"] = lr
+    sched.last_epoch = step
+    sched._last_lr = lrs
+
+
+def load_universal(engine, load_dir: Path, tag: str) -> tuple[Any, Any]:
+    """``engine.load_checkpoint`` of a universal tag, plus a fix for DeepSpeed 0.19.8's ZeRO-3 path.
+
+    ``DeepSpeedZeroOptimizer_Stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3`` copies the
+    hyper-parameters of param group 0 into every group (so the no-weight-decay group gets group 0's
+    weight decay) and sets every group's ``params`` to ``[]`` (so the wrapped torch optimizer updates
+    nothing afterwards). We put back each group's own parameter list and its saved hyper-parameters."""
+    import torch
+
+    inner = getattr(engine.optimizer, "optimizer", None)
+    params_before = [list(g["params"]) for g in inner.param_groups] if inner is not None else None
+    path, client_state = engine.load_checkpoint(str(load_dir), tag=tag, load_optimizer_states=True,
+                                                load_lr_scheduler_states=True)
+    if path is not None and engine.zero_optimization_stage() == 3 and params_before is not None:
+        optim_sd = torch.load(Path(load_dir) / tag / "zero" / "optimizer_state.pt", map_location="cpu",
+                              weights_only=False)
+        saved_groups = optim_sd["optimizer_state_dict"]["param_groups"]
+        if len(saved_groups) != len(inner.param_groups):
+            raise RuntimeError(f"universal checkpoint has {len(saved_groups)} param groups, the optimizer "
+                               f"{len(inner.param_groups)}")
+        for group, params, saved in zip(inner.param_groups, params_before, saved_groups):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+            group["params"] = params
+    return path, client_state

@@ -1,0 +1,491 @@
+"""``dsclip plan``: what fits on each GPU, and how fast it runs, before a big job is queued.
+
+    dsclip plan --model ViT-bigG-14 --gpus 256 --gpu-memory 80 --batch-size 32768 \
+        [--zero 2|3] [--precision bf16] [--grad-checkpointing] [--patch-dropout 0.5] \
+        [--loss infonce|infonce_local|infonce_tiled|siglip] [--mfu 0.4] [--peak-tflops 790]
+
+Everything is computed from the architecture (no GPU, no weights: the model is built on the meta
+device to count parameters). Each number has one function here, and the tests check them against
+measurements:
+
+* model states (``model_state_bytes``): DeepSpeed mixed-precision accounting, per GPU. For ZeRO-2
+  ``2P + (2 + 4 + 4 + 8)·P/N`` (16-bit params replicated; 16-bit and fp32 gradient partitions, fp32
+  master, Adam m and v partitioned), for ZeRO-3 ``18·P/N + 4·largest_layer`` (everything
+  partitioned plus the gathered layers in flight): identical to DeepSpeed's own
+  ``estimate_zero2/3_model_states_mem_needs`` (tests/unit/test_plan.py) and to the tensors a real
+  engine allocates (tests/dist/test_scale_plan.py).
+* activations (``activation_bytes``): the tensors autograd saves, listed per transformer block
+  (pre-norm timm ``Block`` with fused SDPA: 8·T·W + 2·T·H elements plus fp32 norm statistics and the
+  attention log-sum-exp) plus the stem/head of each tower; checked against the bytes autograd
+  really saves in a forward of small models (fp32/bf16, patch dropout, checkpointing).
+* loss memory per mode (``loss_bytes``) and the gradient cache's embedding cache.
+* FLOPs (``forward_flops``): every matmul, the patch-embedding convolution and attention, checked
+  against ``torch.utils.flop_counter.FlopCounterMode``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+GiB = 2**30
+LOSS_MODES = ("infonce", "infonce_local", "infonce_tiled", "siglip")
+LOSS_FLAGS = {
+    "infonce": [],
+    "infonce_local": ["--local-loss", "--gather-with-grad"],
+    "infonce_tiled": ["--tiled-loss"],
+    "siglip": ["--siglip"],
+}
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---------------------------------------------------------------------------------------------------
+# architecture
+@dataclass
+class Tower:
+    tokens: int  # T: sequence length seen by the blocks
+    width: int  # W
+    layers: int
+    heads: int
+    hidden: int  # H: MLP hidden width (int(W * mlp_ratio), as timm's Block)
+    causal: bool = False
+
+
+@dataclass
+class Arch:
+    name: str
+    embed_dim: int
+    image_size: int
+    patch_size: int
+    vision: Tower
+    text: Tower
+    vocab_size: int
+    params: int = 0
+    vision_params: int = 0
+    text_params: int = 0
+    largest_layer_params: int = 0
+    patch_dropout: float = 0.0
+
+    @property
+    def patches(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+
+def kept_patches(patches: int, patch_dropout: float) -> int:
+    """timm's PatchDropout keeps max(1, int(N * (1 - p))) patches (the class token is always kept)."""
+    return patches if patch_dropout <= 0 else max(1, int(patches * (1.0 - patch_dropout)))
+
+
+def load_arch(model: str | dict, patch_dropout: float = 0.0, count_params: bool = True) -> Arch:
+    """Shapes of a registered name / JSON path / config dict; parameters counted on the meta device."""
+    from dsclip.model import create_model, get_model_config, resolve_model_config
+
+    raw = model if isinstance(model, dict) else get_model_config(model)
+    cfg = resolve_model_config(raw)
+    v, t = cfg["vision_cfg"], cfg["text_cfg"]
+    n = (v["image_size"] // v["patch_size"]) ** 2
+    vis = Tower(1 + kept_patches(n, patch_dropout), v["width"], v["layers"], v["width"] // v["head_width"],
+                int(v["width"] * v["mlp_ratio"]))
+    txt = Tower(t["context_length"], t["width"], t["layers"], t["heads"], int(t["width"] * t["mlp_ratio"]),
+                causal=True)
+    arch = Arch(str(model if not isinstance(model, dict) else "custom"), cfg["embed_dim"], v["image_size"],
+                v["patch_size"], vis, txt, t["vocab_size"], patch_dropout=patch_dropout)
+    if count_params:
+        m = create_model(cfg, device="meta")
+        arch.params = sum(p.numel() for p in m.parameters())
+        arch.vision_params = sum(p.numel() for p in m.visual.parameters())
+        arch.text_params = sum(p.numel() for p in m.text.parameters())
+        # As DeepSpeed's model_to_params: the most parameters any single module owns directly.
+        arch.largest_layer_params = max(sum(p.numel() for p in mod.parameters(recurse=False))
+                                        for mod in m.modules())
+    return arch
+
+
+# ---------------------------------------------------------------------------------------------------
+# model states
+def model_state_bytes(params: int, world: int, zero: int, precision: str = "bf16",
+                      largest_layer_params: int = 0) -> dict[str, float]:
+    """Per-GPU bytes of parameters, gradients and Adam states under ZeRO-``zero`` (DeepSpeed's accounting).
+
+    Mixed precision (bf16/fp16): 16-bit parameters (2 B), a 16-bit gradient partition (2 B) and an fp32
+    gradient partition (4 B), fp32 master weights (4 B) and Adam m, v (8 B). fp32: 4 B parameters,
+    4 B gradients, 8 B Adam, no master copy. ZeRO-1 partitions the optimizer (master + Adam), ZeRO-2 also
+    the gradients, ZeRO-3 also the parameters, which are then gathered a layer or two at a time
+    (DeepSpeed's estimate: 4 B x the largest layer).
+    """
+    p, n = float(params), float(world)
+    mixed = precision in ("bf16", "fp16")
+    w_b = 2 if mixed else 4
+    g_b = (2 + 4) if mixed else 4
+    master_b = 4 if mixed else 0
+    out = {
+        "params": p * w_b / (n if zero >= 3 else 1),
+        "grads": p * g_b / (n if zero >= 2 else 1),
+        "optimizer": p * (master_b + 8) / (n if zero >= 1 else 1),
+    }
+    if zero >= 3:
+        out["gathered_layers"] = 4.0 * largest_layer_params
+    return out
+
+
+def bucket_bytes(ds_config: dict, precision: str) -> float:
+    """Communication buffers DeepSpeed allocates from the JSON's bucket sizes (elements -> bytes)."""
+    z = ds_config.get("zero_optimization", {})
+    stage = int(z.get("stage", 0))
+    b = 2 if precision in ("bf16", "fp16") else 4
+
+    def num(key, default):
+        v = z.get(key, default)
+        return float(v) if not isinstance(v, str) else float(default)
+
+    if stage == 3:
+        return b * (num("reduce_bucket_size", 5e8) + num("stage3_prefetch_bucket_size", 5e7))
+    if stage in (1, 2):
+        double = 2 if z.get("overlap_comm") else 1
+        return b * (double * num("reduce_bucket_size", 5e8) + num("allgather_bucket_size", 5e8))
+    return 0.0
+
+
+# ---------------------------------------------------------------------------------------------------
+# activations
+def block_saved_bytes(t: Tower, act_b: int) -> float:
+    """Bytes autograd keeps per sample for one pre-norm block (timm Block, fused SDPA attention).
+
+    norm1 input, norm1 output (qkv input), qkv output (q, k, v are views of it), attention output
+    (= proj input: SDPA's output layout makes the transpose a view), norm2 input, norm2 output (fc1
+    input), fc1 output (GELU input), GELU output (fc2 input): 8·T·W + 2·T·H elements; plus each
+    LayerNorm's mean and rstd (fp32) and the attention log-sum-exp (fp32, heads × T).
+    """
+    T, W, H = t.tokens, t.width, t.hidden
+    return act_b * (8 * T * W + 2 * T * H) + 4 * (2 * 2 * T + t.heads * T)
+
+
+def block_input_bytes(t: Tower, act_b: int) -> float:
+    return act_b * t.tokens * t.width
+
+
+def tower_extra_bytes(arch: Arch, act_b: int) -> dict[str, float]:
+    """Per-sample saved tensors outside the blocks (stem, final norm, pooling, projection, normalize)."""
+    v, t, d = arch.vision, arch.text, arch.embed_dim
+    vision = act_b * 3 * arch.image_size**2  # patch-embedding conv input (the image)
+    vision += 2 * (act_b * v.tokens * v.width + 4 * 2 * v.tokens)  # norm_pre and final norm inputs + stats
+    # The pooled class token is a view of the final norm's output, so the projection keeps that whole
+    # (T, W) tensor alive; then the projection output and the normalized features.
+    vision += act_b * (v.tokens * v.width + 2 * d)
+    if arch.patch_dropout > 0:  # the gather keeps its full (1 + N)-token source and the kept indices
+        vision += act_b * (1 + arch.patches) * v.width + 8 * (v.tokens - 1)
+    text = 8 * t.tokens  # token ids (int64) kept by the embedding
+    text += act_b * t.tokens * t.width + 4 * 2 * t.tokens  # ln_final input + stats
+    text += act_b * (t.width + 2 * d) + 8  # pooled token, projection, normalize; pooling index
+    return {"vision": float(vision), "text": float(text)}
+
+
+def activation_bytes(arch: Arch, precision: str = "bf16", grad_checkpointing: bool = False) -> dict[str, float]:
+    """Per-sample activation memory: what the forward keeps for backward, and the backward's transient peak.
+
+    ``saved``: bytes alive at the end of a forward (what the tests measure). ``transient``: extra bytes at
+    the backward peak: with checkpointing, one block's recomputed activations; always, the gradient
+    flowing through the widest tensor (2 x T·H of the largest tower, a conservative working set).
+    """
+    act_b = 4 if precision == "fp32" else 2
+    extra = tower_extra_bytes(arch, act_b)
+    out: dict[str, float] = {}
+    for name, tw in (("vision", arch.vision), ("text", arch.text)):
+        per_block = block_input_bytes(tw, act_b) if grad_checkpointing else block_saved_bytes(tw, act_b)
+        out[f"{name}_blocks"] = tw.layers * per_block
+        out[f"{name}_other"] = extra[name]
+    out["saved"] = sum(out.values())
+    widest = max(act_b * 2 * tw.tokens * tw.hidden for tw in (arch.vision, arch.text))
+    recompute = max(block_saved_bytes(tw, act_b) for tw in (arch.vision, arch.text)) if grad_checkpointing else 0
+    out["transient"] = float(widest + recompute)
+    out["peak"] = out["saved"] + out["transient"]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# loss and gradient cache
+def loss_bytes(mode: str, local_rows: int, global_rows: int, dim: int, tile: int = 4096) -> float:
+    """Peak bytes of one loss forward+backward on a rank holding ``local_rows`` of ``global_rows`` (fp32).
+
+    infonce: the N×N logits, their two log-softmaxes and the logits' gradient (4 N² floats) plus the
+    gathered features and their gradients; infonce_local: the same with b×N logits for both directions
+    (2 × (logits, log-softmax, gradient) = 6 b·N); infonce_tiled / siglip: a few tile² blocks and the
+    ring's receive/accumulate buffers (O(b·D)): the logit matrix is never built.
+    """
+    b, n, d, f = float(local_rows), float(global_rows), float(dim), 4.0
+    gathered = 2 * 2 * n * d * f  # all image + text features and their gradients
+    if mode == "infonce":
+        return 4 * n * n * f + gathered
+    if mode == "infonce_local":
+        return 6 * b * n * f + gathered
+    if mode in ("infonce_tiled", "siglip"):
+        tl = min(tile, max(b, 1))
+        return 3 * tl * tl * f + 4 * 2 * b * d * f
+    raise ValueError(f"unknown loss mode {mode!r}; choose one of {', '.join(LOSS_MODES)}")
+
+
+def embedding_cache_bytes(local_rows: int, dim: int) -> float:
+    """The gradient cache's pass-1 embeddings (image + text, fp32) and their cached gradients."""
+    return 4.0 * local_rows * dim * 4
+
+
+# ---------------------------------------------------------------------------------------------------
+# FLOPs
+def tower_forward_flops(t: Tower) -> float:
+    """Per-sample forward FLOPs of the blocks (2 per multiply-add): qkv, QKᵀ, AV, out-proj, MLP."""
+    T, W, H = t.tokens, t.width, t.hidden
+    per_block = 2 * T * W * 3 * W + 2 * 2 * T * T * W + 2 * T * W * W + 2 * 2 * T * W * H
+    return float(t.layers * per_block)
+
+
+def forward_flops(arch: Arch) -> dict[str, float]:
+    v, t, d = arch.vision, arch.text, arch.embed_dim
+    patch = 2.0 * arch.patches * 3 * arch.patch_size**2 * v.width  # conv over every patch (before dropout)
+    vision = patch + tower_forward_flops(v) + 2.0 * v.width * d
+    text = tower_forward_flops(t) + 2.0 * t.width * d
+    return {"vision": vision, "text": text, "total": vision + text}
+
+
+def loss_flops(mode: str, local_rows: int, global_rows: int, dim: int) -> float:
+    """FLOPs of the loss on one rank per step (forward + backward): the logit matmuls dominate.
+
+    infonce computes the whole N×N matrix on every rank; infonce_local two b×N matrices; the tiled
+    losses compute each b×N block once and recompute it in backward (4 instead of 3 matmul passes)."""
+    b, n, d = float(local_rows), float(global_rows), float(dim)
+    one = 2 * b * n * d  # one b×N logit matmul
+    if mode == "infonce":
+        return 3 * 2 * n * n * d
+    if mode == "infonce_local":
+        return 3 * 2 * one
+    return 4 * one
+
+
+# ---------------------------------------------------------------------------------------------------
+# the plan
+@dataclass
+class Plan:
+    model: str
+    gpus: int
+    gpu_memory_gb: float
+    batch_size: int
+    zero: int
+    precision: str
+    grad_checkpointing: bool
+    patch_dropout: float
+    loss: str
+    mfu: float
+    peak_tflops: float
+    params: int = 0
+    local_batch: int = 0
+    micro_batch: int = 0
+    accum_freq: int = 0
+    max_micro_batch: int = 0
+    fits: bool = False
+    memory_gb: dict = field(default_factory=dict)
+    activation_per_sample_mb: dict = field(default_factory=dict)
+    loss_memory_gb: dict = field(default_factory=dict)
+    forward_gflops_per_sample: dict = field(default_factory=dict)
+    train_gflops_per_sample: float = 0.0
+    executed_gflops_per_sample: float = 0.0
+    step_time_s: float = 0.0
+    samples_per_s_per_gpu: float = 0.0
+    hfu: float = 0.0
+    command: str = ""
+    notes: list = field(default_factory=list)
+
+
+def shipped_ds_config(zero: int, precision: str) -> tuple[str, dict]:
+    name = f"ds_configs/zero{zero}_{precision}.json"
+    path = ROOT / name
+    if not path.exists():
+        path = ROOT / f"ds_configs/zero{zero}.json"
+        name = f"ds_configs/zero{zero}.json"
+    try:
+        return name, json.loads(path.read_text())
+    except FileNotFoundError:
+        return name, {"zero_optimization": {"stage": zero}}
+
+
+def make_plan(model: str, *, gpus: int, gpu_memory_gb: float, batch_size: int, zero: int = 2,
+              precision: str = "bf16", grad_checkpointing: bool = False, patch_dropout: float = 0.0,
+              loss: str = "infonce", mfu: float = 0.4, peak_tflops: float = 790.0, tile: int = 4096,
+              gpus_per_node: int = 8, reserve_gb: float = 2.0, keep_last_graph: bool = True) -> Plan:
+    from dsclip.config import ConfigError
+
+    if loss not in LOSS_MODES:
+        raise ConfigError(f"--loss must be one of {', '.join(LOSS_MODES)}, got {loss!r}")
+    if zero not in (1, 2, 3):
+        raise ConfigError(f"--zero must be 1, 2 or 3, got {zero}")
+    if precision not in ("bf16", "fp16", "fp32"):
+        raise ConfigError(f"--precision must be bf16, fp16 or fp32, got {precision!r}")
+    if gpus < 1 or batch_size < 1 or gpu_memory_gb <= 0:
+        raise ConfigError("--gpus, --batch-size and --gpu-memory must be positive")
+    if batch_size % gpus:
+        raise ConfigError(f"--batch-size {batch_size} is not a multiple of --gpus {gpus}: every rank needs the "
+                          f"same number of rows")
+    if not 0.0 <= patch_dropout < 1.0:
+        raise ConfigError(f"--patch-dropout must be in [0, 1), got {patch_dropout}")
+    if not 0 < mfu <= 1:
+        raise ConfigError(f"--mfu must be in (0, 1], got {mfu}")
+
+    arch = load_arch(model, patch_dropout)
+    plan = Plan(model, gpus, gpu_memory_gb, batch_size, zero, precision, grad_checkpointing, patch_dropout,
+                loss, mfu, peak_tflops, params=arch.params)
+    local = batch_size // gpus
+    plan.local_batch = local
+    ds_name, ds_cfg = shipped_ds_config(zero, precision)
+
+    states = model_state_bytes(arch.params, gpus, zero, precision, arch.largest_layer_params)
+    buckets = bucket_bytes(ds_cfg, precision)
+    cache = embedding_cache_bytes(local, arch.embed_dim)
+    losses = {m: loss_bytes(m, local, batch_size, arch.embed_dim, tile) for m in LOSS_MODES}
+    act = activation_bytes(arch, precision, grad_checkpointing)
+    fixed = sum(states.values()) + buckets + cache + losses[loss] + reserve_gb * GiB
+    budget = gpu_memory_gb * GiB - fixed
+    max_micro = int(budget // act["peak"]) if budget > 0 else 0
+    plan.max_micro_batch = max_micro
+    # The micro-batch must divide this rank's rows: largest divisor of `local` that fits.
+    micro = max((m for m in range(1, local + 1) if local % m == 0 and m <= max_micro), default=0)
+    plan.fits = micro >= 1
+    plan.micro_batch, plan.accum_freq = micro, (local // micro if micro else 0)
+
+    mem = {k: v / GiB for k, v in states.items()}
+    mem["comm_buckets"] = buckets / GiB
+    mem["embedding_cache"] = cache / GiB
+    mem[f"loss ({loss})"] = losses[loss] / GiB
+    mem["activations"] = act["peak"] * max(micro, 1) / GiB
+    mem["reserve (CUDA context, allocator)"] = reserve_gb
+    mem["total"] = sum(mem.values())
+    plan.memory_gb = {k: round(v, 3) for k, v in mem.items()}
+    plan.activation_per_sample_mb = {k: round(v / 2**20, 3) for k, v in act.items()}
+    plan.loss_memory_gb = {m: round(v / GiB, 3) for m, v in losses.items()}
+
+    fwd = forward_flops(arch)
+    plan.forward_gflops_per_sample = {k: round(v / 1e9, 2) for k, v in fwd.items()}
+    lf = loss_flops(loss, local, batch_size, arch.embed_dim) / local
+    model_flops = 3 * fwd["total"] + lf  # forward + backward (2x), the MFU convention
+    k = max(plan.accum_freq, 1)
+    reforward = (k - 1) / k if keep_last_graph else 1.0  # gradient cache pass 2 re-forwards the chunks
+    executed = model_flops + fwd["total"] * (reforward + (1.0 if grad_checkpointing else 0.0))
+    plan.train_gflops_per_sample = round(model_flops / 1e9, 2)
+    plan.executed_gflops_per_sample = round(executed / 1e9, 2)
+    plan.step_time_s = round(model_flops * local / (mfu * peak_tflops * 1e12), 3)
+    plan.samples_per_s_per_gpu = round(local / plan.step_time_s, 2) if plan.step_time_s else 0.0
+    plan.hfu = round(mfu * executed / model_flops, 3)
+
+    nodes = math.ceil(gpus / gpus_per_node)
+    launch = (f"deepspeed --num_nodes {nodes} --num_gpus {min(gpus, gpus_per_node)} --hostfile HOSTFILE "
+              if gpus > 1 else "")
+    args = [f"{launch}--module dsclip train" if launch else "dsclip train", f"--model {model}",
+            f"--batch-size {max(micro, 1)}", f"--accum-freq {max(plan.accum_freq, 1)}", f"--precision {precision}",
+            f"--deepspeed-config {ds_name}"]
+    if grad_checkpointing:
+        args.append("--grad-checkpointing")
+    if patch_dropout:
+        args.append(f"--force-patch-dropout {patch_dropout:g}")
+    args += LOSS_FLAGS[loss]
+    if loss in ("infonce_tiled", "siglip") and tile != 4096:
+        args.append(f"--loss-tile-size {tile}")
+    plan.command = " ".join(args)
+
+    notes = plan.notes
+    if not plan.fits:
+        notes.append("does NOT fit: even one sample per micro-batch exceeds the memory left after model states, "
+                     "loss and cache; " + _suggest(model, plan, tile, gpus_per_node))
+    if loss == "infonce" and losses["infonce"] > 0.1 * gpu_memory_gb * GiB:
+        notes.append(f"global infonce builds the {batch_size}x{batch_size} logit matrix on every rank "
+                     f"({losses['infonce'] / GiB:.1f} GiB); --loss infonce_tiled gives the same loss in "
+                     f"{losses['infonce_tiled'] / GiB:.2f} GiB")
+    if plan.hfu > 0.75:
+        notes.append(f"MFU {mfu} with this recompute means {plan.hfu:.2f} hardware utilization: optimistic")
+    if precision == "fp16":
+        notes.append("fp16 needs loss scaling; bf16 is the recommended precision on A100/H100/H200")
+    return plan
+
+
+def _suggest(model, plan: Plan, tile: int, gpus_per_node: int) -> str:
+    tries = []
+    if not plan.grad_checkpointing:
+        tries.append({"grad_checkpointing": True})
+    if plan.zero < 3:
+        tries.append({"zero": 3, "grad_checkpointing": True})
+    if plan.loss in ("infonce", "infonce_local"):
+        tries.append({"loss": "infonce_tiled", "grad_checkpointing": True, "zero": 3})
+    base = dict(gpus=plan.gpus, gpu_memory_gb=plan.gpu_memory_gb, batch_size=plan.batch_size, zero=plan.zero,
+                precision=plan.precision, grad_checkpointing=plan.grad_checkpointing,
+                patch_dropout=plan.patch_dropout, loss=plan.loss, mfu=plan.mfu, peak_tflops=plan.peak_tflops,
+                tile=tile, gpus_per_node=gpus_per_node)
+    for t in tries:
+        p = make_plan(model, **{**base, **t})
+        if p.fits:
+            return "try " + ", ".join(f"{k}={v}" for k, v in t.items()) + f" (micro-batch {p.micro_batch})"
+    return "add GPUs or lower the batch"
+
+
+# ---------------------------------------------------------------------------------------------------
+# CLI
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dsclip plan", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+    p.add_argument("--model", required=True, help="architecture name (dsclip/model/configs) or JSON path")
+    p.add_argument("--gpus", type=int, required=True, help="total number of GPUs (ranks)")
+    p.add_argument("--gpu-memory", type=float, default=80.0, help="memory per GPU in GiB")
+    p.add_argument("--batch-size", type=int, required=True, help="global contrastive batch per optimizer step")
+    p.add_argument("--zero", type=int, default=2, choices=(1, 2, 3), help="ZeRO stage")
+    p.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
+    p.add_argument("--grad-checkpointing", action="store_true", help="activation checkpointing of every block")
+    p.add_argument("--patch-dropout", type=float, default=0.0, help="FLIP patch-dropout rate (training)")
+    p.add_argument("--loss", default="infonce", choices=LOSS_MODES)
+    p.add_argument("--loss-tile-size", type=int, default=4096, help="tile edge of the tiled losses")
+    p.add_argument("--mfu", type=float, default=0.4, help="model-FLOPs utilisation (3x forward FLOPs / peak)")
+    p.add_argument("--peak-tflops", type=float, default=790.0, help="dense bf16 peak per GPU (H200 measured: 790)")
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--reserve", type=float, default=2.0, help="GiB kept for the CUDA context and fragmentation")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    return p
+
+
+def format_plan(p: Plan) -> str:
+    lines = [
+        f"dsclip plan: {p.model} ({p.params / 1e9:.3f} B params) | {p.gpus} GPUs x {p.gpu_memory_gb:g} GiB | "
+        f"ZeRO-{p.zero} {p.precision} | batch {p.batch_size} ({p.local_batch}/GPU) | loss {p.loss}"
+        + (" | grad-checkpointing" if p.grad_checkpointing else "")
+        + (f" | patch-dropout {p.patch_dropout:g}" if p.patch_dropout else ""),
+        "",
+        "per-GPU memory (GiB):",
+    ]
+    for k, v in p.memory_gb.items():
+        lines.append(f"  {k:<36} {v:10.3f}")
+    a = p.activation_per_sample_mb
+    lines += ["", "activations per sample (MiB): " + ", ".join(f"{k} {v:.2f}" for k, v in a.items()),
+              "loss memory per mode (GiB, this rank, whole step's rows): "
+              + ", ".join(f"{k} {v:.3f}" for k, v in p.loss_memory_gb.items()), ""]
+    if p.fits:
+        lines.append(f"fits: micro-batch {p.micro_batch} x --accum-freq {p.accum_freq} per GPU "
+                     f"(largest micro-batch that fits: {p.max_micro_batch})")
+    else:
+        lines.append("does NOT fit")
+    f = p.forward_gflops_per_sample
+    lines += [
+        f"FLOPs per sample: forward {f['total']:.1f} GFLOP (vision {f['vision']:.1f}, text {f['text']:.1f}); "
+        f"train (3x fwd) {p.train_gflops_per_sample:.1f}; executed incl. recompute {p.executed_gflops_per_sample:.1f}",
+        f"at MFU {p.mfu:g} of {p.peak_tflops:g} TFLOP/s: {p.step_time_s:.2f} s/step, "
+        f"{p.samples_per_s_per_gpu:.1f} samples/s/GPU, {p.samples_per_s_per_gpu * p.gpus:.0f} samples/s total "
+        f"(hardware utilisation incl. recompute {p.hfu:.2f})",
+    ]
+    lines += [f"note: {n}" for n in p.notes]
+    lines += ["", "recommended:", "  " + p.command]
+    return "\n".join(lines)
+
+
+def main_plan(argv: list[str]) -> int:
+    a = build_parser().parse_args(argv)
+    plan = make_plan(a.model, gpus=a.gpus, gpu_memory_gb=a.gpu_memory, batch_size=a.batch_size, zero=a.zero,
+                     precision=a.precision, grad_checkpointing=a.grad_checkpointing, patch_dropout=a.patch_dropout,
+                     loss=a.loss, mfu=a.mfu, peak_tflops=a.peak_tflops, tile=a.loss_tile_size,
+                     gpus_per_node=a.gpus_per_node, reserve_gb=a.reserve)
+    print(json.dumps(asdict(plan), indent=2) if a.json else format_plan(plan))
+    return 0 if plan.fits else 1

@@ -1,0 +1,188 @@
+"""dsclip plan: its numbers against DeepSpeed's estimators, autograd's saved tensors and FlopCounterMode."""
+
+from __future__ import annotations
+
+import shlex
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.checkpoint import checkpoint
+from torch.utils.flop_counter import FlopCounterMode
+
+from dsclip import plan as P
+from dsclip.model import create_model
+
+# Small architectures that exercise every term: head_width != 64, a non-integer MLP ratio (bigG's
+# 4.9231), a causal text tower, an image larger than one patch grid.
+SMALL = {
+    "embed_dim": 48,
+    "vision_cfg": {"image_size": 64, "patch_size": 8, "width": 96, "layers": 3, "head_width": 24,
+                   "mlp_ratio": 4.9231},
+    "text_cfg": {"context_length": 20, "vocab_size": 300, "width": 64, "heads": 4, "layers": 2,
+                 "pool_type": "eos", "eos_id": 2},
+}
+ACT_TOL = 0.03  # the computed per-sample activation bytes are within 3% of what autograd keeps
+
+
+def test_model_states_equal_deepspeed_zero2_estimate():
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    for name in ("ViT-H-14", "ViT-bigG-14"):
+        arch = P.load_arch(name)
+        for gpus in (8, 64, 256):
+            _, ds_gpu = estimate_zero2_model_states_mem_needs(arch.params, num_gpus_per_node=8 if gpus >= 8 else gpus,
+                                                             num_nodes=max(gpus // 8, 1), cpu_offload=False)
+            ours = sum(P.model_state_bytes(arch.params, gpus, 2, "bf16").values())
+            assert abs(ours - ds_gpu) <= 2, (name, gpus, ours, ds_gpu)
+
+
+def test_model_states_zero3_vs_deepspeed_estimate():
+    """DeepSpeed's ZeRO-3 estimate is 18·P/N + 4·largest layer. dsclip counts 20·P/N: the 16-bit
+    gradient partition (stage3.py grad_partitions_flat_buffer, in the 16-bit accumulation dtype) and
+    the fp32 gradient made from it at step time both exist, as in DeepSpeed's own ZeRO-2 count
+    (2 grads_16bit + 4 grads_32bit). The tests/dist/test_scale_plan.py engine check measures the
+    persistent buffers."""
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+
+    for name in ("ViT-H-14", "ViT-bigG-14"):
+        arch = P.load_arch(name)
+        for gpus in (8, 256):
+            _, ds_gpu, ds_layer = estimate_zero3_model_states_mem_needs(
+                arch.params, arch.largest_layer_params, num_gpus_per_node=8, num_nodes=gpus // 8,
+                cpu_offload=False)
+            ours = P.model_state_bytes(arch.params, gpus, 3, "bf16", arch.largest_layer_params)
+            assert ours["gathered_layers"] == ds_layer
+            assert abs(sum(ours.values()) - (ds_gpu + 2 * arch.params / gpus)) <= 2, (name, gpus)
+
+
+def test_largest_layer_is_deepspeeds_definition():
+    from deepspeed.runtime.zero.stage3 import model_to_params
+
+    m = create_model(SMALL)
+    total, largest = model_to_params(m)
+    arch = P.load_arch(SMALL)
+    assert (arch.params, arch.largest_layer_params) == (total, largest)
+
+
+def _saved_bytes(model, batch: int, dtype: torch.dtype, ckpt: bool) -> int:
+    """Bytes of distinct storages autograd keeps after one forward (parameters excluded); with
+    checkpointing, the tensors each checkpointed block keeps for its recomputation (its input)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def note(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in params and s.nbytes():
+            seen[s.data_ptr()] = s.nbytes()
+        return t
+
+    def ckpt_fn(fn, *args):
+        for a in args:
+            note(a)
+        return checkpoint(fn, *args, use_reentrant=False)
+
+    model.set_grad_checkpointing(ckpt, checkpoint_fn=ckpt_fn if ckpt else None)
+    cfg = model.config
+    g = torch.Generator().manual_seed(0)
+    size = cfg["vision_cfg"]["image_size"]
+    img = torch.randn(batch, 3, size, size, generator=g).to(dtype)
+    txt = torch.randint(3, 250, (batch, cfg["text_cfg"]["context_length"]), generator=g)
+    txt[:, -3] = 2
+    with torch.autograd.graph.saved_tensors_hooks(note, lambda t: t):
+        out = model(image=img, text=txt)
+    del out
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize(
+    "name,dtype,patch_dropout,ckpt",
+    [("demo", torch.float32, 0.0, False), ("small", torch.float32, 0.0, False),
+     ("small", torch.bfloat16, 0.0, False), ("small", torch.bfloat16, 0.5, False),
+     ("small", torch.float32, 0.0, True), ("small", torch.bfloat16, 0.5, True)],
+)
+def test_activation_estimate_matches_autograd_saved_tensors(name, dtype, patch_dropout, ckpt):
+    cfg = SMALL if name == "small" else name
+    torch.manual_seed(0)
+    model = create_model(cfg, patch_dropout=patch_dropout, vocab_size=300).to(dtype).train()
+    # Per sample: the difference between two batch sizes removes anything batch-independent.
+    measured = (_saved_bytes(model, 6, dtype, ckpt) - _saved_bytes(model, 2, dtype, ckpt)) / 4
+    arch = P.load_arch(model.config, patch_dropout)
+    est = P.activation_bytes(arch, "fp32" if dtype == torch.float32 else "bf16", ckpt)["saved"]
+    assert est == pytest.approx(measured, rel=ACT_TOL), (est, measured)
+
+
+@pytest.mark.parametrize("name,patch_dropout", [("demo", 0.0), ("small", 0.0), ("small", 0.5)])
+def test_forward_flops_match_flop_counter(name, patch_dropout):
+    cfg = SMALL if name == "small" else name
+    model = create_model(cfg, patch_dropout=patch_dropout, vocab_size=300).train()
+    c = model.config
+    size, length = c["vision_cfg"]["image_size"], c["text_cfg"]["context_length"]
+    batch = 3
+    txt = torch.randint(3, 250, (batch, length))
+    counter = FlopCounterMode(display=False)
+    # The math backend runs attention as two bmm's, which FlopCounterMode counts (it has no formula for
+    # the CPU flash kernel that SDPA picks by default); the FLOPs are the same either way.
+    with counter, torch.no_grad(), sdpa_kernel(SDPBackend.MATH):
+        model(image=torch.randn(batch, 3, size, size), text=txt)
+    est = P.forward_flops(P.load_arch(c, patch_dropout))["total"] * batch
+    assert est == pytest.approx(counter.get_total_flops(), rel=0.01)
+
+
+def test_bigg_plan_on_256_gpus_fits_and_prints_a_valid_command(capsys):
+    from dsclip.config import parse_run_config
+
+    rc = P.main_plan(["--model", "ViT-bigG-14", "--gpus", "256", "--gpu-memory", "80", "--batch-size", "32768",
+                      "--zero", "2", "--precision", "bf16", "--grad-checkpointing", "--patch-dropout", "0.5",
+                      "--loss", "infonce_local"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    for key in ("params", "grads", "optimizer", "activations", "embedding_cache", "loss (infonce_local)",
+                "FLOPs per sample", "s/step", "recommended:"):
+        assert key in out, key
+    cmd = out.strip().splitlines()[-1]
+    argv = shlex.split(cmd)
+    train_args = argv[argv.index("train") + 1:]
+    cfg = parse_run_config(train_args + ["--name", "x"], world_size=256)
+    assert cfg.train.batch_size * cfg.train.accum_freq * 256 == 32768
+    assert cfg.model.grad_checkpointing and cfg.model.force_patch_dropout == 0.5
+    assert cfg.loss_name == "infonce_local" and cfg.train.precision == "bf16"
+
+
+def test_plan_is_consistent():
+    p = P.make_plan("ViT-bigG-14", gpus=256, gpu_memory_gb=80, batch_size=32768, zero=3,
+                    grad_checkpointing=True, loss="infonce_tiled")
+    assert p.fits and p.micro_batch * p.accum_freq == p.local_batch == 128
+    assert p.memory_gb["total"] <= 80
+    # the next divisor up would not fit
+    assert p.micro_batch == p.local_batch or 2 * p.micro_batch > p.max_micro_batch
+    # checkpointing saves memory per sample; patch dropout halves the vision tower's FLOPs roughly
+    nock = P.make_plan("ViT-bigG-14", gpus=256, gpu_memory_gb=80, batch_size=32768, zero=3, loss="infonce_tiled")
+    assert nock.activation_per_sample_mb["peak"] > 5 * p.activation_per_sample_mb["peak"]
+    pd = P.make_plan("ViT-bigG-14", gpus=256, gpu_memory_gb=80, batch_size=32768, patch_dropout=0.5)
+    assert 0.4 < pd.forward_gflops_per_sample["vision"] / p.forward_gflops_per_sample["vision"] < 0.55
+    # time per step follows the stated MFU: model FLOPs / (mfu * peak)
+    t = p.train_gflops_per_sample * 1e9 * p.local_batch / (0.4 * 790e12)
+    assert p.step_time_s == pytest.approx(t, rel=1e-2)
+
+
+def test_does_not_fit_exits_1_with_a_suggestion(capsys):
+    rc = P.main_plan(["--model", "ViT-bigG-14", "--gpus", "4", "--gpu-memory", "18", "--batch-size", "4096"])
+    out = capsys.readouterr().out
+    assert rc == 1 and "does NOT fit" in out and "try" in out
+
+
+def test_loss_memory_orders_modes():
+    n, b, d = 32768, 128, 1280
+    m = {mode: P.loss_bytes(mode, b, n, d) for mode in P.LOSS_MODES}
+    assert m["infonce"] > m["infonce_local"] > m["infonce_tiled"]
+    assert m["infonce"] >= 4 * n * n * 4
+
+
+def test_bad_input_is_a_config_error():
+    from dsclip.config import ConfigError
+
+    with pytest.raises(ConfigError, match="multiple of --gpus"):
+        P.make_plan("ViT-B-32", gpus=3, gpu_memory_gb=80, batch_size=1000)
+    with pytest.raises(ConfigError, match="--loss"):
+        P.make_plan("ViT-B-32", gpus=1, gpu_memory_gb=80, batch_size=8, loss="nope")
