@@ -7,7 +7,6 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
 # Private, persistent JIT cache for DeepSpeed's CPU ops (see DEEPSPEED-NOTES: ninja rebuilds otherwise).
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
-export OMP_NUM_THREADS ?= 1
 PYTEST_ARGS ?=
 
 .PHONY: venv demo test lint clean
@@ -26,7 +25,7 @@ demo: venv
 
 test: venv
 	$(PY) -m ruff check dsclip tests bench
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(PYTEST_ARGS)
 
 lint: venv
 	$(PY) -m ruff check dsclip tests bench

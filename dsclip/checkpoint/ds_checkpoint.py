@@ -45,7 +45,7 @@ TOKENIZER_SPEC_FILE = "tokenizer.json"  # {"tokenizer": "open_clip:NAME"} for no
 PARTIAL_PREFIX = ".partial."
 TRASH_PREFIX = ".trash."
 _TAG_RE = re.compile(r"step_\d+")
-SLOW_SAVE_ENV = "DSCLIP_TEST_SLOW_SAVE_S"  # tests: sleep between the shard writes and COMPLETE
+SLOW_SAVE_ENV = "DSCLIP_TEST_SLOW_SAVE_S"  # tests only: sleep between the shard writes and COMPLETE
 
 
 def tag_for_step(step: int) -> str:
@@ -134,6 +134,17 @@ def resolve_resume(resume: str, run_dir: Path) -> tuple[Path, str] | None:
     raise FileNotFoundError(f"--resume {resume}: not a checkpoint, checkpoints folder or run folder")
 
 
+def _test_slow_save(step: int) -> None:
+    """Tests kill the job in this window (shards written, not complete): ``DSCLIP_TEST_SLOW_SAVE_S=S``
+    sleeps S seconds at every save, ``S@STEP`` only when saving step STEP."""
+    value = os.environ.get(SLOW_SAVE_ENV, "")
+    if not value:
+        return
+    seconds, _, only = value.partition("@")
+    if not only or int(only) == step:
+        time.sleep(float(seconds))
+
+
 class Checkpointer:
     """Owns its cadence: the loop calls ``maybe_save`` after every step and ``save`` at the end."""
 
@@ -168,9 +179,7 @@ class Checkpointer:
         engine.save_checkpoint(str(self.dir), tag=partial, client_state={"dsclip": state}, save_latest=False)
         _barrier()  # every rank's shards are on disk
         if self.rank == 0:
-            slow = float(os.environ.get(SLOW_SAVE_ENV, "0") or 0)
-            if slow > 0:  # tests kill the job in this window: shards written, not yet complete
-                time.sleep(slow)
+            _test_slow_save(step)
             part_dir = self.dir / partial
             _atomic_write(part_dir / STATE_FILE, json.dumps(state, indent=2))
             model_cfg = getattr(getattr(engine, "module", None), "config", None)

@@ -109,7 +109,10 @@ def load_universal(engine, load_dir: Path, tag: str) -> tuple[Any, Any]:
     ``DeepSpeedZeroOptimizer_Stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3`` copies the
     hyper-parameters of param group 0 into every group (so the no-weight-decay group gets group 0's
     weight decay) and sets every group's ``params`` to ``[]`` (so the wrapped torch optimizer updates
-    nothing afterwards). We put back each group's own parameter list and its saved hyper-parameters."""
+    nothing afterwards); it also gives every flat fp32 partition the *same* ``step`` tensor, which torch's
+    Adam increments in place once per partition, so bias correction runs ahead by the number of
+    partitions. We put back each group's own parameter list and saved hyper-parameters and give each
+    partition its own ``step``."""
     import torch
 
     inner = getattr(engine.optimizer, "optimizer", None)
@@ -126,4 +129,7 @@ def load_universal(engine, load_dir: Path, tag: str) -> tuple[Any, Any]:
         for group, params, saved in zip(inner.param_groups, params_before, saved_groups):
             group.update({k: v for k, v in saved.items() if k != "params"})
             group["params"] = params
+        for state in inner.state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
     return path, client_state

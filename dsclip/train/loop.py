@@ -22,6 +22,7 @@ from dsclip.engine.build import autocast_dtype, build_engine, device_type
 from dsclip.engine.ds_config import load_ds_json, resolve_ds_config
 from dsclip.losses import build_loss
 from dsclip.model import create_model, get_model_config
+from dsclip.train.evaluation import TrainingEvaluator
 from dsclip.train.gradcache import GradCacheStep
 from dsclip.train.metrics import MetricsLogger
 
@@ -127,6 +128,8 @@ def train(cfg: RunConfig) -> dict:
     metrics = MetricsLogger(run_dir, rank=rank, world_size=world_size, every_n_steps=cfg.log.log_every_n_steps,
                             report_to=cfg.log.report_to, samples_per_step=samples_per_step,
                             total_steps=total_steps, device=engine.device)
+    evaluator = TrainingEvaluator(cfg, tokenizer=tokenizer, image_size=image_size, device=engine.device,
+                                  run_dir=run_dir, metrics=metrics)
     if rank == 0:
         print(
             f"dsclip: {cfg.model.model} | world {world_size} | ZeRO-{bundle.zero_stage} {bundle.precision} | "
@@ -162,6 +165,8 @@ def train(cfg: RunConfig) -> dict:
                          extra={"bad_samples": sum(data.stats().values())})
             checkpointer.maybe_save(engine, step, client_state(epoch + epoch_end, 0 if epoch_end else in_epoch),
                                     epoch_end=epoch_end, epoch=epoch)
+            if epoch_end:
+                evaluator.epoch_end(engine, step, epoch)
             if world.preemption_requested():
                 preempted = True
             if step >= total_steps or epoch_end or preempted:
@@ -178,27 +183,10 @@ def train(cfg: RunConfig) -> dict:
         checkpointer.save(engine, step, client_state(final_epoch, final_in_epoch))
     summary = {"step": step, "run_dir": str(run_dir), "preempted": preempted}
     if not preempted:
-        summary.update(final_evaluation(cfg, engine, tokenizer, metrics, step, image_size))
+        summary.update(evaluator.final(engine, step, final_epoch))
     metrics.close()
     data.close()
     if preempted and rank == 0:
         print(f"preempted: checkpoint saved at step {step}; exiting with {world.EXIT_REQUEUE} to requeue", flush=True)
     summary["exit_code"] = world.EXIT_REQUEUE if preempted else 0
     return summary
-
-
-def final_evaluation(cfg: RunConfig, engine, tokenizer, metrics: MetricsLogger, step: int, image_size: int) -> dict:
-    """Zero-shot on the demo's held-out images (demo data), on every rank (ZeRO-3 needs all ranks)."""
-    if cfg.data.resolved_dataset_type() != "demo" and not cfg.data.zeroshot_data:
-        return {}
-    from dsclip.eval.evaluator import evaluate_demo_zeroshot
-
-    engine.eval()
-    res = {}
-    with torch.no_grad():
-        for task in ("shape", "color"):  # 7 and 8 classes: chance is 14% and 12.5%
-            r = evaluate_demo_zeroshot(engine.module, tokenizer, num_samples=cfg.data.demo_eval_samples,
-                                       image_size=image_size, device=engine.device, task=task)
-            res.update({f"{task}_{k}": v for k, v in r.items()})
-    metrics.log_eval(step, res, prefix="zeroshot")
-    return {"zeroshot": res}

@@ -1,0 +1,250 @@
+"""``dsclip convert``: a ZeRO checkpoint (any stage, any training precision) -> one ``.safetensors`` file.
+
+    dsclip convert RUN_DIR | CHECKPOINTS_DIR | TAG_DIR [--tag step_000000120] -o OUT
+                   [--dtype fp32|bf16|fp16] [--format dsclip|open_clip] [--model-config FILE]
+
+- ``--format dsclip`` (default): ``OUT/model.safetensors`` + ``OUT/config.json`` ({"model_cfg": ...}), the
+  format ``dsclip.model.load_model`` and ``dsclip eval --model OUT`` read. ``OUT`` may also name the
+  ``.safetensors`` file itself; the config goes beside it.
+- ``--format open_clip``: OpenCLIP's native keys and shapes (0-dim ``logit_scale``, fused ``in_proj_weight``,
+  ``[width, embed]`` projections) in ``OUT/open_clip_model.safetensors`` + ``OUT/open_clip_config.json``:
+  ``open_clip.create_model_and_transforms("local-dir:OUT")``, or for a standard architecture
+  ``open_clip.create_model_and_transforms("ViT-B-32", pretrained="OUT/open_clip_model.safetensors")``.
+- The run's tokenizer (``<run>/tokenizer.model``, recorded by the training loop) is copied to
+  ``OUT/tokenizer.model`` (``dsclip eval`` picks it up from there).
+
+The weights are the fp32 master copies the optimizer holds (not the bf16/fp16 compute copies),
+consolidated by DeepSpeed's own ``zero_to_fp32`` in its lazy mode and streamed into the output one
+tensor at a time: no training world, no GPU, and at most about one copy of the weights in memory
+(ZeRO-3: one parameter at a time, the shards are memory-mapped; ZeRO-1/2: one fp32 copy, the size
+of the flat partitions). Tags without a ``COMPLETE`` marker (an interrupted save) are refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import shutil
+import struct
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dsclip.checkpoint.ds_checkpoint import (
+    COMPLETE,
+    LATEST,
+    MODEL_CONFIG_FILE,
+    TOKENIZER_FILE,
+    TOKENIZER_SPEC_FILE,
+    complete_tags,
+    latest_complete,
+)
+from dsclip.config import ConfigError
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_ST_DTYPE = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+# --- which checkpoint -------------------------------------------------------------------------------
+def find_checkpoint(path: str | os.PathLike, tag: str | None = None) -> tuple[Path, str]:
+    """A run folder, its ``checkpoints`` folder or one tag folder (+ optional ``--tag``) -> (ckpt_dir, tag).
+
+    Without ``--tag``: the tag itself, or the newest complete one (what ``latest`` names). A tag
+    without ``COMPLETE`` raises ``ConfigError`` (its shards may be partial)."""
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"checkpoint path not found: {p}")
+    is_tag_dir = (p / COMPLETE).exists() or any(p.glob("*model_states.pt"))
+    if is_tag_dir and tag is None:
+        ckpt_dir, tag = p.parent, p.name
+    else:
+        ckpt_dir = p if (p / LATEST).exists() or complete_tags(p) or not (p / "checkpoints").is_dir() else p / "checkpoints"
+        if tag is None:
+            tag = latest_complete(ckpt_dir)
+            if tag is None:
+                raise ConfigError(f"no complete checkpoint in {ckpt_dir}")
+    tag_dir = ckpt_dir / tag
+    if not tag_dir.is_dir():
+        raise FileNotFoundError(f"checkpoint tag not found: {tag_dir}")
+    if not (tag_dir / COMPLETE).exists():
+        others = ", ".join(complete_tags(ckpt_dir)) or "none"
+        raise ConfigError(f"checkpoint {tag_dir} is incomplete (no {COMPLETE} marker: its save was interrupted); "
+                          f"complete tags: {others}")
+    return ckpt_dir, tag
+
+
+def checkpoint_model_config(ckpt_dir: Path, tag: str, override: str | None = None) -> dict:
+    """The resolved model config the run trained (``<tag>/model_config.json``), or ``--model-config``."""
+    from dsclip.model import create_model, get_model_config
+
+    if override:
+        p = Path(override)
+        cfg = json.loads(p.read_text()) if p.is_file() else get_model_config(override)
+        cfg = cfg.get("model_cfg", cfg)
+    else:
+        f = ckpt_dir / tag / MODEL_CONFIG_FILE
+        if not f.is_file():
+            raise ConfigError(f"{f} not found (checkpoint written before dsclip recorded the model config): "
+                              "pass --model-config CONFIG.json (the run's resolved model config)")
+        cfg = json.loads(f.read_text())["model_cfg"]
+    return create_model(cfg, device="meta").config  # resolved, as save_model writes it
+
+
+# --- reading the shards lazily -----------------------------------------------------------------------
+@dataclass
+class LazyTensor:
+    shape: torch.Size
+    dtype: torch.dtype
+    load: Callable[[], torch.Tensor]
+
+
+def lazy_fp32_state_dict(ckpt_dir: Path, tag: str) -> dict[str, LazyTensor]:
+    """name -> LazyTensor of the consolidated fp32 master weights (DeepSpeed's zero_to_fp32, lazy mode).
+
+    Without ZeRO optimizer shards (ZeRO-0 / no ZeRO) the module weights of the model-states file are
+    used (memory-mapped), in the dtype they were saved in."""
+    tag_dir = ckpt_dir / tag
+    with contextlib.redirect_stdout(sys.stderr):  # zero_to_fp32 prints progress; keep stdout for our result
+        if any(tag_dir.glob("*_optim_states.pt")):
+            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+            sd = get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag, lazy_mode=True)
+        else:
+            files = sorted(tag_dir.glob("*model_states.pt"))
+            if not files:
+                raise FileNotFoundError(f"no DeepSpeed model states in {tag_dir}")
+            sd = torch.load(files[0], map_location="cpu", mmap=True, weights_only=False)["module"]
+    return {name: LazyTensor(torch.Size(t.shape), t.dtype, t.contiguous) for name, t in sd.items()}
+
+
+# --- writing safetensors one tensor at a time --------------------------------------------------------
+def write_safetensors_streaming(path: Path, items: list[tuple[str, LazyTensor]], metadata: dict[str, str]) -> None:
+    """Write a safetensors file materialising one tensor at a time (the header is computed from shapes
+    first). Written to a temporary name and renamed, so the output is never half a file."""
+    header: dict = {"__metadata__": metadata}
+    offset = 0
+    for name, t in items:
+        nbytes = math.prod(t.shape) * torch.empty((), dtype=t.dtype).element_size()
+        header[name] = {"dtype": _ST_DTYPE[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for name, t in items:
+            value = t.load()
+            if tuple(value.shape) != tuple(t.shape) or value.dtype != t.dtype:
+                raise RuntimeError(f"{name}: got {value.dtype} {tuple(value.shape)}, expected {t.dtype} {tuple(t.shape)}")
+            f.write(value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            del value
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _cast(t: LazyTensor, dtype: torch.dtype) -> LazyTensor:
+    if not t.dtype.is_floating_point or t.dtype == dtype:
+        return t
+    return LazyTensor(t.shape, dtype, lambda: t.load().to(dtype))
+
+
+def _to_openclip(name: str, t: LazyTensor) -> tuple[str, LazyTensor]:
+    from dsclip.model import to_openclip_state_dict
+
+    ((oc_name, oc_meta),) = to_openclip_state_dict({name: torch.empty(t.shape, dtype=t.dtype, device="meta")}).items()
+    return oc_name, LazyTensor(oc_meta.shape, t.dtype, lambda: to_openclip_state_dict({name: t.load()})[oc_name])
+
+
+# --- the conversion ----------------------------------------------------------------------------------
+def convert_checkpoint(
+    ckpt_dir: Path,
+    tag: str,
+    out: str | os.PathLike,
+    *,
+    dtype: str = "fp32",
+    fmt: str = "dsclip",
+    model_config: str | None = None,
+) -> Path:
+    """Consolidate one complete tag into ``out`` (see the module docstring); returns the weights path."""
+    from dsclip.model.openclip import check_state_dict, expected_shapes, openclip_model_config
+
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if fmt not in ("dsclip", "open_clip"):
+        raise ConfigError(f"--format must be dsclip or open_clip, got {fmt!r}")
+    cfg = checkpoint_model_config(ckpt_dir, tag, model_config)
+    lazy = lazy_fp32_state_dict(ckpt_dir, tag)
+    meta = {k: torch.empty(t.shape, device="meta") for k, t in lazy.items()}
+    check_state_dict(meta, expected_shapes(cfg), f"checkpoint {ckpt_dir / tag}")
+    items = [(k, _cast(t, DTYPES[dtype])) for k, t in lazy.items()]
+
+    out = Path(out)
+    default_name = "model.safetensors" if fmt == "dsclip" else "open_clip_model.safetensors"
+    weights = out if out.suffix == ".safetensors" else out / default_name
+    weights.parent.mkdir(parents=True, exist_ok=True)
+    state = _read_state(ckpt_dir / tag)
+    source = {"source": str((ckpt_dir / tag).resolve()), "step": state.get("step")}
+    if fmt == "dsclip":
+        write_safetensors_streaming(weights, items, {"format": "dsclip"})
+        config_file, config = weights.parent / "config.json", {"model_cfg": cfg, **source}
+    else:
+        write_safetensors_streaming(weights, [_to_openclip(k, t) for k, t in items], {"format": "pt"})
+        config_file, config = weights.parent / "open_clip_config.json", openclip_model_config(cfg)
+    config_file.write_text(json.dumps(config, indent=2))
+    _copy_tokenizer(ckpt_dir, weights.parent)
+    return weights
+
+
+def _read_state(tag_dir: Path) -> dict:
+    f = tag_dir / "dsclip_state.json"
+    return json.loads(f.read_text()) if f.is_file() else {}
+
+
+def _copy_tokenizer(ckpt_dir: Path, out_dir: Path) -> None:
+    run_dir = ckpt_dir.parent
+    if (run_dir / TOKENIZER_FILE).is_file():
+        shutil.copyfile(run_dir / TOKENIZER_FILE, out_dir / TOKENIZER_FILE)
+    elif (run_dir / TOKENIZER_SPEC_FILE).is_file():
+        shutil.copyfile(run_dir / TOKENIZER_SPEC_FILE, out_dir / TOKENIZER_SPEC_FILE)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dsclip convert",
+                                description="Consolidate a ZeRO checkpoint into one .safetensors file.")
+    p.add_argument("path", help="Run folder, its checkpoints/ folder, or one checkpoint tag folder.")
+    p.add_argument("--tag", help="Checkpoint tag (e.g. step_000000120). Default: the newest complete one.")
+    p.add_argument("-o", "--output", required=True,
+                   help="Output folder (or a .safetensors file name; the config goes beside it).")
+    p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="Dtype of the floating tensors.")
+    p.add_argument("--format", default="dsclip", choices=["dsclip", "open_clip"],
+                   help="dsclip: model.safetensors + config.json; open_clip: OpenCLIP's layout + open_clip_config.json.")
+    p.add_argument("--model-config", help="Model config (JSON file or architecture name) for checkpoints that "
+                                          "lack model_config.json.")
+    return p
+
+
+def main_convert(argv: list[str]) -> int:
+    a = _parser().parse_args(argv)
+    from dsclip.model import StateDictMismatchError
+
+    ckpt_dir, tag = find_checkpoint(a.path, a.tag)
+    try:
+        weights = convert_checkpoint(ckpt_dir, tag, a.output, dtype=a.dtype, fmt=a.format,
+                                     model_config=a.model_config)
+    except StateDictMismatchError as e:  # a --model-config that doesn't fit: say which keys, no traceback
+        raise ConfigError(str(e).replace("\n", "; ")) from e
+    size = weights.stat().st_size
+    print(f"converted {ckpt_dir / tag} -> {weights} ({size / 2**20:.1f} MiB, {a.dtype}, {a.format})", flush=True)
+    return 0

@@ -1,0 +1,62 @@
+"""Evaluation during and after training; owns its cadence like the checkpointer and the logger.
+
+Runs on every rank (under ZeRO-3 a forward on rank 0 alone would hang): features are computed on
+all ranks and gathered by dsclip.eval. Results go to the console, TensorBoard, metrics.jsonl and
+<run>/results.jsonl.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from dsclip.config import RunConfig
+from dsclip.eval.evaluator import Evaluator, append_results, evaluate_demo_zeroshot
+
+
+class TrainingEvaluator:
+    def __init__(self, cfg: RunConfig, *, tokenizer, image_size: int, device, run_dir: Path, metrics):
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.image_size = image_size
+        self.device = device
+        self.results = run_dir / "results.jsonl"
+        self.metrics = metrics
+        self.evaluator = Evaluator(cfg.data, tokenizer=tokenizer, image_size=image_size, device=device)
+        self.demo = cfg.data.resolved_dataset_type() == "demo"
+
+    def _log(self, step: int, epoch: int, name: str, res: dict) -> None:
+        if not res:
+            return
+        self.metrics.log_eval(step, res, prefix=name)
+        append_results(self.results, {"step": step, "epoch": epoch, name: res})
+
+    def epoch_end(self, engine, step: int, epoch: int) -> None:
+        """After epoch ``epoch`` (0-based) finished: --zeroshot-frequency / --val-frequency."""
+        zs, val = self.cfg.log.zeroshot_frequency, self.cfg.log.val_frequency
+        due_zs = self.evaluator.has_zeroshot and zs and (epoch + 1) % zs == 0
+        due_val = self.evaluator.has_retrieval and val and (epoch + 1) % val == 0
+        if not (due_zs or due_val):
+            return
+        engine.eval()
+        with torch.no_grad():
+            if due_zs:
+                self._log(step, epoch, "zeroshot", self.evaluator.zeroshot(engine.module))
+            if due_val:
+                self._log(step, epoch, "retrieval", self.evaluator.retrieval(engine.module))
+        engine.train()
+
+    def final(self, engine, step: int, epoch: int) -> dict:
+        """End of training: the demo's held-out zero-shot (shape and colour prompts) for demo data."""
+        if not self.demo:
+            return {}
+        engine.eval()
+        res = {}
+        with torch.no_grad():
+            for task in ("shape", "color"):  # 7 and 8 classes: chance is 14% and 12.5%
+                r = evaluate_demo_zeroshot(engine.module, self.tokenizer, num_samples=self.cfg.data.demo_eval_samples,
+                                           image_size=self.image_size, device=self.device, task=task)
+                res.update({f"{task}_{k}": v for k, v in r.items() if k in ("top1", "top5")})
+        self._log(step, epoch, "demo_zeroshot", res)
+        return {"zeroshot": res}

@@ -1,0 +1,205 @@
+"""Single-process checks of the checkpoint package: the save/prune protocol with a fake engine, tag
+resolution, the streaming safetensors writer, and --pretrained loading (dsclip and OpenCLIP files)."""
+
+from __future__ import annotations
+
+import json
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+from dsclip.checkpoint import ds_checkpoint as dc
+from dsclip.checkpoint.convert import LazyTensor, find_checkpoint, write_safetensors_streaming
+from dsclip.checkpoint.pretrained import load_pretrained_into
+from dsclip.config import ConfigError
+from dsclip.model import StateDictMismatchError, create_model, openclip_model_config, save_model
+
+
+class FakeEngine:
+    """Writes what DeepSpeed would (one file per 'rank') and records the tags it was asked for."""
+
+    def __init__(self):
+        self.module = create_model("tiny", device="meta")
+        self.tags = []
+
+    def save_checkpoint(self, save_dir, tag, client_state, save_latest):
+        assert save_latest is False
+        d = Path(save_dir) / tag
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "mp_rank_00_model_states.pt").write_text(json.dumps(client_state))
+        self.tags.append(tag)
+
+
+def _ckpt(tmp_path, keep_last=0):
+    return dc.Checkpointer(tmp_path, every_n_steps=2, every_n_epochs=0, keep_last=keep_last, rank=0)
+
+
+def test_save_writes_partial_then_renames_complete_tag(tmp_path):
+    engine, ck = FakeEngine(), _ckpt(tmp_path)
+    tag_dir = ck.save(engine, 2, {"step": 2})
+    assert engine.tags == [".partial.step_000000002"]  # DeepSpeed never writes into a step_* folder
+    assert tag_dir.name == "step_000000002"
+    assert {p.name for p in tag_dir.iterdir()} == {"mp_rank_00_model_states.pt", dc.STATE_FILE, dc.COMPLETE,
+                                                   dc.MODEL_CONFIG_FILE}
+    assert json.loads((tag_dir / dc.MODEL_CONFIG_FILE).read_text())["model_cfg"]["embed_dim"] == 32
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "step_000000002"
+    assert not [p for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith(".")]
+
+
+def test_resave_of_latest_tag_and_leftovers(tmp_path):
+    engine, ck = FakeEngine(), _ckpt(tmp_path)
+    ck.save(engine, 2, {"step": 2, "v": 1})
+    ckpts = tmp_path / "checkpoints"
+    (ckpts / ".partial.step_000000004").mkdir()  # a save killed before COMPLETE
+    (ckpts / ".trash.step_000000000").mkdir()  # a prune killed mid-delete
+    ck.save(engine, 2, {"step": 2, "v": 2})  # e.g. preempted right after resuming at step 2
+    assert json.loads((ckpts / "step_000000002" / dc.STATE_FILE).read_text())["v"] == 2
+    assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step_000000002"]
+
+
+def test_keep_last_prunes_only_older_complete_tags(tmp_path):
+    engine, ck = FakeEngine(), _ckpt(tmp_path, keep_last=2)
+    ckpts = tmp_path / "checkpoints"
+    for step in (2, 4, 6):
+        ck.save(engine, step, {"step": step})
+    assert dc.complete_tags(ckpts) == ["step_000000004", "step_000000006"]
+    (ckpts / "step_000000008").mkdir()  # an incomplete newer folder is never picked
+    assert dc.latest_complete(ckpts) == "step_000000006"
+    (ckpts / "latest").write_text("step_000000008")  # pointer to an incomplete tag: fall back
+    assert dc.latest_complete(ckpts) == "step_000000006"
+
+
+def test_find_checkpoint_accepts_run_ckpts_and_tag_dirs_and_refuses_incomplete(tmp_path):
+    engine, ck = FakeEngine(), _ckpt(tmp_path)
+    ck.save(engine, 2, {"step": 2})
+    ck.save(engine, 4, {"step": 4})
+    ckpts = tmp_path / "checkpoints"
+    assert find_checkpoint(tmp_path) == (ckpts, "step_000000004")
+    assert find_checkpoint(ckpts) == (ckpts, "step_000000004")
+    assert find_checkpoint(ckpts / "step_000000002") == (ckpts, "step_000000002")
+    assert find_checkpoint(tmp_path, "step_000000002") == (ckpts, "step_000000002")
+    (ckpts / "step_000000004" / dc.COMPLETE).unlink()
+    with pytest.raises(ConfigError, match="incomplete"):
+        find_checkpoint(ckpts / "step_000000004")
+    with pytest.raises(ConfigError, match="incomplete.*step_000000002"):
+        find_checkpoint(tmp_path, "step_000000004")
+    with pytest.raises(FileNotFoundError):
+        find_checkpoint(tmp_path, "step_000000099")
+
+
+def test_streaming_safetensors_round_trip(tmp_path):
+    from safetensors import safe_open
+
+    tensors = {"a": torch.randn(3, 5), "b": torch.randn(7).bfloat16(), "s": torch.tensor(2.5), "i": torch.arange(4),
+               "h": torch.randn(2, 2).half(), "e": torch.empty(0, 3)}
+    path = tmp_path / "x.safetensors"
+    write_safetensors_streaming(path, [(k, LazyTensor(v.shape, v.dtype, lambda v=v: v)) for k, v in tensors.items()],
+                                {"format": "dsclip"})
+    with safe_open(str(path), framework="pt") as f:
+        assert f.metadata() == {"format": "dsclip"}
+        for k, v in tensors.items():
+            assert torch.equal(f.get_tensor(k), v) and f.get_tensor(k).dtype == v.dtype, k
+
+
+def _tiny_cfg():
+    return create_model("tiny", vocab_size=256, eos_id=2, pad_id=0, device="meta").config
+
+
+def _inputs(n=3):
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(3, 256, (n, 32), generator=g)
+    tokens[:, 9], tokens[:, 10:] = 2, 0
+    return torch.randn(n, 3, 32, 32, generator=g), tokens
+
+
+def _embeddings(model):
+    model.eval()
+    images, tokens = _inputs()
+    with torch.no_grad():
+        return model.encode_image(images), model.encode_text(tokens)
+
+
+@pytest.mark.parametrize("layout", ["openclip_train_ckpt", "openclip_bare_pt", "openclip_safetensors",
+                                    "dsclip_safetensors", "dsclip_dir"])
+def test_pretrained_loads_every_layout(tmp_path, layout):
+    from safetensors.torch import save_file
+
+    open_clip = pytest.importorskip("open_clip")
+    cfg = _tiny_cfg()
+    torch.manual_seed(3)
+    oc = open_clip.CLIP(**openclip_model_config(cfg)["model_cfg"])
+    sd = oc.state_dict()
+    if layout == "openclip_train_ckpt":
+        path = tmp_path / "epoch_3.pt"
+        torch.save({"epoch": 3, "state_dict": {f"module.{k}": v for k, v in sd.items()}}, path)
+    elif layout == "openclip_bare_pt":
+        path = tmp_path / "oc.bin"
+        torch.save(sd, path)
+    elif layout == "openclip_safetensors":
+        path = tmp_path / "open_clip_model.safetensors"
+        save_file({k: v.contiguous() for k, v in sd.items()}, str(path))
+    else:  # a dsclip model holding the OpenCLIP weights
+        src = create_model(cfg)
+        load_pretrained_into(src, _save_pt(tmp_path, sd))
+        weights = save_model(src, tmp_path / "ds")
+        path = weights if layout == "dsclip_safetensors" else tmp_path / "ds"
+    model = create_model(cfg)
+    load_pretrained_into(model, path)
+    oc.eval()
+    images, tokens = _inputs()
+    with torch.no_grad():
+        ref = oc.encode_image(images, normalize=True), oc.encode_text(tokens, normalize=True)
+    got = _embeddings(model)
+    torch.testing.assert_close(got[0], ref[0], rtol=0, atol=1e-5)
+    torch.testing.assert_close(got[1], ref[1], rtol=0, atol=1e-5)
+    assert torch.equal(model.logit_scale.reshape(()), oc.logit_scale.detach())
+
+
+def _save_pt(tmp_path, sd):
+    path = tmp_path / "src.pt"
+    torch.save(sd, path)
+    return path
+
+
+def test_pretrained_mismatch_names_every_key_and_changes_nothing(tmp_path):
+    cfg = _tiny_cfg()
+    other = create_model("tiny", vocab_size=300, eos_id=2, pad_id=0)  # another vocabulary size
+    sd = other.state_dict()
+    sd.pop("logit_scale")
+    sd["extra.weight"] = torch.zeros(1)
+    path = _save_pt(tmp_path, sd)
+    model = create_model(cfg)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(StateDictMismatchError) as e:
+        load_pretrained_into(model, path)
+    msg = str(e.value)
+    assert "missing (1): logit_scale" in msg and "extra.weight" in msg and "text.token_embedding.weight" in msg
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_openclip_tokenizer_adapter():
+    pytest.importorskip("open_clip")
+    from dsclip.data.openclip_tokenizer import OpenCLIPTokenizer
+
+    tok = pickle.loads(pickle.dumps(OpenCLIPTokenizer("open_clip:ViT-B-32", context_length=16)))
+    out = tok(["a photo of a cat"])
+    assert out.shape == (1, 16) and out.dtype == torch.long
+    assert (tok.vocab_size, tok.eos_id, tok.pad_id) == (49408, 49407, 0)
+    assert out[0].argmax().item() == out[0].tolist().index(tok.eos_id)  # argmax pooling finds EOT
+    run_dir = Path(pytest.importorskip("tempfile").mkdtemp())
+    dc.record_tokenizer(run_dir, tok)
+    assert json.loads((run_dir / dc.TOKENIZER_SPEC_FILE).read_text()) == {"tokenizer": "open_clip:ViT-B-32"}
+
+
+def test_convert_cli_refuses_incomplete_tag_in_one_line(tmp_path, capsys):
+    from dsclip.cli import main
+
+    engine, ck = FakeEngine(), _ckpt(tmp_path)
+    ck.save(engine, 2, {"step": 2})
+    (tmp_path / "checkpoints" / "step_000000002" / dc.COMPLETE).unlink()
+    assert main(["convert", str(tmp_path / "checkpoints" / "step_000000002"), "-o", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("dsclip convert: error:") and "incomplete" in err[0]
+    assert not (tmp_path / "out").exists()
