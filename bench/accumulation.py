@@ -32,7 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import vs_openclip as V  # noqa: E402  (bench helpers: data, workers, peak RSS, alternation)
 
 
-def openclip_style_worker(batch: int, accum_freq: int, warmup: int, steps: int, cfg: dict = V.BENCH_CFG) -> dict:
+def openclip_style_worker(
+    batch: int, accum_freq: int, warmup: int, steps: int, cfg: dict = V.BENCH_CFG
+) -> dict:
     import torch
     from open_clip.loss import ClipLoss
 
@@ -72,7 +74,7 @@ def openclip_style_worker(batch: int, accum_freq: int, warmup: int, steps: int, 
                 inputs_no_accum = {"logit_scale": model_out.pop("logit_scale")}
                 inputs = {}
                 for key, accumulated in accum_features.items():
-                    inputs[key] = torch.cat(accumulated[:j] + [model_out[key]] + accumulated[j + 1:])
+                    inputs[key] = torch.cat(accumulated[:j] + [model_out[key]] + accumulated[j + 1 :])
                 total_loss = loss(**inputs, **inputs_no_accum)
                 del inputs, inputs_no_accum
                 total_loss.backward()
@@ -80,15 +82,20 @@ def openclip_style_worker(batch: int, accum_freq: int, warmup: int, steps: int, 
 
     def run(data):
         for i in range(len(data) // k):
-            step(data[i * k:(i + 1) * k])
+            step(data[i * k : (i + 1) * k])
 
     run(V.synthetic_batches(warmup * k, batch, cfg, seed=1))
     data = V.synthetic_batches(steps * k, batch, cfg, seed=2)
     V.reset_peak_rss()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     run(data)
-    dt = time.perf_counter() - t0
-    return {"samples_per_s": steps * k * batch / dt, "peak_rss_mb": V.peak_rss_mb(), "step_s": dt / steps}
+    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return {
+        "samples_per_s": steps * k * batch / dt,
+        "samples_per_cpu_s": steps * k * batch / cpu,
+        "peak_rss_mb": V.peak_rss_mb(),
+        "step_s": dt / steps,
+    }
 
 
 def worker_main(spec: dict) -> None:
@@ -106,8 +113,14 @@ def run_worker(spec: dict) -> dict:
 
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(V.ROOT))
     env.setdefault("TORCH_EXTENSIONS_DIR", str(V.ROOT / ".cache" / "torch_extensions"))
-    p = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], cwd=V.ROOT, env=env,
-                       capture_output=True, text=True, timeout=3600)
+    p = subprocess.run(
+        [sys.executable, __file__, "--worker", json.dumps(spec)],
+        cwd=V.ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )
     for line in reversed(p.stdout.splitlines()):
         if line.startswith("RESULT "):
             return json.loads(line[7:])
@@ -131,30 +144,68 @@ def main(argv=None) -> int:
     for k in [int(x) for x in a.ks.split(",")]:
         common = {"warmup": a.warmup, "steps": a.steps}
         specs = {
-            "dsclip": {"impl": "dsclip", "precision": "fp32", "batch": a.batch, "accum_freq": k,
-                       "opts": {"keep_last_graph": True}, **common},
+            "dsclip": {
+                "impl": "dsclip",
+                "precision": "fp32",
+                "batch": a.batch,
+                "accum_freq": k,
+                "opts": {"keep_last_graph": True},
+                **common,
+            },
             "openclip-style": {"impl": "openclip_style", "batch": a.batch, "accum_freq": k, **common},
         }
         if k > 1:
-            specs["dsclip-nokeep"] = {"impl": "dsclip", "precision": "fp32", "batch": a.batch, "accum_freq": k,
-                                      "opts": {"keep_last_graph": False}, **common}
-            specs["big batch"] = {"impl": "dsclip", "precision": "fp32", "batch": a.batch * k, "accum_freq": 1,
-                                  **common}
+            specs["dsclip-nokeep"] = {
+                "impl": "dsclip",
+                "precision": "fp32",
+                "batch": a.batch,
+                "accum_freq": k,
+                "opts": {"keep_last_graph": False},
+                **common,
+            }
+            specs["big batch"] = {
+                "impl": "dsclip",
+                "precision": "fp32",
+                "batch": a.batch * k,
+                "accum_freq": 1,
+                **common,
+            }
         print(f"== K={k}: micro-batch {a.batch}, effective batch {a.batch * k}", flush=True)
         res = V.alternate(specs, a.rounds, runner=run_worker)
         summ = {n: V.summarize(v) for n, v in res.items()}
         for n, s in summ.items():
-            rows.append({"K": k, "method": n, **s,
-                         "ratio_vs_openclip": s["samples_per_s"] / summ["openclip-style"]["samples_per_s"],
-                         "time_per_sample_vs_big_batch": (summ["big batch"]["samples_per_s"] / s["samples_per_s"]
-                                                          if "big batch" in summ else 1.0)})
-    print("\n| K | effective batch | method | samples/s (median, min-max) | peak RSS MB | dsclip/OpenCLIP-style "
-          "| time/sample vs big batch |")
-    print("|---:|---:|---|---:|---:|---:|---:|")
+            rows.append(
+                {
+                    "K": k,
+                    "method": n,
+                    **s,
+                    "ratio_vs_openclip": s["samples_per_s"] / summ["openclip-style"]["samples_per_s"],
+                    "cpu_ratio_vs_openclip": s["samples_per_cpu_s"]
+                    / summ["openclip-style"]["samples_per_cpu_s"],
+                    "cpu_time_per_sample_vs_big_batch": (
+                        summ["big batch"]["samples_per_cpu_s"] / s["samples_per_cpu_s"]
+                        if "big batch" in summ
+                        else 1.0
+                    ),
+                    "time_per_sample_vs_big_batch": (
+                        summ["big batch"]["samples_per_s"] / s["samples_per_s"]
+                        if "big batch" in summ
+                        else 1.0
+                    ),
+                }
+            )
+    print(
+        "\n| K | effective batch | method | samples/s (median, min-max) | samples/CPU-s | peak RSS MB | "
+        "vs OpenCLIP-style (wall / CPU) | time per sample vs big batch (wall / CPU) |"
+    )
+    print("|---:|---:|---|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['K']} | {a.batch * r['K']} | {r['method']} | {r['samples_per_s']:.2f} ({r['min']:.2f}-"
-              f"{r['max']:.2f}) | {r['peak_rss_mb']:.0f} | {r['ratio_vs_openclip']:.2f} | "
-              f"{r['time_per_sample_vs_big_batch']:.2f} |")
+        print(
+            f"| {r['K']} | {a.batch * r['K']} | {r['method']} | {r['samples_per_s']:.2f} ({r['min']:.2f}-"
+            f"{r['max']:.2f}) | {r['samples_per_cpu_s']:.2f} | {r['peak_rss_mb']:.0f} | "
+            f"{r['ratio_vs_openclip']:.2f} / {r['cpu_ratio_vs_openclip']:.2f} | "
+            f"{r['time_per_sample_vs_big_batch']:.2f} / {r['cpu_time_per_sample_vs_big_batch']:.2f} |"
+        )
     if a.json_out:
         Path(a.json_out).write_text(json.dumps(rows, indent=1))
     return 0

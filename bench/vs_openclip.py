@@ -59,8 +59,11 @@ def synthetic_batches(n: int, batch: int, cfg: dict = BENCH_CFG, seed: int = 0):
     import torch
 
     g = torch.Generator().manual_seed(seed)
-    s, length, vocab = cfg["vision_cfg"]["image_size"], cfg["text_cfg"]["context_length"], cfg["text_cfg"][
-        "vocab_size"]
+    s, length, vocab = (
+        cfg["vision_cfg"]["image_size"],
+        cfg["text_cfg"]["context_length"],
+        cfg["text_cfg"]["vocab_size"],
+    )
     out = []
     for _ in range(n):
         img = torch.randn(batch, 3, s, s, generator=g)
@@ -68,7 +71,7 @@ def synthetic_batches(n: int, batch: int, cfg: dict = BENCH_CFG, seed: int = 0):
         ends = torch.randint(4, length, (batch,), generator=g)
         for i, e in enumerate(ends.tolist()):
             tok[i, e] = vocab - 1
-            tok[i, e + 1:] = 0
+            tok[i, e + 1 :] = 0
         out.append((img, tok))
     return out
 
@@ -108,8 +111,15 @@ class _Loader(list):
         return sum(b[0].shape[0] for b in self)
 
 
-def openclip_worker(precision: str, batch: int, warmup: int, steps: int, cfg: dict = BENCH_CFG,
-                    accum_freq: int = 1, patch_dropout: float | None = None) -> dict:
+def openclip_worker(
+    precision: str,
+    batch: int,
+    warmup: int,
+    steps: int,
+    cfg: dict = BENCH_CFG,
+    accum_freq: int = 1,
+    patch_dropout: float | None = None,
+) -> dict:
     import open_clip
     import torch
     from open_clip.loss import ClipLoss
@@ -118,19 +128,38 @@ def openclip_worker(precision: str, batch: int, warmup: int, steps: int, cfg: di
     one_thread()
     open_clip.add_model_config(str(write_model_json(cfg)))
     torch.manual_seed(0)
-    model = open_clip.create_model(MODEL_NAME, precision=precision, device="cpu", force_patch_dropout=patch_dropout,
-                                   output_dict=True)
+    model = open_clip.create_model(
+        MODEL_NAME, precision=precision, device="cpu", force_patch_dropout=patch_dropout, output_dict=True
+    )
     # open_clip_train/main.py: no weight decay on gains, biases and logit_scale
     exclude = lambda n, p: p.ndim < 2 or "bn" in n or "ln" in n or "bias" in n or "logit_scale" in n
     named = list(model.named_parameters())
     optimizer = torch.optim.AdamW(
-        [{"params": [p for n, p in named if exclude(n, p) and p.requires_grad], "weight_decay": 0.0},
-         {"params": [p for n, p in named if not exclude(n, p) and p.requires_grad], "weight_decay": 0.2}],
-        lr=5e-4, betas=(0.9, 0.98), eps=1e-6)
+        [
+            {"params": [p for n, p in named if exclude(n, p) and p.requires_grad], "weight_decay": 0.0},
+            {"params": [p for n, p in named if not exclude(n, p) and p.requires_grad], "weight_decay": 0.2},
+        ],
+        lr=5e-4,
+        betas=(0.9, 0.98),
+        eps=1e-6,
+    )
     loss = ClipLoss(local_loss=False, gather_with_grad=False, cache_labels=True, rank=0, world_size=1)
-    args = SimpleNamespace(device="cpu", precision=precision, accum_freq=accum_freq, distill=False,
-                           skip_scheduler=True, horovod=False, grad_clip_norm=None, log_every_n_steps=10**9,
-                           batch_size=batch, world_size=1, rank=0, local_rank=0, wandb=False, save_logs=False)
+    args = SimpleNamespace(
+        device="cpu",
+        precision=precision,
+        accum_freq=accum_freq,
+        distill=False,
+        skip_scheduler=True,
+        horovod=False,
+        grad_clip_norm=None,
+        log_every_n_steps=10**9,
+        batch_size=batch,
+        world_size=1,
+        rank=0,
+        local_rank=0,
+        wandb=False,
+        save_logs=False,
+    )
 
     def epoch(batches):
         data = {"train": SimpleNamespace(dataloader=_Loader(batches), set_epoch=lambda e: None)}
@@ -143,16 +172,30 @@ def openclip_worker(precision: str, batch: int, warmup: int, steps: int, cfg: di
     epoch(synthetic_batches(warmup * k, batch, cfg, seed=1))
     data = synthetic_batches(steps * k, batch, cfg, seed=2)
     reset_peak_rss()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     epoch(data)
-    dt = time.perf_counter() - t0
-    return {"samples_per_s": steps * k * batch / dt, "peak_rss_mb": peak_rss_mb(), "step_s": dt / steps}
+    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return {
+        "samples_per_s": steps * k * batch / dt,
+        "samples_per_cpu_s": steps * k * batch / cpu,
+        "peak_rss_mb": peak_rss_mb(),
+        "step_s": dt / steps,
+    }
 
 
 # ------------------------------------------------------------------------------------------------
 # dsclip
-def dsclip_engine(precision: str, batch: int, accum_freq: int, cfg: dict, world: int, extra: dict | None = None,
-                  ds_overrides: dict | None = None, model_kwargs: dict | None = None, grad_checkpointing=False):
+def dsclip_engine(
+    precision: str,
+    batch: int,
+    accum_freq: int,
+    cfg: dict,
+    world: int,
+    extra: dict | None = None,
+    ds_overrides: dict | None = None,
+    model_kwargs: dict | None = None,
+    grad_checkpointing=False,
+):
     """(engine, bundle, run config) built exactly as dsclip/train/loop.py does."""
     import torch
 
@@ -161,9 +204,18 @@ def dsclip_engine(precision: str, batch: int, accum_freq: int, cfg: dict, world:
     from dsclip.engine.ds_config import load_ds_json, resolve_ds_config
     from dsclip.model import create_model
 
-    values = {"name": "bench", "model": str(write_model_json(cfg)), "batch_size": batch, "accum_freq": accum_freq,
-              "precision": precision, "deepspeed_config": f"ds_configs/zero2_{precision}.json", "lr": 5e-4,
-              "warmup": 0, "lr_scheduler": "const", "grad_checkpointing": grad_checkpointing}
+    values = {
+        "name": "bench",
+        "model": str(write_model_json(cfg)),
+        "batch_size": batch,
+        "accum_freq": accum_freq,
+        "precision": precision,
+        "deepspeed_config": f"ds_configs/zero2_{precision}.json",
+        "lr": 5e-4,
+        "warmup": 0,
+        "lr_scheduler": "const",
+        "grad_checkpointing": grad_checkpointing,
+    }
     values.update(extra or {})
     rc = make_run_config(values, world_size=world)
     ds = resolve_ds_config(load_ds_json(rc.train.deepspeed_config), rc, world_size=world, device_type="cpu")
@@ -191,42 +243,72 @@ def _dsclip_rank(rank, world, precision, batch, warmup, steps, cfg, accum_freq, 
 
     one_thread()
     opts = opts or {}
-    engine, bundle, rc = dsclip_engine(precision, batch, accum_freq, cfg, world, opts.get("extra"),
-                                       opts.get("ds_overrides"), opts.get("model_kwargs"),
-                                       opts.get("grad_checkpointing", False))
+    engine, bundle, rc = dsclip_engine(
+        precision,
+        batch,
+        accum_freq,
+        cfg,
+        world,
+        opts.get("extra"),
+        opts.get("ds_overrides"),
+        opts.get("model_kwargs"),
+        opts.get("grad_checkpointing", False),
+    )
     if opts.get("sdpa_math"):
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         ctx = sdpa_kernel(SDPBackend.MATH)
         ctx.__enter__()
-    step_fn = GradCacheStep(engine, build_loss(opts.get("loss", "infonce")),
-                            keep_last_graph=opts.get("keep_last_graph", True), compute_dtype=autocast_dtype(bundle))
+    step_fn = GradCacheStep(
+        engine,
+        build_loss(opts.get("loss", "infonce")),
+        keep_last_graph=opts.get("keep_last_graph", True),
+        compute_dtype=autocast_dtype(bundle),
+    )
     k = accum_freq
 
     def run(data, n0):
         for i in range(len(data) // k):
             torch.manual_seed(step_seed(0, n0 + i, rank))
             engine.train()
-            step_fn(data[i * k:(i + 1) * k])
+            step_fn(data[i * k : (i + 1) * k])
             engine.get_lr()
 
     run(synthetic_batches(warmup * k, batch, cfg, seed=1 + 100 * rank), 0)
     data = synthetic_batches(steps * k, batch, cfg, seed=2 + 100 * rank)
     reset_peak_rss()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     run(data, warmup)
-    dt = time.perf_counter() - t0
-    return {"samples_per_s": steps * k * batch * world / dt, "peak_rss_mb": peak_rss_mb(), "step_s": dt / steps}
+    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return {
+        "samples_per_s": steps * k * batch * world / dt,
+        "samples_per_cpu_s": steps * k * batch / cpu,
+        "peak_rss_mb": peak_rss_mb(),
+        "step_s": dt / steps,
+    }
 
 
-def dsclip_worker(precision: str, batch: int, warmup: int, steps: int, cfg: dict = BENCH_CFG, world: int = 1,
-                  accum_freq: int = 1, opts: dict | None = None) -> dict:
+def dsclip_worker(
+    precision: str,
+    batch: int,
+    warmup: int,
+    steps: int,
+    cfg: dict = BENCH_CFG,
+    world: int = 1,
+    accum_freq: int = 1,
+    opts: dict | None = None,
+) -> dict:
     from tests.distutil import run_world
 
     res = run_world(_dsclip_rank, world, precision, batch, warmup, steps, cfg, accum_freq, opts)
     # throughput: the slowest rank's view (they run in lock-step); memory: the largest rank
-    return {"samples_per_s": min(r["samples_per_s"] for r in res),
-            "peak_rss_mb": max(r["peak_rss_mb"] for r in res), "step_s": max(r["step_s"] for r in res)}
+    return {
+        "samples_per_s": min(r["samples_per_s"] for r in res),
+        # per process: samples this rank processed per CPU-second it used (robust to other load)
+        "samples_per_cpu_s": min(r["samples_per_cpu_s"] for r in res),
+        "peak_rss_mb": max(r["peak_rss_mb"] for r in res),
+        "step_s": max(r["step_s"] for r in res),
+    }
 
 
 # ------------------------------------------------------------------------------------------------
@@ -234,8 +316,14 @@ def dsclip_worker(precision: str, batch: int, warmup: int, steps: int, cfg: dict
 def run_worker(spec: dict, timeout: int = 1800) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
-    p = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=timeout)
+    p = subprocess.run(
+        [sys.executable, __file__, "--worker", json.dumps(spec)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     for line in reversed(p.stdout.splitlines()):
         if line.startswith("RESULT "):
             return json.loads(line[7:])
@@ -252,18 +340,28 @@ def alternate(specs: dict[str, dict], rounds: int, log=print, runner=None) -> di
     names = list(specs)
     out: dict[str, list[dict]] = {n: [] for n in names}
     for r in range(rounds):
-        order = names[r % len(names):] + names[:r % len(names)]
+        order = names[r % len(names) :] + names[: r % len(names)]
         for n in order:
             res = (runner or run_worker)(dict(specs[n]))
             out[n].append(res)
-            log(f"  round {r + 1} {n}: {res['samples_per_s']:.2f} samples/s, peak RSS {res['peak_rss_mb']:.0f} MB")
+            log(
+                f"  round {r + 1} {n}: {res['samples_per_s']:.2f} samples/s, {res['samples_per_cpu_s']:.2f} "
+                f"samples/CPU-s, peak RSS {res['peak_rss_mb']:.0f} MB",
+                flush=True,
+            )
     return out
 
 
 def summarize(results: list[dict]) -> dict:
     sps = [r["samples_per_s"] for r in results]
-    return {"samples_per_s": statistics.median(sps), "min": min(sps), "max": max(sps),
-            "peak_rss_mb": statistics.median(r["peak_rss_mb"] for r in results)}
+    cps = [r.get("samples_per_cpu_s", float("nan")) for r in results]
+    return {
+        "samples_per_s": statistics.median(sps),
+        "min": min(sps),
+        "max": max(sps),
+        "samples_per_cpu_s": statistics.median(cps),
+        "peak_rss_mb": statistics.median(r["peak_rss_mb"] for r in results),
+    }
 
 
 def main(argv=None) -> int:
@@ -284,25 +382,48 @@ def main(argv=None) -> int:
     rows = []
     for prec in a.precisions.split(","):
         if prec == "fp32":
-            specs = {"openclip fp32": {"impl": "openclip", "precision": "fp32", **common},
-                     "dsclip fp32 (ZeRO-2)": {"impl": "dsclip", "precision": "fp32", **common}}
+            specs = {
+                "openclip fp32": {"impl": "openclip", "precision": "fp32", **common},
+                "dsclip fp32 (ZeRO-2)": {"impl": "dsclip", "precision": "fp32", **common},
+            }
         else:
-            specs = {"openclip amp_bf16": {"impl": "openclip", "precision": "amp_bf16", **common},
-                     "openclip pure_bf16": {"impl": "openclip", "precision": "pure_bf16", **common},
-                     "dsclip bf16 (ZeRO-2)": {"impl": "dsclip", "precision": "bf16", **common}}
+            specs = {
+                "openclip amp_bf16": {"impl": "openclip", "precision": "amp_bf16", **common},
+                "openclip pure_bf16": {"impl": "openclip", "precision": "pure_bf16", **common},
+                "dsclip bf16 (ZeRO-2)": {"impl": "dsclip", "precision": "bf16", **common},
+            }
         if not a.no_world2:
-            specs[f"dsclip {prec} (ZeRO-2) world 2"] = {"impl": "dsclip", "precision": prec, "world": 2, **common}
+            specs[f"dsclip {prec} (ZeRO-2) world 2"] = {
+                "impl": "dsclip",
+                "precision": prec,
+                "world": 2,
+                **common,
+            }
         print(f"== {prec}: batch {a.batch}/process, {a.steps} timed steps, {a.rounds} rounds", flush=True)
         res = alternate(specs, a.rounds)
         summ = {n: summarize(v) for n, v in res.items()}
         base = next(v for n, v in summ.items() if n.startswith("openclip"))
         for n, s in summ.items():
-            rows.append({"precision": prec, "run": n, **s, "ratio_vs_openclip": s["samples_per_s"] / base["samples_per_s"]})
-    print("\n| precision | run | samples/s (median, min-max) | peak RSS MB | ratio vs first OpenCLIP row |")
-    print("|---|---|---:|---:|---:|")
+            rows.append(
+                {
+                    "precision": prec,
+                    "run": n,
+                    **s,
+                    "ratio_vs_openclip": s["samples_per_s"] / base["samples_per_s"],
+                    "cpu_ratio_vs_openclip": s["samples_per_cpu_s"] / base["samples_per_cpu_s"],
+                }
+            )
+    print(
+        "\n| precision | run | samples/s (median, min-max) | samples/CPU-s per process | peak RSS MB | "
+        "ratio (wall) | ratio (CPU) |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['precision']} | {r['run']} | {r['samples_per_s']:.2f} ({r['min']:.2f}-{r['max']:.2f}) | "
-              f"{r['peak_rss_mb']:.0f} | {r['ratio_vs_openclip']:.3f} |")
+        print(
+            f"| {r['precision']} | {r['run']} | {r['samples_per_s']:.2f} ({r['min']:.2f}-{r['max']:.2f}) | "
+            f"{r['samples_per_cpu_s']:.2f} | {r['peak_rss_mb']:.0f} | {r['ratio_vs_openclip']:.2f} | "
+            f"{r['cpu_ratio_vs_openclip']:.2f} |"
+        )
     if a.json_out:
         Path(a.json_out).write_text(json.dumps(rows, indent=1))
     return 0

@@ -87,27 +87,48 @@ def load_arch(model: str | dict, patch_dropout: float = 0.0, count_params: bool 
     cfg = resolve_model_config(raw)
     v, t = cfg["vision_cfg"], cfg["text_cfg"]
     n = (v["image_size"] // v["patch_size"]) ** 2
-    vis = Tower(1 + kept_patches(n, patch_dropout), v["width"], v["layers"], v["width"] // v["head_width"],
-                int(v["width"] * v["mlp_ratio"]))
-    txt = Tower(t["context_length"], t["width"], t["layers"], t["heads"], int(t["width"] * t["mlp_ratio"]),
-                causal=True)
-    arch = Arch(str(model if not isinstance(model, dict) else "custom"), cfg["embed_dim"], v["image_size"],
-                v["patch_size"], vis, txt, t["vocab_size"], patch_dropout=patch_dropout)
+    vis = Tower(
+        1 + kept_patches(n, patch_dropout),
+        v["width"],
+        v["layers"],
+        v["width"] // v["head_width"],
+        int(v["width"] * v["mlp_ratio"]),
+    )
+    txt = Tower(
+        t["context_length"],
+        t["width"],
+        t["layers"],
+        t["heads"],
+        int(t["width"] * t["mlp_ratio"]),
+        causal=True,
+    )
+    arch = Arch(
+        str(model if not isinstance(model, dict) else "custom"),
+        cfg["embed_dim"],
+        v["image_size"],
+        v["patch_size"],
+        vis,
+        txt,
+        t["vocab_size"],
+        patch_dropout=patch_dropout,
+    )
     if count_params:
         m = create_model(cfg, device="meta")
         arch.params = sum(p.numel() for p in m.parameters())
         arch.vision_params = sum(p.numel() for p in m.visual.parameters())
         arch.text_params = sum(p.numel() for p in m.text.parameters())
         # As DeepSpeed's model_to_params: the most parameters any single module owns directly.
-        arch.largest_layer_params = max(sum(p.numel() for p in mod.parameters(recurse=False))
-                                        for mod in m.modules())
+        arch.largest_layer_params = max(
+            sum(p.numel() for p in mod.parameters(recurse=False)) for mod in m.modules()
+        )
     return arch
 
 
 # ---------------------------------------------------------------------------------------------------
 # model states
-def model_state_bytes(params: int, world: int, zero: int, precision: str = "bf16",
-                      largest_layer_params: int = 0) -> dict[str, float]:
+def model_state_bytes(
+    params: int, world: int, zero: int, precision: str = "bf16", largest_layer_params: int = 0
+) -> dict[str, float]:
     """Per-GPU bytes of parameters, gradients and Adam states under ZeRO-``zero`` (DeepSpeed's accounting).
 
     Mixed precision (bf16/fp16): 16-bit parameters (2 B), a 16-bit gradient partition (2 B) and an fp32
@@ -183,7 +204,9 @@ def tower_extra_bytes(arch: Arch, act_b: int) -> dict[str, float]:
     return {"vision": float(vision), "text": float(text)}
 
 
-def activation_bytes(arch: Arch, precision: str = "bf16", grad_checkpointing: bool = False) -> dict[str, float]:
+def activation_bytes(
+    arch: Arch, precision: str = "bf16", grad_checkpointing: bool = False
+) -> dict[str, float]:
     """Per-sample activation memory: what the forward keeps for backward, and the backward's transient peak.
 
     ``saved``: bytes alive at the end of a forward (what the tests measure). ``transient``: extra bytes at
@@ -199,7 +222,9 @@ def activation_bytes(arch: Arch, precision: str = "bf16", grad_checkpointing: bo
         out[f"{name}_other"] = extra[name]
     out["saved"] = sum(out.values())
     widest = max(act_b * 2 * tw.tokens * tw.hidden for tw in (arch.vision, arch.text))
-    recompute = max(block_saved_bytes(tw, act_b) for tw in (arch.vision, arch.text)) if grad_checkpointing else 0
+    recompute = (
+        max(block_saved_bytes(tw, act_b) for tw in (arch.vision, arch.text)) if grad_checkpointing else 0
+    )
     out["transient"] = float(widest + recompute)
     out["peak"] = out["saved"] + out["transient"]
     return out
@@ -309,10 +334,24 @@ def shipped_ds_config(zero: int, precision: str) -> tuple[str, dict]:
         return name, {"zero_optimization": {"stage": zero}}
 
 
-def make_plan(model: str, *, gpus: int, gpu_memory_gb: float, batch_size: int, zero: int = 2,
-              precision: str = "bf16", grad_checkpointing: bool = False, patch_dropout: float = 0.0,
-              loss: str = "infonce", mfu: float = 0.4, peak_tflops: float = 790.0, tile: int = 4096,
-              gpus_per_node: int = 8, reserve_gb: float = 2.0, keep_last_graph: bool = True) -> Plan:
+def make_plan(
+    model: str,
+    *,
+    gpus: int,
+    gpu_memory_gb: float,
+    batch_size: int,
+    zero: int = 2,
+    precision: str = "bf16",
+    grad_checkpointing: bool = False,
+    patch_dropout: float = 0.0,
+    loss: str = "infonce",
+    mfu: float = 0.4,
+    peak_tflops: float = 790.0,
+    tile: int = 4096,
+    gpus_per_node: int = 8,
+    reserve_gb: float = 2.0,
+    keep_last_graph: bool = True,
+) -> Plan:
     from dsclip.config import ConfigError
 
     if loss not in LOSS_MODES:
@@ -324,16 +363,30 @@ def make_plan(model: str, *, gpus: int, gpu_memory_gb: float, batch_size: int, z
     if gpus < 1 or batch_size < 1 or gpu_memory_gb <= 0:
         raise ConfigError("--gpus, --batch-size and --gpu-memory must be positive")
     if batch_size % gpus:
-        raise ConfigError(f"--batch-size {batch_size} is not a multiple of --gpus {gpus}: every rank needs the "
-                          f"same number of rows")
+        raise ConfigError(
+            f"--batch-size {batch_size} is not a multiple of --gpus {gpus}: every rank needs the "
+            f"same number of rows"
+        )
     if not 0.0 <= patch_dropout < 1.0:
         raise ConfigError(f"--patch-dropout must be in [0, 1), got {patch_dropout}")
     if not 0 < mfu <= 1:
         raise ConfigError(f"--mfu must be in (0, 1], got {mfu}")
 
     arch = load_arch(model, patch_dropout)
-    plan = Plan(model, gpus, gpu_memory_gb, batch_size, zero, precision, grad_checkpointing, patch_dropout,
-                loss, mfu, peak_tflops, params=arch.params)
+    plan = Plan(
+        model,
+        gpus,
+        gpu_memory_gb,
+        batch_size,
+        zero,
+        precision,
+        grad_checkpointing,
+        patch_dropout,
+        loss,
+        mfu,
+        peak_tflops,
+        params=arch.params,
+    )
     local = batch_size // gpus
     plan.local_batch = local
     ds_name, ds_cfg = shipped_ds_config(zero, precision)
@@ -377,11 +430,19 @@ def make_plan(model: str, *, gpus: int, gpu_memory_gb: float, batch_size: int, z
     plan.hfu = round(mfu * executed / model_flops, 3)
 
     nodes = math.ceil(gpus / gpus_per_node)
-    launch = (f"deepspeed --num_nodes {nodes} --num_gpus {min(gpus, gpus_per_node)} --hostfile HOSTFILE "
-              if gpus > 1 else "")
-    args = [f"{launch}--module dsclip train" if launch else "dsclip train", f"--model {model}",
-            f"--batch-size {max(micro, 1)}", f"--accum-freq {max(plan.accum_freq, 1)}", f"--precision {precision}",
-            f"--deepspeed-config {ds_name}"]
+    launch = (
+        f"deepspeed --num_nodes {nodes} --num_gpus {min(gpus, gpus_per_node)} --hostfile HOSTFILE "
+        if gpus > 1
+        else ""
+    )
+    args = [
+        f"{launch}--module dsclip train" if launch else "dsclip train",
+        f"--model {model}",
+        f"--batch-size {max(micro, 1)}",
+        f"--accum-freq {max(plan.accum_freq, 1)}",
+        f"--precision {precision}",
+        f"--deepspeed-config {ds_name}",
+    ]
     if grad_checkpointing:
         args.append("--grad-checkpointing")
     if patch_dropout:
@@ -393,12 +454,16 @@ def make_plan(model: str, *, gpus: int, gpu_memory_gb: float, batch_size: int, z
 
     notes = plan.notes
     if not plan.fits:
-        notes.append("does NOT fit: even one sample per micro-batch exceeds the memory left after model states, "
-                     "loss and cache; " + _suggest(model, plan, tile, gpus_per_node))
+        notes.append(
+            "does NOT fit: even one sample per micro-batch exceeds the memory left after model states, "
+            "loss and cache; " + _suggest(model, plan, tile, gpus_per_node)
+        )
     if loss == "infonce" and losses["infonce"] > 0.1 * gpu_memory_gb * GiB:
-        notes.append(f"global infonce builds the {batch_size}x{batch_size} logit matrix on every rank "
-                     f"({losses['infonce'] / GiB:.1f} GiB); --loss infonce_tiled gives the same loss in "
-                     f"{losses['infonce_tiled'] / GiB:.2f} GiB")
+        notes.append(
+            f"global infonce builds the {batch_size}x{batch_size} logit matrix on every rank "
+            f"({losses['infonce'] / GiB:.1f} GiB); --loss infonce_tiled gives the same loss in "
+            f"{losses['infonce_tiled'] / GiB:.2f} GiB"
+        )
     if plan.hfu > 0.75:
         notes.append(f"MFU {mfu} with this recompute means {plan.hfu:.2f} hardware utilization: optimistic")
     if precision == "fp16":
@@ -414,10 +479,20 @@ def _suggest(model, plan: Plan, tile: int, gpus_per_node: int) -> str:
         tries.append({"zero": 3, "grad_checkpointing": True})
     if plan.loss in ("infonce", "infonce_local"):
         tries.append({"loss": "infonce_tiled", "grad_checkpointing": True, "zero": 3})
-    base = dict(gpus=plan.gpus, gpu_memory_gb=plan.gpu_memory_gb, batch_size=plan.batch_size, zero=plan.zero,
-                precision=plan.precision, grad_checkpointing=plan.grad_checkpointing,
-                patch_dropout=plan.patch_dropout, loss=plan.loss, mfu=plan.mfu, peak_tflops=plan.peak_tflops,
-                tile=tile, gpus_per_node=gpus_per_node)
+    base = dict(
+        gpus=plan.gpus,
+        gpu_memory_gb=plan.gpu_memory_gb,
+        batch_size=plan.batch_size,
+        zero=plan.zero,
+        precision=plan.precision,
+        grad_checkpointing=plan.grad_checkpointing,
+        patch_dropout=plan.patch_dropout,
+        loss=plan.loss,
+        mfu=plan.mfu,
+        peak_tflops=plan.peak_tflops,
+        tile=tile,
+        gpus_per_node=gpus_per_node,
+    )
     for t in tries:
         p = make_plan(model, **{**base, **t})
         if p.fits:
@@ -428,22 +503,34 @@ def _suggest(model, plan: Plan, tile: int, gpus_per_node: int) -> str:
 # ---------------------------------------------------------------------------------------------------
 # CLI
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dsclip plan", description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+    p = argparse.ArgumentParser(
+        prog="dsclip plan",
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,
+    )
     p.add_argument("--model", required=True, help="architecture name (dsclip/model/configs) or JSON path")
     p.add_argument("--gpus", type=int, required=True, help="total number of GPUs (ranks)")
     p.add_argument("--gpu-memory", type=float, default=80.0, help="memory per GPU in GiB")
-    p.add_argument("--batch-size", type=int, required=True, help="global contrastive batch per optimizer step")
+    p.add_argument(
+        "--batch-size", type=int, required=True, help="global contrastive batch per optimizer step"
+    )
     p.add_argument("--zero", type=int, default=2, choices=(1, 2, 3), help="ZeRO stage")
     p.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
-    p.add_argument("--grad-checkpointing", action="store_true", help="activation checkpointing of every block")
+    p.add_argument(
+        "--grad-checkpointing", action="store_true", help="activation checkpointing of every block"
+    )
     p.add_argument("--patch-dropout", type=float, default=0.0, help="FLIP patch-dropout rate (training)")
     p.add_argument("--loss", default="infonce", choices=LOSS_MODES)
     p.add_argument("--loss-tile-size", type=int, default=4096, help="tile edge of the tiled losses")
     p.add_argument("--mfu", type=float, default=0.4, help="model-FLOPs utilisation (3x forward FLOPs / peak)")
-    p.add_argument("--peak-tflops", type=float, default=790.0, help="dense bf16 peak per GPU (H200 measured: 790)")
+    p.add_argument(
+        "--peak-tflops", type=float, default=790.0, help="dense bf16 peak per GPU (H200 measured: 790)"
+    )
     p.add_argument("--gpus-per-node", type=int, default=8)
-    p.add_argument("--reserve", type=float, default=2.0, help="GiB kept for the CUDA context and fragmentation")
+    p.add_argument(
+        "--reserve", type=float, default=2.0, help="GiB kept for the CUDA context and fragmentation"
+    )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     return p
 
@@ -460,20 +547,28 @@ def format_plan(p: Plan) -> str:
     for k, v in p.memory_gb.items():
         lines.append(f"  {k:<36} {v:10.3f}")
     a = p.activation_per_sample_mb
-    lines += ["", "activations per sample (MiB): " + ", ".join(f"{k} {v:.2f}" for k, v in a.items()),
-              "loss memory per mode (GiB, this rank, whole step's rows): "
-              + ", ".join(f"{k} {v:.3f}" for k, v in p.loss_memory_gb.items()), ""]
+    lines += [
+        "",
+        "activations per sample (MiB): " + ", ".join(f"{k} {v:.2f}" for k, v in a.items()),
+        "loss memory per mode (GiB, this rank, whole step's rows): "
+        + ", ".join(f"{k} {v:.3f}" for k, v in p.loss_memory_gb.items()),
+        "",
+    ]
     if p.fits:
-        lines.append(f"fits: micro-batch {p.micro_batch} x --accum-freq {p.accum_freq} per GPU "
-                     f"(largest micro-batch that fits: {p.max_micro_batch})")
+        lines.append(
+            f"fits: micro-batch {p.micro_batch} x --accum-freq {p.accum_freq} per GPU "
+            f"(largest micro-batch that fits: {p.max_micro_batch})"
+        )
     else:
         lines.append("does NOT fit")
     f = p.forward_gflops_per_sample
     lines += [
         f"FLOPs per sample: forward {f['total']:.1f} GFLOP (vision {f['vision']:.1f}, text {f['text']:.1f}); "
-        f"train (3x fwd) {p.train_gflops_per_sample:.1f}; executed incl. recompute {p.executed_gflops_per_sample:.1f}",
+        f"train (3x fwd) {p.train_gflops_per_sample:.1f}; "
+        f"executed incl. recompute {p.executed_gflops_per_sample:.1f}",
         f"at MFU {p.mfu:g} of {p.peak_tflops:g} TFLOP/s: {p.step_time_s:.2f} s/step, "
-        f"{p.samples_per_s_per_gpu:.1f} samples/s/GPU, {p.samples_per_s_per_gpu * p.gpus:.0f} samples/s total "
+        f"{p.samples_per_s_per_gpu:.1f} samples/s/GPU, "
+        f"{p.samples_per_s_per_gpu * p.gpus:.0f} samples/s total "
         f"(hardware utilisation incl. recompute {p.hfu:.2f})",
     ]
     lines += [f"note: {n}" for n in p.notes]
@@ -483,9 +578,21 @@ def format_plan(p: Plan) -> str:
 
 def main_plan(argv: list[str]) -> int:
     a = build_parser().parse_args(argv)
-    plan = make_plan(a.model, gpus=a.gpus, gpu_memory_gb=a.gpu_memory, batch_size=a.batch_size, zero=a.zero,
-                     precision=a.precision, grad_checkpointing=a.grad_checkpointing, patch_dropout=a.patch_dropout,
-                     loss=a.loss, mfu=a.mfu, peak_tflops=a.peak_tflops, tile=a.loss_tile_size,
-                     gpus_per_node=a.gpus_per_node, reserve_gb=a.reserve)
+    plan = make_plan(
+        a.model,
+        gpus=a.gpus,
+        gpu_memory_gb=a.gpu_memory,
+        batch_size=a.batch_size,
+        zero=a.zero,
+        precision=a.precision,
+        grad_checkpointing=a.grad_checkpointing,
+        patch_dropout=a.patch_dropout,
+        loss=a.loss,
+        mfu=a.mfu,
+        peak_tflops=a.peak_tflops,
+        tile=a.loss_tile_size,
+        gpus_per_node=a.gpus_per_node,
+        reserve_gb=a.reserve,
+    )
     print(json.dumps(asdict(plan), indent=2) if a.json else format_plan(plan))
     return 0 if plan.fits else 1

@@ -126,6 +126,12 @@ def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, *, world_size: int, d
     _check_keys(ds.get("activation_checkpointing", {}), KNOWN_ACTIVATION_CHECKPOINTING, f"{where} activation_checkpointing")
     _check_keys(ds.get("fp16", {}), KNOWN_FP16, f"{where} fp16")
     _check_keys(ds.get("bf16", {}), KNOWN_BF16, f"{where} bf16")
+    if ds.get("managed_gradient_accumulation", True) is False:
+        raise ConfigError(f"{where}: managed_gradient_accumulation=false is incompatible with dsclip's gradient cache "
+                          f"(--accum-freq), which drives the accumulation boundary itself; remove the key")
+    if "pipeline" in ds:
+        raise ConfigError(f"{where}: pipeline parallelism is not supported (the contrastive loss needs whole "
+                          f"embeddings on every data-parallel rank); remove the 'pipeline' block")
     if "scheduler" in ds:
         raise ConfigError(f"{where} has a 'scheduler' block; dsclip owns the schedule: use --lr-scheduler/--warmup")
 

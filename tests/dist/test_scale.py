@@ -43,8 +43,17 @@ def _peak_rss_gb() -> float:
 def _run_config(model: str, **extra):
     from dsclip.config import make_run_config
 
-    values = {"name": "scale", "model": model, "batch_size": 1, "accum_freq": 2, "precision": "bf16",
-              "deepspeed_config": "ds_configs/zero3_bf16.json", "lr": 1e-4, "warmup": 0, "lr_scheduler": "const"}
+    values = {
+        "name": "scale",
+        "model": model,
+        "batch_size": 1,
+        "accum_freq": 2,
+        "precision": "bf16",
+        "deepspeed_config": "ds_configs/zero3_bf16.json",
+        "lr": 1e-4,
+        "warmup": 0,
+        "lr_scheduler": "const",
+    }
     values.update(extra)
     return make_run_config(values, world_size=2)
 
@@ -67,8 +76,14 @@ def _build_partitioned(rank, world, model):
     total = sum(p.ds_numel for p in m.parameters())
     local = sum(p.ds_tensor.numel() for p in m.parameters())
     dtypes = {str(p.ds_tensor.dtype) for p in m.parameters()}
-    return {"total": total, "local": local, "dtypes": dtypes, "peak_gb": _peak_rss_gb(), "base_gb": base,
-            "placeholder_numel": sum(p.numel() for p in m.parameters())}
+    return {
+        "total": total,
+        "local": local,
+        "dtypes": dtypes,
+        "peak_gb": _peak_rss_gb(),
+        "base_gb": base,
+        "placeholder_numel": sum(p.numel() for p in m.parameters()),
+    }
 
 
 @pytest.mark.parametrize("model,params_b", [("ViT-H-14", 0.986), ("ViT-bigG-14", 2.54)])
@@ -80,7 +95,9 @@ def test_zero3_init_never_materialises_the_model(model, params_b):
     res = run_world(_build_partitioned, 2, model, timeout=900)
     for r in res:
         assert abs(r["total"] / 1e9 - params_b) < 0.01 * params_b
-        assert r["local"] * 2 >= r["total"] and r["local"] < 0.51 * r["total"]  # each rank: its half (+padding)
+        assert (
+            r["local"] * 2 >= r["total"] and r["local"] < 0.51 * r["total"]
+        )  # each rank: its half (+padding)
         assert r["dtypes"] == {"torch.bfloat16"}
         assert r["placeholder_numel"] == 0  # every parameter is an empty placeholder outside a gather
         # "well below": the rank's whole process (interpreter, torch, its bf16 half) stays under 45% of the
@@ -107,7 +124,9 @@ def _vit_h_step(rank, world):
 
     bundle = build_engine(cfg, ds, factory, total_steps=10, steps_per_epoch=10)
     engine = bundle.engine
-    step = GradCacheStep(engine, build_loss("infonce"), keep_last_graph=True, compute_dtype=autocast_dtype(bundle))
+    step = GradCacheStep(
+        engine, build_loss("infonce"), keep_last_graph=True, compute_dtype=autocast_dtype(bundle)
+    )
     g = torch.Generator().manual_seed(rank)
     chunks = []
     for _ in range(2):  # K = 2 micro-batches of 1 sample at 224 px
@@ -124,14 +143,21 @@ def _vit_h_step(rank, world):
     engine.train()
     result = step(chunks)
     after = safe_get_full_fp32_param(proj).float()
-    return {"loss": result.loss, "applied": result.applied, "moved": (after - before).abs().max().item(),
-            "peak_gb": _peak_rss_gb(), "ckpt": engine.module.visual.grad_checkpointing}
+    return {
+        "loss": result.loss,
+        "applied": result.applied,
+        "moved": (after - before).abs().max().item(),
+        "peak_gb": _peak_rss_gb(),
+        "ckpt": engine.module.visual.grad_checkpointing,
+    }
 
 
 def test_vit_h_training_step_zero3_checkpointing_gradient_cache():
     need = 2 * 6.5
     if _mem_available_gb() < need:
-        pytest.skip(f"needs ~{need:.0f} GB available for two ViT-H-14 ZeRO-3 ranks, have {_mem_available_gb():.1f}")
+        pytest.skip(
+            f"needs ~{need:.0f} GB available for two ViT-H-14 ZeRO-3 ranks, have {_mem_available_gb():.1f}"
+        )
     res = run_world(_vit_h_step, 2, timeout=900)
     import math
 

@@ -90,3 +90,10 @@ def test_cpu_checkpointing_dropped_on_cpu_kept_on_gpu():
     raw = {"activation_checkpointing": {"cpu_checkpointing": True}}
     assert resolve(raw, device="cpu")["activation_checkpointing"]["cpu_checkpointing"] is False
     assert resolve(raw, device="cuda")["activation_checkpointing"]["cpu_checkpointing"] is True
+
+
+def test_options_incompatible_with_gradient_cache_refused():
+    with pytest.raises(ConfigError, match="managed_gradient_accumulation=false is incompatible"):
+        resolve({"managed_gradient_accumulation": False}, accum_freq=4)
+    with pytest.raises(ConfigError, match="pipeline parallelism is not supported"):
+        resolve({"pipeline": {}})

@@ -17,10 +17,23 @@ from dsclip.model import create_model
 # 4.9231), a causal text tower, an image larger than one patch grid.
 SMALL = {
     "embed_dim": 48,
-    "vision_cfg": {"image_size": 64, "patch_size": 8, "width": 96, "layers": 3, "head_width": 24,
-                   "mlp_ratio": 4.9231},
-    "text_cfg": {"context_length": 20, "vocab_size": 300, "width": 64, "heads": 4, "layers": 2,
-                 "pool_type": "eos", "eos_id": 2},
+    "vision_cfg": {
+        "image_size": 64,
+        "patch_size": 8,
+        "width": 96,
+        "layers": 3,
+        "head_width": 24,
+        "mlp_ratio": 4.9231,
+    },
+    "text_cfg": {
+        "context_length": 20,
+        "vocab_size": 300,
+        "width": 64,
+        "heads": 4,
+        "layers": 2,
+        "pool_type": "eos",
+        "eos_id": 2,
+    },
 }
 ACT_TOL = 0.03  # the computed per-sample activation bytes are within 3% of what autograd keeps
 
@@ -31,8 +44,12 @@ def test_model_states_equal_deepspeed_zero2_estimate():
     for name in ("ViT-H-14", "ViT-bigG-14"):
         arch = P.load_arch(name)
         for gpus in (8, 64, 256):
-            _, ds_gpu = estimate_zero2_model_states_mem_needs(arch.params, num_gpus_per_node=8 if gpus >= 8 else gpus,
-                                                             num_nodes=max(gpus // 8, 1), cpu_offload=False)
+            _, ds_gpu = estimate_zero2_model_states_mem_needs(
+                arch.params,
+                num_gpus_per_node=8 if gpus >= 8 else gpus,
+                num_nodes=max(gpus // 8, 1),
+                cpu_offload=False,
+            )
             ours = sum(P.model_state_bytes(arch.params, gpus, 2, "bf16").values())
             assert abs(ours - ds_gpu) <= 2, (name, gpus, ours, ds_gpu)
 
@@ -49,8 +66,12 @@ def test_model_states_zero3_vs_deepspeed_estimate():
         arch = P.load_arch(name)
         for gpus in (8, 256):
             _, ds_gpu, ds_layer = estimate_zero3_model_states_mem_needs(
-                arch.params, arch.largest_layer_params, num_gpus_per_node=8, num_nodes=gpus // 8,
-                cpu_offload=False)
+                arch.params,
+                arch.largest_layer_params,
+                num_gpus_per_node=8,
+                num_nodes=gpus // 8,
+                cpu_offload=False,
+            )
             ours = P.model_state_bytes(arch.params, gpus, 3, "bf16", arch.largest_layer_params)
             assert ours["gathered_layers"] == ds_layer
             assert abs(sum(ours.values()) - (ds_gpu + 2 * arch.params / gpus)) <= 2, (name, gpus)
@@ -97,9 +118,14 @@ def _saved_bytes(model, batch: int, dtype: torch.dtype, ckpt: bool) -> int:
 
 @pytest.mark.parametrize(
     "name,dtype,patch_dropout,ckpt",
-    [("demo", torch.float32, 0.0, False), ("small", torch.float32, 0.0, False),
-     ("small", torch.bfloat16, 0.0, False), ("small", torch.bfloat16, 0.5, False),
-     ("small", torch.float32, 0.0, True), ("small", torch.bfloat16, 0.5, True)],
+    [
+        ("demo", torch.float32, 0.0, False),
+        ("small", torch.float32, 0.0, False),
+        ("small", torch.bfloat16, 0.0, False),
+        ("small", torch.bfloat16, 0.5, False),
+        ("small", torch.float32, 0.0, True),
+        ("small", torch.bfloat16, 0.5, True),
+    ],
 )
 def test_activation_estimate_matches_autograd_saved_tensors(name, dtype, patch_dropout, ckpt):
     cfg = SMALL if name == "small" else name
@@ -132,17 +158,44 @@ def test_forward_flops_match_flop_counter(name, patch_dropout):
 def test_bigg_plan_on_256_gpus_fits_and_prints_a_valid_command(capsys):
     from dsclip.config import parse_run_config
 
-    rc = P.main_plan(["--model", "ViT-bigG-14", "--gpus", "256", "--gpu-memory", "80", "--batch-size", "32768",
-                      "--zero", "2", "--precision", "bf16", "--grad-checkpointing", "--patch-dropout", "0.5",
-                      "--loss", "infonce_local"])
+    rc = P.main_plan(
+        [
+            "--model",
+            "ViT-bigG-14",
+            "--gpus",
+            "256",
+            "--gpu-memory",
+            "80",
+            "--batch-size",
+            "32768",
+            "--zero",
+            "2",
+            "--precision",
+            "bf16",
+            "--grad-checkpointing",
+            "--patch-dropout",
+            "0.5",
+            "--loss",
+            "infonce_local",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0, out
-    for key in ("params", "grads", "optimizer", "activations", "embedding_cache", "loss (infonce_local)",
-                "FLOPs per sample", "s/step", "recommended:"):
+    for key in (
+        "params",
+        "grads",
+        "optimizer",
+        "activations",
+        "embedding_cache",
+        "loss (infonce_local)",
+        "FLOPs per sample",
+        "s/step",
+        "recommended:",
+    ):
         assert key in out, key
     cmd = out.strip().splitlines()[-1]
     argv = shlex.split(cmd)
-    train_args = argv[argv.index("train") + 1:]
+    train_args = argv[argv.index("train") + 1 :]
     cfg = parse_run_config(train_args + ["--name", "x"], world_size=256)
     assert cfg.train.batch_size * cfg.train.accum_freq * 256 == 32768
     assert cfg.model.grad_checkpointing and cfg.model.force_patch_dropout == 0.5
@@ -150,14 +203,23 @@ def test_bigg_plan_on_256_gpus_fits_and_prints_a_valid_command(capsys):
 
 
 def test_plan_is_consistent():
-    p = P.make_plan("ViT-bigG-14", gpus=256, gpu_memory_gb=80, batch_size=32768, zero=3,
-                    grad_checkpointing=True, loss="infonce_tiled")
+    p = P.make_plan(
+        "ViT-bigG-14",
+        gpus=256,
+        gpu_memory_gb=80,
+        batch_size=32768,
+        zero=3,
+        grad_checkpointing=True,
+        loss="infonce_tiled",
+    )
     assert p.fits and p.micro_batch * p.accum_freq == p.local_batch == 128
     assert p.memory_gb["total"] <= 80
     # the next divisor up would not fit
     assert p.micro_batch == p.local_batch or 2 * p.micro_batch > p.max_micro_batch
     # checkpointing saves memory per sample; patch dropout halves the vision tower's FLOPs roughly
-    nock = P.make_plan("ViT-bigG-14", gpus=256, gpu_memory_gb=80, batch_size=32768, zero=3, loss="infonce_tiled")
+    nock = P.make_plan(
+        "ViT-bigG-14", gpus=256, gpu_memory_gb=80, batch_size=32768, zero=3, loss="infonce_tiled"
+    )
     assert nock.activation_per_sample_mb["peak"] > 5 * p.activation_per_sample_mb["peak"]
     pd = P.make_plan("ViT-bigG-14", gpus=256, gpu_memory_gb=80, batch_size=32768, patch_dropout=0.5)
     assert 0.4 < pd.forward_gflops_per_sample["vision"] / p.forward_gflops_per_sample["vision"] < 0.55
