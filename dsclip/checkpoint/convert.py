@@ -49,8 +49,15 @@ from dsclip.config import ConfigError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _ST_DTYPE = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
     torch.bool: "BOOL",
 }
 
@@ -68,7 +75,11 @@ def find_checkpoint(path: str | os.PathLike, tag: str | None = None) -> tuple[Pa
     if is_tag_dir and tag is None:
         ckpt_dir, tag = p.parent, p.name
     else:
-        ckpt_dir = p if (p / LATEST).exists() or complete_tags(p) or not (p / "checkpoints").is_dir() else p / "checkpoints"
+        ckpt_dir = (
+            p
+            if (p / LATEST).exists() or complete_tags(p) or not (p / "checkpoints").is_dir()
+            else p / "checkpoints"
+        )
         if tag is None:
             tag = latest_complete(ckpt_dir)
             if tag is None:
@@ -78,8 +89,10 @@ def find_checkpoint(path: str | os.PathLike, tag: str | None = None) -> tuple[Pa
         raise FileNotFoundError(f"checkpoint tag not found: {tag_dir}")
     if not (tag_dir / COMPLETE).exists():
         others = ", ".join(complete_tags(ckpt_dir)) or "none"
-        raise ConfigError(f"checkpoint {tag_dir} is incomplete (no {COMPLETE} marker: its save was interrupted); "
-                          f"complete tags: {others}")
+        raise ConfigError(
+            f"checkpoint {tag_dir} is incomplete (no {COMPLETE} marker: its save was interrupted); "
+            f"complete tags: {others}"
+        )
     return ckpt_dir, tag
 
 
@@ -94,8 +107,10 @@ def checkpoint_model_config(ckpt_dir: Path, tag: str, override: str | None = Non
     else:
         f = ckpt_dir / tag / MODEL_CONFIG_FILE
         if not f.is_file():
-            raise ConfigError(f"{f} not found (checkpoint written before dsclip recorded the model config): "
-                              "pass --model-config CONFIG.json (the run's resolved model config)")
+            raise ConfigError(
+                f"{f} not found (checkpoint written before dsclip recorded the model config): "
+                "pass --model-config CONFIG.json (the run's resolved model config)"
+            )
         cfg = json.loads(f.read_text())["model_cfg"]
     return create_model(cfg, device="meta").config  # resolved, as save_model writes it
 
@@ -128,14 +143,20 @@ def lazy_fp32_state_dict(ckpt_dir: Path, tag: str) -> dict[str, LazyTensor]:
 
 
 # --- writing safetensors one tensor at a time --------------------------------------------------------
-def write_safetensors_streaming(path: Path, items: list[tuple[str, LazyTensor]], metadata: dict[str, str]) -> None:
+def write_safetensors_streaming(
+    path: Path, items: list[tuple[str, LazyTensor]], metadata: dict[str, str]
+) -> None:
     """Write a safetensors file materialising one tensor at a time (the header is computed from shapes
     first). Written to a temporary name and renamed, so the output is never half a file."""
     header: dict = {"__metadata__": metadata}
     offset = 0
     for name, t in items:
         nbytes = math.prod(t.shape) * torch.empty((), dtype=t.dtype).element_size()
-        header[name] = {"dtype": _ST_DTYPE[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        header[name] = {
+            "dtype": _ST_DTYPE[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
         offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
@@ -146,7 +167,9 @@ def write_safetensors_streaming(path: Path, items: list[tuple[str, LazyTensor]],
         for name, t in items:
             value = t.load()
             if tuple(value.shape) != tuple(t.shape) or value.dtype != t.dtype:
-                raise RuntimeError(f"{name}: got {value.dtype} {tuple(value.shape)}, expected {t.dtype} {tuple(t.shape)}")
+                raise RuntimeError(
+                    f"{name}: got {value.dtype} {tuple(value.shape)}, expected {t.dtype} {tuple(t.shape)}"
+                )
             f.write(value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
             del value
         f.flush()
@@ -163,8 +186,12 @@ def _cast(t: LazyTensor, dtype: torch.dtype) -> LazyTensor:
 def _to_openclip(name: str, t: LazyTensor) -> tuple[str, LazyTensor]:
     from dsclip.model import to_openclip_state_dict
 
-    ((oc_name, oc_meta),) = to_openclip_state_dict({name: torch.empty(t.shape, dtype=t.dtype, device="meta")}).items()
-    return oc_name, LazyTensor(oc_meta.shape, t.dtype, lambda: to_openclip_state_dict({name: t.load()})[oc_name])
+    ((oc_name, oc_meta),) = to_openclip_state_dict(
+        {name: torch.empty(t.shape, dtype=t.dtype, device="meta")}
+    ).items()
+    return oc_name, LazyTensor(
+        oc_meta.shape, t.dtype, lambda: to_openclip_state_dict({name: t.load()})[oc_name]
+    )
 
 
 # --- the conversion ----------------------------------------------------------------------------------
@@ -221,17 +248,28 @@ def _copy_tokenizer(ckpt_dir: Path, out_dir: Path) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dsclip convert",
-                                description="Consolidate a ZeRO checkpoint into one .safetensors file.")
+    p = argparse.ArgumentParser(
+        prog="dsclip convert", description="Consolidate a ZeRO checkpoint into one .safetensors file."
+    )
     p.add_argument("path", help="Run folder, its checkpoints/ folder, or one checkpoint tag folder.")
     p.add_argument("--tag", help="Checkpoint tag (e.g. step_000000120). Default: the newest complete one.")
-    p.add_argument("-o", "--output", required=True,
-                   help="Output folder (or a .safetensors file name; the config goes beside it).")
+    p.add_argument(
+        "-o",
+        "--output",
+        required=True,
+        help="Output folder (or a .safetensors file name; the config goes beside it).",
+    )
     p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="Dtype of the floating tensors.")
-    p.add_argument("--format", default="dsclip", choices=["dsclip", "open_clip"],
-                   help="dsclip: model.safetensors + config.json; open_clip: OpenCLIP's layout + open_clip_config.json.")
-    p.add_argument("--model-config", help="Model config (JSON file or architecture name) for checkpoints that "
-                                          "lack model_config.json.")
+    p.add_argument(
+        "--format",
+        default="dsclip",
+        choices=["dsclip", "open_clip"],
+        help="dsclip: model.safetensors + config.json; open_clip: OpenCLIP's layout + open_clip_config.json.",
+    )
+    p.add_argument(
+        "--model-config",
+        help="Model config (JSON file or architecture name) for checkpoints that lack model_config.json.",
+    )
     return p
 
 
@@ -241,10 +279,13 @@ def main_convert(argv: list[str]) -> int:
 
     ckpt_dir, tag = find_checkpoint(a.path, a.tag)
     try:
-        weights = convert_checkpoint(ckpt_dir, tag, a.output, dtype=a.dtype, fmt=a.format,
-                                     model_config=a.model_config)
+        weights = convert_checkpoint(
+            ckpt_dir, tag, a.output, dtype=a.dtype, fmt=a.format, model_config=a.model_config
+        )
     except StateDictMismatchError as e:  # a --model-config that doesn't fit: say which keys, no traceback
         raise ConfigError(str(e).replace("\n", "; ")) from e
     size = weights.stat().st_size
-    print(f"converted {ckpt_dir / tag} -> {weights} ({size / 2**20:.1f} MiB, {a.dtype}, {a.format})", flush=True)
+    print(
+        f"converted {ckpt_dir / tag} -> {weights} ({size / 2**20:.1f} MiB, {a.dtype}, {a.format})", flush=True
+    )
     return 0

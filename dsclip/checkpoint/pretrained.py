@@ -1,9 +1,9 @@
 """``--pretrained FILE``: initial weights from a dsclip or OpenCLIP checkpoint, loaded without surprises.
 
-Accepted files: ``.safetensors`` (dsclip's ``model.safetensors``, OpenCLIP's ``open_clip_model.safetensors``),
-``.pt``/``.pth``/``.bin`` state dicts (OpenCLIP training checkpoints ``{"epoch", "state_dict": {"module.*"}}``,
-bare state dicts, ``{"model": ...}``), or a folder holding one of those. The layout (dsclip or OpenCLIP
-native keys) is detected from the key names.
+Accepted files: ``.safetensors`` (dsclip's ``model.safetensors``, OpenCLIP's
+``open_clip_model.safetensors``), ``.pt``/``.pth``/``.bin`` state dicts (OpenCLIP training checkpoints
+``{"epoch", "state_dict": {"module.*"}}``, bare state dicts, ``{"model": ...}``), or a folder holding one.
+The layout (dsclip or OpenCLIP native keys) is detected from the key names.
 
 Before anything is copied, the file's key set and every shape are checked against the model
 (``StateDictMismatchError`` lists every missing, unexpected and mismatched key; with OpenCLIP files
@@ -23,8 +23,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
-WEIGHT_CANDIDATES = ("model.safetensors", "open_clip_model.safetensors", "open_clip_pytorch_model.bin",
-                     "pytorch_model.bin")
+from dsclip.config import ConfigError
+from dsclip.model import StateDictMismatchError
+
+WEIGHT_CANDIDATES = (
+    "model.safetensors",
+    "open_clip_model.safetensors",
+    "open_clip_pytorch_model.bin",
+    "pytorch_model.bin",
+)
 
 
 class WeightSource:
@@ -70,15 +77,32 @@ class WeightSource:
 
 
 def _strip(key: str) -> str:
-    return key[len("module."):] if key.startswith("module.") else key
+    return key[len("module.") :] if key.startswith("module.") else key
 
 
 def _meta(shapes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
     return {k: torch.empty(s, device="meta") for k, s in shapes.items()}
 
 
+class PretrainedMismatchError(StateDictMismatchError, ConfigError):
+    """The ``--pretrained`` file doesn't fit the model (a user error: printed without a traceback)."""
+
+
 def plan_pretrained(source: WeightSource, model_config: dict) -> dict[str, str]:
     """dsclip state-dict name -> name in ``source``, after checking keys and shapes in full."""
+    try:
+        return _plan(source, model_config)
+    except StateDictMismatchError as e:
+        msg = str(e)
+        if "token_embedding" in msg:
+            msg += (
+                "\n  hint: the text vocabulary differs; train/evaluate with the tokenizer these weights were "
+                "trained with (OpenCLIP weights: --tokenizer open_clip:<model name>)"
+            )
+        raise PretrainedMismatchError(msg) from None
+
+
+def _plan(source: WeightSource, model_config: dict) -> dict[str, str]:
     from dsclip.model import from_openclip_state_dict, to_openclip_state_dict
     from dsclip.model.openclip import check_state_dict, expected_shapes
 

@@ -56,11 +56,19 @@ def convert_to_universal(ckpt_dir: Path, tag: str) -> Path:
         return out
     tmp = tag_dir / f".{UNIVERSAL}.tmp.{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    args = Namespace(input_folder=str(tag_dir), output_folder=str(tmp), num_extract_workers=1,
-                     num_merge_workers=1, keep_temp_folder=False, strict=True,
-                     inject_missing_state=True)  # plain (non-Megatron) models carry no universal_checkpoint_info
+    args = Namespace(
+        input_folder=str(tag_dir),
+        output_folder=str(tmp),
+        num_extract_workers=1,
+        num_merge_workers=1,
+        keep_temp_folder=False,
+        strict=True,
+        inject_missing_state=True,
+    )  # plain (non-Megatron) models carry no universal_checkpoint_info
     ds_to_universal.main(args)
-    (tag_dir / "latest_universal").unlink(missing_ok=True)  # ds_to_universal's pointer; we pass tags explicitly
+    (tag_dir / "latest_universal").unlink(
+        missing_ok=True
+    )  # ds_to_universal's pointer; we pass tags explicitly
     shutil.copyfile(tag_dir / STATE_FILE, tmp / STATE_FILE)
     (tmp / COMPLETE).write_text(json.dumps({"from": tag}))
     shutil.rmtree(out, ignore_errors=True)  # an older incomplete attempt
@@ -83,7 +91,9 @@ def resume_position(state: dict[str, Any], *, global_batch: int, steps_per_epoch
     Same global batch: the saved step. Otherwise the saved epoch plus the samples already done in it,
     in whole steps of the new global batch."""
     step = int(state["step"])
-    old_global = int(state.get("batch_size", 0)) * int(state.get("accum_freq", 1)) * int(state.get("world_size", 0))
+    old_global = (
+        int(state.get("batch_size", 0)) * int(state.get("accum_freq", 1)) * int(state.get("world_size", 0))
+    )
     if old_global in (0, global_batch):
         return step, False
     epoch, in_epoch = int(state["epoch"]), int(state["step_in_epoch"])
@@ -117,15 +127,19 @@ def load_universal(engine, load_dir: Path, tag: str) -> tuple[Any, Any]:
 
     inner = getattr(engine.optimizer, "optimizer", None)
     params_before = [list(g["params"]) for g in inner.param_groups] if inner is not None else None
-    path, client_state = engine.load_checkpoint(str(load_dir), tag=tag, load_optimizer_states=True,
-                                                load_lr_scheduler_states=True)
+    path, client_state = engine.load_checkpoint(
+        str(load_dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
+    )
     if path is not None and engine.zero_optimization_stage() == 3 and params_before is not None:
-        optim_sd = torch.load(Path(load_dir) / tag / "zero" / "optimizer_state.pt", map_location="cpu",
-                              weights_only=False)
+        optim_sd = torch.load(
+            Path(load_dir) / tag / "zero" / "optimizer_state.pt", map_location="cpu", weights_only=False
+        )
         saved_groups = optim_sd["optimizer_state_dict"]["param_groups"]
         if len(saved_groups) != len(inner.param_groups):
-            raise RuntimeError(f"universal checkpoint has {len(saved_groups)} param groups, the optimizer "
-                               f"{len(inner.param_groups)}")
+            raise RuntimeError(
+                f"universal checkpoint has {len(saved_groups)} param groups, the optimizer "
+                f"{len(inner.param_groups)}"
+            )
         for group, params, saved in zip(inner.param_groups, params_before, saved_groups):
             group.update({k: v for k, v in saved.items() if k != "params"})
             group["params"] = params

@@ -17,13 +17,17 @@ PREFIX = "open_clip:"
 class OpenCLIPTokenizer:
     def __init__(self, name: str, context_length: int = 77):
         if name.startswith(PREFIX):
-            name = name[len(PREFIX):]
+            name = name[len(PREFIX) :]
         try:
             import open_clip
         except ImportError as e:
-            raise ValueError(f"--tokenizer {PREFIX}{name} needs open_clip_torch (pip install open_clip_torch)") from e
+            raise ValueError(
+                f"--tokenizer {PREFIX}{name} needs open_clip_torch (pip install open_clip_torch)"
+            ) from e
         self.name = name
-        self.spec = PREFIX + name  # recorded in the run folder (dsclip.checkpoint.ds_checkpoint.record_tokenizer)
+        self.spec = (
+            PREFIX + name
+        )  # recorded in the run folder (dsclip.checkpoint.ds_checkpoint.record_tokenizer)
         self.context_length = int(context_length)
         self.tok = open_clip.get_tokenizer(name, context_length=self.context_length)
         self.vocab_size = int(getattr(self.tok, "vocab_size", 0) or len(self.tok.encoder))
@@ -37,7 +41,7 @@ class OpenCLIPTokenizer:
         self.__init__(state["name"], state["context_length"])
 
     def __repr__(self) -> str:
-        return f"OpenCLIPTokenizer({self.name!r}, context_length={self.context_length}, vocab_size={self.vocab_size})"
+        return f"OpenCLIPTokenizer({self.name!r}, context_length={self.context_length})"
 
     def __call__(self, texts: str | list[str], context_length: int | None = None) -> torch.Tensor:
         if isinstance(texts, str):

@@ -116,7 +116,8 @@ def train(cfg: RunConfig) -> dict:
     if resume is not None:
         state = ds_checkpoint.load(engine, *resume)
         # same global batch: same step; otherwise the same place in the data (rule in checkpoint/universal.py)
-        step, moved = universal.resume_position(state, global_batch=samples_per_step, steps_per_epoch=steps_per_epoch)
+        step, moved = universal.resume_position(state, global_batch=samples_per_step,
+                                                steps_per_epoch=steps_per_epoch)
         if moved:
             universal.set_schedule_step(engine, step)
         if rank == 0:

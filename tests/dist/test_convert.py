@@ -33,7 +33,7 @@ def _inputs(n=6, seed=7):
     for row in range(n):  # EOS then padding, as the tokenizer writes them
         pos = 5 + 3 * row
         tokens[row, pos] = EOS
-        tokens[row, pos + 1:] = 0
+        tokens[row, pos + 1 :] = 0
     return images, tokens
 
 
@@ -47,10 +47,22 @@ def _engine(world, ds_config, after_construction=None):
     from dsclip.engine.build import build_engine
     from dsclip.engine.ds_config import load_ds_json, resolve_ds_config
 
-    cfg = make_run_config({"name": "t", "batch_size": B, "lr": 1e-2, "wd": 0.1, "warmup": 0, "lr_scheduler": "const",
-                           "precision": "auto", "deepspeed_config": f"ds_configs/{ds_config}.json"})
+    cfg = make_run_config(
+        {
+            "name": "t",
+            "batch_size": B,
+            "lr": 1e-2,
+            "wd": 0.1,
+            "warmup": 0,
+            "lr_scheduler": "const",
+            "precision": "auto",
+            "deepspeed_config": f"ds_configs/{ds_config}.json",
+        }
+    )
     ds = resolve_ds_config(load_ds_json(cfg.train.deepspeed_config), cfg, world_size=world, device_type="cpu")
-    return build_engine(cfg, ds, _model, total_steps=10, steps_per_epoch=10, after_construction=after_construction)
+    return build_engine(
+        cfg, ds, _model, total_steps=10, steps_per_epoch=10, after_construction=after_construction
+    )
 
 
 def _embed(module):
@@ -70,7 +82,9 @@ def _rank_train_and_save(rank, world, ds_config, run_dir):
 
     bundle = _engine(world, ds_config)
     engine = bundle.engine
-    step = GradCacheStep(engine, build_loss("infonce"), compute_dtype=torch.bfloat16 if "bf16" in ds_config else None)
+    step = GradCacheStep(
+        engine, build_loss("infonce"), compute_dtype=torch.bfloat16 if "bf16" in ds_config else None
+    )
     g = torch.Generator().manual_seed(SEED + rank)
     for _ in range(2):
         images = torch.randn(B, 3, 32, 32, generator=g)
@@ -79,7 +93,8 @@ def _rank_train_and_save(rank, world, ds_config, run_dir):
         engine.train()
         step([(images, tokens)])
     Checkpointer(Path(run_dir), every_n_steps=1, every_n_epochs=0, keep_last=0, rank=rank).save(
-        engine, 2, {"step": 2, "epoch": 0, "step_in_epoch": 2, "world_size": world})
+        engine, 2, {"step": 2, "epoch": 0, "step_in_epoch": 2, "world_size": world}
+    )
     image_emb, text_emb = _embed(engine.module)
     masters = {n: safe_get_full_fp32_param(p).clone() for n, p in engine.module.named_parameters()}
     return {"image": image_emb, "text": text_emb, "masters": masters}
@@ -129,7 +144,8 @@ def test_convert_matches_live_engine_and_openclip_loads_it(tmp_path, ds_config):
     (tmp_path / "cfgs" / f"{name}.json").write_text(json.dumps(oc_cfg["model_cfg"]))
     open_clip.add_model_config(tmp_path / "cfgs")
     oc_named, _, _ = open_clip.create_model_and_transforms(
-        name, pretrained=str(tmp_path / "oc" / "open_clip_model.safetensors"))
+        name, pretrained=str(tmp_path / "oc" / "open_clip_model.safetensors")
+    )
     images, tokens = _inputs()
     for oc in (oc_local, oc_named):
         oc.eval()
@@ -159,7 +175,9 @@ def test_openclip_checkpoint_imported_under_zero_embeds_like_openclip(tmp_path, 
             p.add_(0.01 * torch.randn_like(p))
     # OpenCLIP's training checkpoint format: DDP "module." prefixes inside "state_dict"
     path = tmp_path / "epoch_1.pt"
-    torch.save({"epoch": 1, "name": "x", "state_dict": {f"module.{k}": v for k, v in oc.state_dict().items()}}, path)
+    torch.save(
+        {"epoch": 1, "name": "x", "state_dict": {f"module.{k}": v for k, v in oc.state_dict().items()}}, path
+    )
     results = run_world(_rank_import_openclip, 2, str(path), ds_config)
     images, tokens = _inputs()
     oc.eval()

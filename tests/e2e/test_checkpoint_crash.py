@@ -22,17 +22,41 @@ STEPS = 6
 
 
 def _args(tmp_path, name, *extra):
-    return ["train", "--config", "tiny", "--logs", str(tmp_path), "--name", name, "--deepspeed-config",
-            "ds_configs/zero2_fp32.json", "--max-steps", str(STEPS), "--save-every-n-steps", "2", "--batch-size", "8",
-            "--lr-scheduler", "cosine", "--warmup", "2", "--save-frequency", "0", "--keep-last", "1", *extra]
+    return [
+        "train",
+        "--config",
+        "tiny",
+        "--logs",
+        str(tmp_path),
+        "--name",
+        name,
+        "--deepspeed-config",
+        "ds_configs/zero2_fp32.json",
+        "--max-steps",
+        str(STEPS),
+        "--save-every-n-steps",
+        "2",
+        "--batch-size",
+        "8",
+        "--lr-scheduler",
+        "cosine",
+        "--warmup",
+        "2",
+        "--save-frequency",
+        "0",
+        "--keep-last",
+        "1",
+        *extra,
+    ]
 
 
 def _start(args, extra_env=None):
     cmd = [DEEPSPEED, "--num_gpus", "2", "--master_port", str(free_port()), "--module", "dsclip", *args]
     e = env()
     e.update(extra_env or {})
-    return subprocess.Popen(cmd, cwd=ROOT, env=e, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)  # its own process group: kill launcher + ranks at once
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env=e, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )  # its own process group: kill launcher + ranks at once
 
 
 def _kill_when(proc, condition, timeout=300):
@@ -51,7 +75,9 @@ def _kill_when(proc, condition, timeout=300):
 def _final_weights(run: Path) -> dict[str, torch.Tensor]:
     from dsclip.checkpoint.convert import lazy_fp32_state_dict
 
-    return {k: t.load().clone() for k, t in lazy_fp32_state_dict(run / "checkpoints", f"step_{STEPS:09d}").items()}
+    return {
+        k: t.load().clone() for k, t in lazy_fp32_state_dict(run / "checkpoints", f"step_{STEPS:09d}").items()
+    }
 
 
 def _latest(run: Path) -> str | None:
@@ -79,8 +105,13 @@ def test_sigkill_mid_training_and_during_save_then_resume_latest(tmp_path):
     run = tmp_path / "save"
     partial = run / "checkpoints" / ".partial.step_000000004"
     proc = _start(_args(tmp_path, "save"), {"DSCLIP_TEST_SLOW_SAVE_S": "60@4"})
-    _kill_when(proc, lambda: len(list(partial.glob("*optim_states.pt"))) == 2
-               and (partial / "mp_rank_00_model_states.pt").exists())
+    _kill_when(
+        proc,
+        lambda: (
+            len(list(partial.glob("*optim_states.pt"))) == 2
+            and (partial / "mp_rank_00_model_states.pt").exists()
+        ),
+    )
     ckpts = run / "checkpoints"
     assert _latest(run) == "step_000000002"
     assert (ckpts / "step_000000002" / "COMPLETE").exists()  # not pruned: the new one never completed

@@ -18,9 +18,30 @@ TOL = 1e-4
 
 def _train_args(tmp_path, name, ds_config, world, *extra):
     batch = 16 // world  # global batch 16 at world 1 and 2
-    return ["train", "--config", "tiny", "--logs", str(tmp_path), "--name", name, "--deepspeed-config",
-            f"ds_configs/{ds_config}.json", "--max-steps", "8", "--save-every-n-steps", "2", "--batch-size",
-            str(batch), "--lr-scheduler", "cosine", "--warmup", "2", "--save-frequency", "0", *extra]
+    return [
+        "train",
+        "--config",
+        "tiny",
+        "--logs",
+        str(tmp_path),
+        "--name",
+        name,
+        "--deepspeed-config",
+        f"ds_configs/{ds_config}.json",
+        "--max-steps",
+        "8",
+        "--save-every-n-steps",
+        "2",
+        "--batch-size",
+        str(batch),
+        "--lr-scheduler",
+        "cosine",
+        "--warmup",
+        "2",
+        "--save-frequency",
+        "0",
+        *extra,
+    ]
 
 
 def _assert_continues(resumed: dict, reference: dict, first: int, tol=TOL):
@@ -37,13 +58,18 @@ def test_resume_on_other_world_size_continues_loss_curve(tmp_path, stage):
     assert sorted(ref) == list(range(1, 9))
 
     # 2 ranks -> 1 rank
-    p = run_cli(_train_args(tmp_path, "w1", ds, 1, "--resume", str(tmp_path / "w2/checkpoints/step_000000002")))
+    p = run_cli(
+        _train_args(tmp_path, "w1", ds, 1, "--resume", str(tmp_path / "w2/checkpoints/step_000000002"))
+    )
     assert "resumed from" in p.stdout and "universal" in p.stdout
     _assert_continues(losses(tmp_path / "w1"), ref, 3)
     assert (tmp_path / "w2/checkpoints/step_000000002/universal/COMPLETE").exists()
 
     # 1 rank -> 2 ranks, from a checkpoint the 1-rank run wrote
-    run_cli(_train_args(tmp_path, "w2b", ds, 2, "--resume", str(tmp_path / "w1/checkpoints/step_000000004")), world=2)
+    run_cli(
+        _train_args(tmp_path, "w2b", ds, 2, "--resume", str(tmp_path / "w1/checkpoints/step_000000004")),
+        world=2,
+    )
     _assert_continues(losses(tmp_path / "w2b"), ref, 5)
 
 

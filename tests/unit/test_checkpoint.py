@@ -41,8 +41,12 @@ def test_save_writes_partial_then_renames_complete_tag(tmp_path):
     tag_dir = ck.save(engine, 2, {"step": 2})
     assert engine.tags == [".partial.step_000000002"]  # DeepSpeed never writes into a step_* folder
     assert tag_dir.name == "step_000000002"
-    assert {p.name for p in tag_dir.iterdir()} == {"mp_rank_00_model_states.pt", dc.STATE_FILE, dc.COMPLETE,
-                                                   dc.MODEL_CONFIG_FILE}
+    assert {p.name for p in tag_dir.iterdir()} == {
+        "mp_rank_00_model_states.pt",
+        dc.STATE_FILE,
+        dc.COMPLETE,
+        dc.MODEL_CONFIG_FILE,
+    }
     assert json.loads((tag_dir / dc.MODEL_CONFIG_FILE).read_text())["model_cfg"]["embed_dim"] == 32
     assert (tmp_path / "checkpoints" / "latest").read_text() == "step_000000002"
     assert not [p for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith(".")]
@@ -92,11 +96,20 @@ def test_find_checkpoint_accepts_run_ckpts_and_tag_dirs_and_refuses_incomplete(t
 def test_streaming_safetensors_round_trip(tmp_path):
     from safetensors import safe_open
 
-    tensors = {"a": torch.randn(3, 5), "b": torch.randn(7).bfloat16(), "s": torch.tensor(2.5), "i": torch.arange(4),
-               "h": torch.randn(2, 2).half(), "e": torch.empty(0, 3)}
+    tensors = {
+        "a": torch.randn(3, 5),
+        "b": torch.randn(7).bfloat16(),
+        "s": torch.tensor(2.5),
+        "i": torch.arange(4),
+        "h": torch.randn(2, 2).half(),
+        "e": torch.empty(0, 3),
+    }
     path = tmp_path / "x.safetensors"
-    write_safetensors_streaming(path, [(k, LazyTensor(v.shape, v.dtype, lambda v=v: v)) for k, v in tensors.items()],
-                                {"format": "dsclip"})
+    write_safetensors_streaming(
+        path,
+        [(k, LazyTensor(v.shape, v.dtype, lambda v=v: v)) for k, v in tensors.items()],
+        {"format": "dsclip"},
+    )
     with safe_open(str(path), framework="pt") as f:
         assert f.metadata() == {"format": "dsclip"}
         for k, v in tensors.items():
@@ -121,8 +134,10 @@ def _embeddings(model):
         return model.encode_image(images), model.encode_text(tokens)
 
 
-@pytest.mark.parametrize("layout", ["openclip_train_ckpt", "openclip_bare_pt", "openclip_safetensors",
-                                    "dsclip_safetensors", "dsclip_dir"])
+@pytest.mark.parametrize(
+    "layout",
+    ["openclip_train_ckpt", "openclip_bare_pt", "openclip_safetensors", "dsclip_safetensors", "dsclip_dir"],
+)
 def test_pretrained_loads_every_layout(tmp_path, layout):
     from safetensors.torch import save_file
 
@@ -175,7 +190,9 @@ def test_pretrained_mismatch_names_every_key_and_changes_nothing(tmp_path):
     with pytest.raises(StateDictMismatchError) as e:
         load_pretrained_into(model, path)
     msg = str(e.value)
-    assert "missing (1): logit_scale" in msg and "extra.weight" in msg and "text.token_embedding.weight" in msg
+    assert (
+        "missing (1): logit_scale" in msg and "extra.weight" in msg and "text.token_embedding.weight" in msg
+    )
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
@@ -199,7 +216,9 @@ def test_convert_cli_refuses_incomplete_tag_in_one_line(tmp_path, capsys):
     engine, ck = FakeEngine(), _ckpt(tmp_path)
     ck.save(engine, 2, {"step": 2})
     (tmp_path / "checkpoints" / "step_000000002" / dc.COMPLETE).unlink()
-    assert main(["convert", str(tmp_path / "checkpoints" / "step_000000002"), "-o", str(tmp_path / "out")]) == 2
+    assert (
+        main(["convert", str(tmp_path / "checkpoints" / "step_000000002"), "-o", str(tmp_path / "out")]) == 2
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("dsclip convert: error:") and "incomplete" in err[0]
     assert not (tmp_path / "out").exists()
