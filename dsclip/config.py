@@ -46,9 +46,7 @@ PRECISIONS = ("auto", "fp32", "bf16", "fp16", "amp", "amp_bf16", "amp_bfloat16",
 @dataclass
 class ModelArgs:
     model: str = opt("demo", "Architecture name (dsclip/model/configs/*.json, OpenCLIP schema) or a JSON path.")
-    pretrained: str | None = opt(
-        None, "Initial weights: a dsclip or OpenCLIP checkpoint (.safetensors/.pt/.bin)."
-    )
+    pretrained: str | None = opt(None, "Initial weights: a dsclip or OpenCLIP checkpoint (.safetensors/.pt/.bin).")
     siglip: bool = opt(False, "Use the sigmoid (SigLIP) loss with a learnable logit_bias.")
     force_patch_dropout: float | None = opt(
         None, "Override the architecture's patch-dropout rate (FLIP), as OpenCLIP's flag: training only."
@@ -67,8 +65,9 @@ class LossArgs:
         False, "InfoNCE over this rank's rows against all columns (OpenCLIP --local-loss); needs --gather-with-grad."
     )
     gather_with_grad: bool = opt(
-        False, "Gather features with gradient (OpenCLIP --gather-with-grad). dsclip always gathers with "
-        "gradient because anything else gives wrong gradients; the flag is accepted for compatibility."
+        False,
+        "Gather features with gradient (OpenCLIP --gather-with-grad). dsclip always gathers with "
+        "gradient because anything else gives wrong gradients; the flag is accepted for compatibility.",
     )
     tiled_loss: bool = opt(
         False, "Memory-bounded InfoNCE: tiled online log-sum-exp over a ring of ranks; never builds the logit matrix."
@@ -85,10 +84,10 @@ class OptimArgs:
     beta2: float = opt(0.98, "Adam beta2.")
     eps: float = opt(1.0e-6, "Adam epsilon.")
     warmup: int = opt(10000, "Linear warm-up length in optimizer steps.")
-    lr_scheduler: str = opt("cosine", "Learning-rate schedule after warm-up.", choices=("cosine", "const", "const-cooldown"))
-    epochs_cooldown: float | None = opt(
-        None, "const-cooldown: length of the final cool-down, in epochs."
+    lr_scheduler: str = opt(
+        "cosine", "Learning-rate schedule after warm-up.", choices=("cosine", "const", "const-cooldown")
     )
+    epochs_cooldown: float | None = opt(None, "const-cooldown: length of the final cool-down, in epochs.")
     lr_cooldown_power: float = opt(1.0, "const-cooldown: power of the polynomial cool-down.")
     lr_cooldown_end: float = opt(0.0, "const-cooldown: learning rate at the end of the cool-down.")
     grad_clip_norm: float | None = opt(None, "Clip the global gradient norm to this value.")
@@ -105,11 +104,14 @@ class TrainArgs:
         "batch_size × accum_freq × world with gradients equal to that big batch.",
     )
     precision: str = opt(
-        "auto", "Numeric precision; 'auto' takes it from the DeepSpeed JSON (fp32 if that says auto too).",
+        "auto",
+        "Numeric precision; 'auto' takes it from the DeepSpeed JSON (fp32 if that says auto too).",
         choices=PRECISIONS,
     )
     seed: int = opt(0, "Random seed (model init, data order, dropout; derived per step and rank).")
-    deepspeed_config: str = opt("ds_configs/zero2.json", "DeepSpeed JSON; 'auto' values are filled from these settings.")
+    deepspeed_config: str = opt(
+        "ds_configs/zero2.json", "DeepSpeed JSON; 'auto' values are filled from these settings."
+    )
     keep_last_graph: bool = opt(
         True, "Gradient cache: keep the last micro-batch's graph from the first pass instead of re-forwarding it."
     )
@@ -363,8 +365,13 @@ def validate(cfg: RunConfig, *, world_size: int | None = None) -> None:
         import time
 
         cfg.log.name = "-".join(
-            [time.strftime("%Y_%m_%d-%H_%M_%S"), f"model_{Path(cfg.model.model).stem}", f"lr_{o.lr:g}",
-             f"b_{t.batch_size}", f"p_{t.precision}"]
+            [
+                time.strftime("%Y_%m_%d-%H_%M_%S"),
+                f"model_{Path(cfg.model.model).stem}",
+                f"lr_{o.lr:g}",
+                f"b_{t.batch_size}",
+                f"p_{t.precision}",
+            ]
         )
     if "/" in cfg.log.name:
         raise ConfigError(f"--name must be a folder name, not a path: {cfg.log.name!r}")

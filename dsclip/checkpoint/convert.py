@@ -76,9 +76,7 @@ def find_checkpoint(path: str | os.PathLike, tag: str | None = None) -> tuple[Pa
         ckpt_dir, tag = p.parent, p.name
     else:
         ckpt_dir = (
-            p
-            if (p / LATEST).exists() or complete_tags(p) or not (p / "checkpoints").is_dir()
-            else p / "checkpoints"
+            p if (p / LATEST).exists() or complete_tags(p) or not (p / "checkpoints").is_dir() else p / "checkpoints"
         )
         if tag is None:
             tag = latest_complete(ckpt_dir)
@@ -143,9 +141,7 @@ def lazy_fp32_state_dict(ckpt_dir: Path, tag: str) -> dict[str, LazyTensor]:
 
 
 # --- writing safetensors one tensor at a time --------------------------------------------------------
-def write_safetensors_streaming(
-    path: Path, items: list[tuple[str, LazyTensor]], metadata: dict[str, str]
-) -> None:
+def write_safetensors_streaming(path: Path, items: list[tuple[str, LazyTensor]], metadata: dict[str, str]) -> None:
     """Write a safetensors file materialising one tensor at a time (the header is computed from shapes
     first). Written to a temporary name and renamed, so the output is never half a file."""
     header: dict = {"__metadata__": metadata}
@@ -186,12 +182,8 @@ def _cast(t: LazyTensor, dtype: torch.dtype) -> LazyTensor:
 def _to_openclip(name: str, t: LazyTensor) -> tuple[str, LazyTensor]:
     from dsclip.model import to_openclip_state_dict
 
-    ((oc_name, oc_meta),) = to_openclip_state_dict(
-        {name: torch.empty(t.shape, dtype=t.dtype, device="meta")}
-    ).items()
-    return oc_name, LazyTensor(
-        oc_meta.shape, t.dtype, lambda: to_openclip_state_dict({name: t.load()})[oc_name]
-    )
+    ((oc_name, oc_meta),) = to_openclip_state_dict({name: torch.empty(t.shape, dtype=t.dtype, device="meta")}).items()
+    return oc_name, LazyTensor(oc_meta.shape, t.dtype, lambda: to_openclip_state_dict({name: t.load()})[oc_name])
 
 
 # --- the conversion ----------------------------------------------------------------------------------
@@ -279,13 +271,9 @@ def main_convert(argv: list[str]) -> int:
 
     ckpt_dir, tag = find_checkpoint(a.path, a.tag)
     try:
-        weights = convert_checkpoint(
-            ckpt_dir, tag, a.output, dtype=a.dtype, fmt=a.format, model_config=a.model_config
-        )
+        weights = convert_checkpoint(ckpt_dir, tag, a.output, dtype=a.dtype, fmt=a.format, model_config=a.model_config)
     except StateDictMismatchError as e:  # a --model-config that doesn't fit: say which keys, no traceback
         raise ConfigError(str(e).replace("\n", "; ")) from e
     size = weights.stat().st_size
-    print(
-        f"converted {ckpt_dir / tag} -> {weights} ({size / 2**20:.1f} MiB, {a.dtype}, {a.format})", flush=True
-    )
+    print(f"converted {ckpt_dir / tag} -> {weights} ({size / 2**20:.1f} MiB, {a.dtype}, {a.format})", flush=True)
     return 0

@@ -39,9 +39,7 @@ import torch.distributed as dist
 COMPLETE = "COMPLETE"
 LATEST = "latest"
 STATE_FILE = "dsclip_state.json"
-MODEL_CONFIG_FILE = (
-    "model_config.json"  # {"model_cfg": <resolved model config>}, as dsclip.model.save_model writes
-)
+MODEL_CONFIG_FILE = "model_config.json"  # {"model_cfg": <resolved model config>}, as dsclip.model.save_model writes
 TOKENIZER_FILE = "tokenizer.model"  # the run's SentencePiece model, copied into the run folder
 TOKENIZER_SPEC_FILE = "tokenizer.json"  # {"tokenizer": "open_clip:NAME"} for non-file tokenizers
 PARTIAL_PREFIX = ".partial."

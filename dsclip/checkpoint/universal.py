@@ -66,9 +66,7 @@ def convert_to_universal(ckpt_dir: Path, tag: str) -> Path:
         inject_missing_state=True,
     )  # plain (non-Megatron) models carry no universal_checkpoint_info
     ds_to_universal.main(args)
-    (tag_dir / "latest_universal").unlink(
-        missing_ok=True
-    )  # ds_to_universal's pointer; we pass tags explicitly
+    (tag_dir / "latest_universal").unlink(missing_ok=True)  # ds_to_universal's pointer; we pass tags explicitly
     shutil.copyfile(tag_dir / STATE_FILE, tmp / STATE_FILE)
     (tmp / COMPLETE).write_text(json.dumps({"from": tag}))
     shutil.rmtree(out, ignore_errors=True)  # an older incomplete attempt
@@ -91,9 +89,7 @@ def resume_position(state: dict[str, Any], *, global_batch: int, steps_per_epoch
     Same global batch: the saved step. Otherwise the saved epoch plus the samples already done in it,
     in whole steps of the new global batch."""
     step = int(state["step"])
-    old_global = (
-        int(state.get("batch_size", 0)) * int(state.get("accum_freq", 1)) * int(state.get("world_size", 0))
-    )
+    old_global = int(state.get("batch_size", 0)) * int(state.get("accum_freq", 1)) * int(state.get("world_size", 0))
     if old_global in (0, global_batch):
         return step, False
     epoch, in_epoch = int(state["epoch"]), int(state["step_in_epoch"])
@@ -137,8 +133,7 @@ def load_universal(engine, load_dir: Path, tag: str) -> tuple[Any, Any]:
         saved_groups = optim_sd["optimizer_state_dict"]["param_groups"]
         if len(saved_groups) != len(inner.param_groups):
             raise RuntimeError(
-                f"universal checkpoint has {len(saved_groups)} param groups, the optimizer "
-                f"{len(inner.param_groups)}"
+                f"universal checkpoint has {len(saved_groups)} param groups, the optimizer {len(inner.param_groups)}"
             )
         for group, params, saved in zip(inner.param_groups, params_before, saved_groups):
             group.update({k: v for k, v in saved.items() if k != "params"})

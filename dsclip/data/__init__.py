@@ -17,19 +17,20 @@ from .tokenizer import SentencePieceTokenizer
 __all__ = ["DataConfig", "TrainData", "SentencePieceTokenizer", "build_tokenizer", "build_train_data"]
 
 
-def build_tokenizer(
-    data_cfg: DataConfig, context_length: int, cache_dir: str | os.PathLike = ".cache/dsclip"
-):
+def build_tokenizer(data_cfg: DataConfig, context_length: int, cache_dir: str | os.PathLike = ".cache/dsclip"):
     """The tokenizer the run uses: ``data_cfg.tokenizer`` if set, else the demo one for demo data."""
+    if data_cfg.tokenizer and data_cfg.tokenizer.startswith("open_clip:"):
+        # OpenCLIP's own tokenizer (open_clip_torch installed): what imported OpenCLIP text towers expect.
+        from .openclip_tokenizer import OpenCLIPTokenizer
+
+        return OpenCLIPTokenizer(data_cfg.tokenizer, context_length)
     if data_cfg.tokenizer:
         return SentencePieceTokenizer(data_cfg.tokenizer, context_length)
     if data_cfg.resolved_dataset_type() == "demo":
         from .demo import ensure_demo_tokenizer
 
         return SentencePieceTokenizer(ensure_demo_tokenizer(cache_dir), context_length)
-    raise ValueError(
-        "no tokenizer: pass --tokenizer path/to/spm.model (train one with `dsclip tokenizer train`)"
-    )
+    raise ValueError("no tokenizer: pass --tokenizer path/to/spm.model (train one with `dsclip tokenizer train`)")
 
 
 def build_train_data(

@@ -40,9 +40,7 @@ class DataConfig:
             "dataset_resampled). Default: proportional to each source's shard count."
         },
     )
-    workers: int = field(
-        default=1, metadata={"help": "DataLoader worker processes per rank (0 = main process)."}
-    )
+    workers: int = field(default=1, metadata={"help": "DataLoader worker processes per rank (0 = main process)."})
     shuffle_buffer: int = field(
         default=5000, metadata={"help": "Webdataset sample shuffle buffer per worker (0 disables)."}
     )
@@ -56,16 +54,12 @@ class DataConfig:
     val_num_samples: int | None = field(default=None, metadata={"help": "Cap on validation samples."})
     zeroshot_data: str | None = field(
         default=None,
-        metadata={
-            "help": "Zero-shot class-folder dataset (DIR/<class>/*.jpg), "
-            "or 'demo' for the demo's held-out set."
-        },
+        metadata={"help": "Zero-shot class-folder dataset (DIR/<class>/*.jpg), or 'demo' for the demo's held-out set."},
     )
     zeroshot_templates: str | None = field(
         default=None,
         metadata={
-            "help": "File with one prompt template per line containing '{c}' "
-            "(default: OpenCLIP's ImageNet set)."
+            "help": "File with one prompt template per line containing '{c}' (default: OpenCLIP's ImageNet set)."
         },
     )
     force_image_size: int | None = field(
@@ -76,9 +70,7 @@ class DataConfig:
         metadata={"help": "SentencePiece model path. Default with demo data: the built-in demo tokenizer."},
     )
     demo_num_samples: int = field(default=20000, metadata={"help": "Size of the built-in demo training set."})
-    demo_eval_samples: int = field(
-        default=1000, metadata={"help": "Held-out demo images for zero-shot eval."}
-    )
+    demo_eval_samples: int = field(default=1000, metadata={"help": "Held-out demo images for zero-shot eval."})
 
     def resolved_dataset_type(self) -> str:
         if self.dataset_type not in DATASET_TYPES:

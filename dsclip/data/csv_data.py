@@ -25,9 +25,7 @@ log = logging.getLogger("dsclip.data")
 _MAX_REPLACEMENTS = 100
 
 
-def read_csv(
-    path: str | os.PathLike, img_key: str, caption_key: str, sep: str = "\t"
-) -> tuple[list[str], list[str]]:
+def read_csv(path: str | os.PathLike, img_key: str, caption_key: str, sep: str = "\t") -> tuple[list[str], list[str]]:
     """(image paths, captions) from a CSV/TSV; errors name the missing file or column."""
     p = Path(path)
     if not p.is_file():
@@ -92,9 +90,7 @@ class CsvDataset(Dataset):
         return self.get_sample(index)
 
 
-def build_csv_train_data(
-    data_cfg, *, tokenizer, image_size, batch_size, rank, world_size, seed
-) -> MapStyleTrainData:
+def build_csv_train_data(data_cfg, *, tokenizer, image_size, batch_size, rank, world_size, seed) -> MapStyleTrainData:
     images, captions = read_csv(
         data_cfg.train_data, data_cfg.csv_img_key, data_cfg.csv_caption_key, data_cfg.csv_separator
     )

@@ -123,9 +123,7 @@ class DemoDataset(Dataset):
     @classmethod
     def heldout(cls, num_samples: int, image_size: int = 32, seed: int = 0, transform=None) -> DemoDataset:
         """The held-out split for zero-shot evaluation (disjoint random stream from training)."""
-        return cls(
-            num_samples, image_size=image_size, seed=seed + DEMO_HELDOUT_SEED_OFFSET, transform=transform
-        )
+        return cls(num_samples, image_size=image_size, seed=seed + DEMO_HELDOUT_SEED_OFFSET, transform=transform)
 
     def __len__(self) -> int:
         return self.num_samples
@@ -257,9 +255,7 @@ def ensure_demo_tokenizer(cache_dir: str | os.PathLike, vocab_size: int = DEMO_T
         try:
             if not path.exists():
                 # BPE: on this small closed vocabulary it keeps every word whole (unigram would split them).
-                train_sentencepiece(
-                    all_demo_captions(), str(path.with_suffix("")), vocab_size, model_type="bpe"
-                )
+                train_sentencepiece(all_demo_captions(), str(path.with_suffix("")), vocab_size, model_type="bpe")
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
     return str(path)

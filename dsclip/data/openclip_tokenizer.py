@@ -21,13 +21,9 @@ class OpenCLIPTokenizer:
         try:
             import open_clip
         except ImportError as e:
-            raise ValueError(
-                f"--tokenizer {PREFIX}{name} needs open_clip_torch (pip install open_clip_torch)"
-            ) from e
+            raise ValueError(f"--tokenizer {PREFIX}{name} needs open_clip_torch (pip install open_clip_torch)") from e
         self.name = name
-        self.spec = (
-            PREFIX + name
-        )  # recorded in the run folder (dsclip.checkpoint.ds_checkpoint.record_tokenizer)
+        self.spec = PREFIX + name  # recorded in the run folder (dsclip.checkpoint.ds_checkpoint.record_tokenizer)
         self.context_length = int(context_length)
         self.tok = open_clip.get_tokenizer(name, context_length=self.context_length)
         self.vocab_size = int(getattr(self.tok, "vocab_size", 0) or len(self.tok.encoder))

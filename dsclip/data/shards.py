@@ -56,9 +56,7 @@ def parse_sources(train_data: str, upsampling_factors: str | None = None) -> lis
     if upsampling_factors:
         factors = [float(f) for f in upsampling_factors.split("::")]
         if len(factors) != len(specs):
-            raise ShardError(
-                f"--train-data-upsampling-factors has {len(factors)} values for {len(specs)} sources"
-            )
+            raise ShardError(f"--train-data-upsampling-factors has {len(factors)} values for {len(specs)} sources")
         if any(f < 0 for f in factors) or sum(factors) <= 0:
             raise ShardError("--train-data-upsampling-factors must be non-negative and not all zero")
     else:
@@ -170,11 +168,7 @@ def iter_tar(url: str, bad: BadData) -> Iterator[dict]:
             yield current
     except (tarfile.ReadError, EOFError, OSError, tarfile.TarError) as e:
         # tarfile reports a cut-off archive as ReadError/EOFError; an unreadable file as ReadError at open.
-        reason = (
-            "truncated_tar"
-            if current is not None or "unexpected end" in str(e).lower()
-            else "unreadable_shard"
-        )
+        reason = "truncated_tar" if current is not None or "unexpected end" in str(e).lower() else "unreadable_shard"
         bad.add(reason, f"{url} ({e.__class__.__name__}: {e})")
 
 

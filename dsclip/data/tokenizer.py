@@ -45,9 +45,7 @@ class SentencePieceTokenizer:
         self.sp.LoadFromSerializedProto(proto)
         self.vocab_size = int(self.sp.GetPieceSize())
         if self.sp.eos_id() < 0:
-            raise ValueError(
-                f"{self.model_path}: sentencepiece model has no EOS piece (train it with --eos_id)"
-            )
+            raise ValueError(f"{self.model_path}: sentencepiece model has no EOS piece (train it with --eos_id)")
         self.eos_id = int(self.sp.eos_id())
         self.pad_id = int(self.sp.pad_id()) if self.sp.pad_id() >= 0 else 0
         self.unk_id = int(self.sp.unk_id())
@@ -178,6 +176,4 @@ def check_text_cfg(tokenizer: SentencePieceTokenizer, text_cfg: dict) -> None:
             f"{tokenizer.eos_id}: use pool_type 'eos' with eos_id {tokenizer.eos_id}"
         )
     if pool in ("last", "first"):
-        raise ValueError(
-            f"pool_type {pool!r} pools a padding/first token with padded sentencepiece rows: use 'eos'"
-        )
+        raise ValueError(f"pool_type {pool!r} pools a padding/first token with padded sentencepiece rows: use 'eos'")

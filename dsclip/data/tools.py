@@ -162,11 +162,7 @@ def write_shards(
         tmp = out / f".{name}.tmp"
         count, nbytes = 0, 0
         with tarfile.open(tmp, "w", format=tarfile.USTAR_FORMAT) as tar:
-            while (
-                row < len(samples)
-                and count < shard_size
-                and not (max_shard_bytes and nbytes >= max_shard_bytes)
-            ):
+            while row < len(samples) and count < shard_size and not (max_shard_bytes and nbytes >= max_shard_bytes):
                 path, caption = samples[row]
                 key = f"{row:09d}"
                 row += 1
@@ -273,9 +269,7 @@ def _write_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="Output folder.")
     p.add_argument("--shard-size", type=int, default=10000, help="Samples per shard (default 10000).")
     p.add_argument("--num-shards", type=int, help="Split evenly into this many shards (sets --shard-size).")
-    p.add_argument(
-        "--max-shard-bytes", type=float, help="Also start a new shard past this many bytes (e.g. 1e9)."
-    )
+    p.add_argument("--max-shard-bytes", type=float, help="Also start a new shard past this many bytes (e.g. 1e9).")
     p.add_argument("--prefix", default="shard", help="Shard file name prefix.")
     p.add_argument("--resize", type=int, help="Downscale the shorter side to this (re-encodes as JPEG q95).")
     p.add_argument("--no-verify", action="store_true", help="Do not decode images to check them.")
@@ -284,12 +278,8 @@ def _write_parser() -> argparse.ArgumentParser:
 
 def _inspect_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dsclip data inspect", description="Count samples and broken samples.")
-    p.add_argument(
-        "shards", nargs="+", help="Shard pattern(s), e.g. 'data/shard-{00000..00099}.tar' or files."
-    )
-    p.add_argument(
-        "--no-decode", action="store_true", help="Skip image decoding (faster, misses corrupt images)."
-    )
+    p.add_argument("shards", nargs="+", help="Shard pattern(s), e.g. 'data/shard-{00000..00099}.tar' or files.")
+    p.add_argument("--no-decode", action="store_true", help="Skip image decoding (faster, misses corrupt images).")
     p.add_argument("--max-shards", type=int, help="Only the first N shards.")
     p.add_argument("--json", action="store_true", help="Print the report as JSON.")
     return p
@@ -314,14 +304,9 @@ def main_data(argv: list[str]) -> int:
                 for e in rep["shards"]:
                     broken = ", ".join(f"{k}={v}" for k, v in sorted(e["broken"].items())) or "none"
                     exts = ",".join(sorted(e["extensions"]))
-                    print(
-                        f"{e['shard']}: {e['samples']} samples, {e['good']} good, keys [{exts}], "
-                        f"broken: {broken}"
-                    )
+                    print(f"{e['shard']}: {e['samples']} samples, {e['good']} good, keys [{exts}], broken: {broken}")
                 t = rep["total"]
-                extra = ", ".join(
-                    f"{k}={v}" for k, v in sorted(t.items()) if k not in ("shards", "samples", "good")
-                )
+                extra = ", ".join(f"{k}={v}" for k, v in sorted(t.items()) if k not in ("shards", "samples", "good"))
                 print(
                     f"total: {t.get('shards', 0)} shards, {t.get('samples', 0)} samples, "
                     f"{t.get('good', 0)} good" + (f", broken: {extra}" if extra else "")

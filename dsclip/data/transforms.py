@@ -77,9 +77,7 @@ def image_transform(
     size = (image_size, image_size) if isinstance(image_size, int) else tuple(image_size)
     to_tensor = ToNormalizedTensor(mean, std)  # = T.ToTensor() + T.Normalize(mean, std)
     if is_train:
-        return T.Compose(
-            [T.RandomResizedCrop(size, scale=scale, interpolation=interp), ConvertToRGB(), to_tensor]
-        )
+        return T.Compose([T.RandomResizedCrop(size, scale=scale, interpolation=interp), ConvertToRGB(), to_tensor])
     # Resize the shorter side to the target then center-crop, so the aspect ratio is kept.
     resize_to = size[0] if size[0] == size[1] else size
     return T.Compose(

@@ -122,9 +122,7 @@ class WdsBatches(IterableDataset):
         total_slots = self.world_size * self.num_slots
         g = self.rank * self.num_slots + slot  # global slot id
         rng = random.Random(mix_seed(self.seed, epoch, self.rank, slot, 0xD5))
-        shuffle = _ShuffleBuffer(
-            self.shuffle_buffer, random.Random(mix_seed(self.seed, epoch, self.rank, slot, 0xB0F))
-        )
+        shuffle = _ShuffleBuffer(self.shuffle_buffer, random.Random(mix_seed(self.seed, epoch, self.rank, slot, 0xB0F)))
         if self.resampled:
 
             def resampled():
@@ -225,9 +223,7 @@ class WdsTrainData(TrainData):
         self.loader._iterator = None
 
 
-def build_wds_train_data(
-    data_cfg, *, tokenizer, image_size, batch_size, rank, world_size, seed
-) -> WdsTrainData:
+def build_wds_train_data(data_cfg, *, tokenizer, image_size, batch_size, rank, world_size, seed) -> WdsTrainData:
     """Streaming training input from webdataset shards (see the module docstring)."""
     if data_cfg.train_data_upsampling_factors and not data_cfg.dataset_resampled:
         raise ShardError("--train-data-upsampling-factors needs --dataset-resampled")
@@ -235,9 +231,7 @@ def build_wds_train_data(
     all_urls = [u for urls, _ in sources for u in urls]
     num = data_cfg.train_num_samples or dataset_size(all_urls)
     if not num:
-        raise ShardError(
-            "--train-num-samples is required for webdataset input (no complete sizes.json found)"
-        )
+        raise ShardError("--train-num-samples is required for webdataset input (no complete sizes.json found)")
     steps = num // (batch_size * world_size)
     if steps < 1:
         raise ShardError(f"train_num_samples {num} < one global batch ({batch_size} x {world_size})")

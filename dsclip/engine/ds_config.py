@@ -24,29 +24,94 @@ from dsclip.config import ConfigError, RunConfig
 
 # Top-level keys DeepSpeed 0.19 reads (docs: deepspeed.ai/docs/config-json). Anything else is a typo.
 KNOWN_TOP_LEVEL = {
-    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "optimizer",
-    "scheduler", "fp16", "bf16", "amp", "torch_autocast", "gradient_clipping", "prescale_gradients",
-    "gradient_predivide_factor", "sparse_gradients", "zero_optimization", "zero_allow_untested_optimizer",
-    "zero_force_ds_cpu_optimizer", "activation_checkpointing", "flops_profiler", "steps_per_print",
-    "wall_clock_breakdown", "dump_state", "memory_breakdown", "tensorboard", "wandb", "csv_monitor",
-    "comet", "communication_data_type", "seq_parallel_communication_data_type", "data_types", "checkpoint",
-    "aio", "elasticity", "autotuning", "compression_training", "data_efficiency", "curriculum_learning",
-    "comms_logger", "disable_allgather", "dataloader_drop_last", "gradient_allreduce_op", "log_level",
-    "managed_gradient_accumulation", "use_data_before_expert_parallel_", "use_node_local_storage",
-    "load_universal", "nebula", "hybrid_engine", "compile", "timers", "weight_quantization", "pipeline",
-    "zenflow", "sequence_parallel_size", "tensor_parallel", "graph_harvesting", "eigenvalue",
-    "progressive_layer_drop", "quantize_training", "disable_python_gc", "fp8", "deepcompile",
+    "train_batch_size",
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+    "optimizer",
+    "scheduler",
+    "fp16",
+    "bf16",
+    "amp",
+    "torch_autocast",
+    "gradient_clipping",
+    "prescale_gradients",
+    "gradient_predivide_factor",
+    "sparse_gradients",
+    "zero_optimization",
+    "zero_allow_untested_optimizer",
+    "zero_force_ds_cpu_optimizer",
+    "activation_checkpointing",
+    "flops_profiler",
+    "steps_per_print",
+    "wall_clock_breakdown",
+    "dump_state",
+    "memory_breakdown",
+    "tensorboard",
+    "wandb",
+    "csv_monitor",
+    "comet",
+    "communication_data_type",
+    "seq_parallel_communication_data_type",
+    "data_types",
+    "checkpoint",
+    "aio",
+    "elasticity",
+    "autotuning",
+    "compression_training",
+    "data_efficiency",
+    "curriculum_learning",
+    "comms_logger",
+    "disable_allgather",
+    "dataloader_drop_last",
+    "gradient_allreduce_op",
+    "log_level",
+    "managed_gradient_accumulation",
+    "use_data_before_expert_parallel_",
+    "use_node_local_storage",
+    "load_universal",
+    "nebula",
+    "hybrid_engine",
+    "compile",
+    "timers",
+    "weight_quantization",
+    "pipeline",
+    "zenflow",
+    "sequence_parallel_size",
+    "tensor_parallel",
+    "graph_harvesting",
+    "eigenvalue",
+    "progressive_layer_drop",
+    "quantize_training",
+    "disable_python_gc",
+    "fp8",
+    "deepcompile",
 }
 KNOWN_ACTIVATION_CHECKPOINTING = {
-    "partition_activations", "contiguous_memory_optimization", "cpu_checkpointing", "number_checkpoints",
-    "synchronize_checkpoint_boundary", "profile",
+    "partition_activations",
+    "contiguous_memory_optimization",
+    "cpu_checkpointing",
+    "number_checkpoints",
+    "synchronize_checkpoint_boundary",
+    "profile",
 }
 KNOWN_FP16 = {
-    "enabled", "auto_cast", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
-    "consecutive_hysteresis", "min_loss_scale", "fp16_master_weights_and_grads",
+    "enabled",
+    "auto_cast",
+    "loss_scale",
+    "initial_scale_power",
+    "loss_scale_window",
+    "hysteresis",
+    "consecutive_hysteresis",
+    "min_loss_scale",
+    "fp16_master_weights_and_grads",
 }
-KNOWN_BF16 = {"enabled", "immediate_grad_update", "check_grad_overflow", "bf16_master_weights_and_grads",
-              "bf16_optimizer_states"}
+KNOWN_BF16 = {
+    "enabled",
+    "immediate_grad_update",
+    "check_grad_overflow",
+    "bf16_master_weights_and_grads",
+    "bf16_optimizer_states",
+}
 
 
 def _zero_keys() -> set[str]:
@@ -91,7 +156,9 @@ def load_ds_json(path: str | Path) -> dict[str, Any]:
     try:
         return json.loads(p.read_text())
     except json.JSONDecodeError as e:
-        raise ConfigError(f"DeepSpeed config {p} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+        raise ConfigError(
+            f"DeepSpeed config {p} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}"
+        ) from None
 
 
 def _check_keys(section: dict, known: set[str], where: str) -> None:
@@ -110,7 +177,7 @@ def _fill(section: dict, key: str, value: Any, where: str, *, what: str) -> None
     elif current != value:
         raise ConfigError(
             f"{where}: '{key}' is {current!r} but the run config gives {value!r} ({what}); "
-            f"set it to \"auto\" or change the run setting"
+            f'set it to "auto" or change the run setting'
         )
 
 
@@ -123,15 +190,21 @@ def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, *, world_size: int, d
     _check_keys(ds, KNOWN_TOP_LEVEL, where)
     zero = ds.setdefault("zero_optimization", {"stage": 0})
     _check_keys(zero, _zero_keys(), f"{where} zero_optimization")
-    _check_keys(ds.get("activation_checkpointing", {}), KNOWN_ACTIVATION_CHECKPOINTING, f"{where} activation_checkpointing")
+    _check_keys(
+        ds.get("activation_checkpointing", {}), KNOWN_ACTIVATION_CHECKPOINTING, f"{where} activation_checkpointing"
+    )
     _check_keys(ds.get("fp16", {}), KNOWN_FP16, f"{where} fp16")
     _check_keys(ds.get("bf16", {}), KNOWN_BF16, f"{where} bf16")
     if ds.get("managed_gradient_accumulation", True) is False:
-        raise ConfigError(f"{where}: managed_gradient_accumulation=false is incompatible with dsclip's gradient cache "
-                          f"(--accum-freq), which drives the accumulation boundary itself; remove the key")
+        raise ConfigError(
+            f"{where}: managed_gradient_accumulation=false is incompatible with dsclip's gradient cache "
+            f"(--accum-freq), which drives the accumulation boundary itself; remove the key"
+        )
     if "pipeline" in ds:
-        raise ConfigError(f"{where}: pipeline parallelism is not supported (the contrastive loss needs whole "
-                          f"embeddings on every data-parallel rank); remove the 'pipeline' block")
+        raise ConfigError(
+            f"{where}: pipeline parallelism is not supported (the contrastive loss needs whole "
+            f"embeddings on every data-parallel rank); remove the 'pipeline' block"
+        )
     if "scheduler" in ds:
         raise ConfigError(f"{where} has a 'scheduler' block; dsclip owns the schedule: use --lr-scheduler/--warmup")
 
@@ -139,8 +212,13 @@ def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, *, world_size: int, d
     b, k = cfg.train.batch_size, cfg.train.accum_freq
     _fill(ds, "train_micro_batch_size_per_gpu", b, where, what="--batch-size, per rank")
     _fill(ds, "gradient_accumulation_steps", k, where, what="--accum-freq")
-    _fill(ds, "train_batch_size", b * k * world_size, where,
-          what=f"--batch-size {b} × --accum-freq {k} × world {world_size}")
+    _fill(
+        ds,
+        "train_batch_size",
+        b * k * world_size,
+        where,
+        what=f"--batch-size {b} × --accum-freq {k} × world {world_size}",
+    )
     # ...and in DeepSpeed's terms (see module docstring): one "micro-batch" = one optimizer step's rows.
     ds["train_micro_batch_size_per_gpu"] = b * k
     ds["gradient_accumulation_steps"] = 1
@@ -162,15 +240,19 @@ def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, *, world_size: int, d
     if explicit_off:
         json_p = "fp32"
     if json_p and run_p != "auto" and json_p != run_p:
-        raise ConfigError(f"{where} sets precision {json_p} but --precision is {cfg.train.precision}; "
-                          f"use a matching config (ds_configs/*_{run_p}.json) or --precision auto")
+        raise ConfigError(
+            f"{where} sets precision {json_p} but --precision is {cfg.train.precision}; "
+            f"use a matching config (ds_configs/*_{run_p}.json) or --precision auto"
+        )
     precision = json_p or (run_p if run_p != "auto" else "fp32")
     for name in ("bf16", "fp16"):
         ds.setdefault(name, {})["enabled"] = precision == name
     if precision == "fp16":
         if device_type == "cpu":
-            raise ConfigError("fp16 is not supported by DeepSpeed on CPU; use --precision bf16 or fp32 "
-                              "(or a ds_configs/*_bf16.json / *_fp32.json config)")
+            raise ConfigError(
+                "fp16 is not supported by DeepSpeed on CPU; use --precision bf16 or fp32 "
+                "(or a ds_configs/*_bf16.json / *_fp32.json config)"
+            )
         fp16 = ds["fp16"]
         fp16.setdefault("loss_scale", 0)  # 0 = dynamic loss scaling
         fp16.setdefault("initial_scale_power", 16)

@@ -116,7 +116,10 @@ def _first_host(nodelist: str) -> str:
     try:
         out = subprocess.run(
             ["scontrol", "show", "hostnames", nodelist],
-            capture_output=True, text=True, timeout=30, check=True,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
         ).stdout.split()
         if out:
             return out[0]
@@ -180,8 +183,17 @@ def discover_world(env=None, argv=None) -> WorldInfo:
             if v in env:
                 local_world = _int(env, v)
                 break
-        return _checked(WorldInfo(rank, local_rank, world, max(local_world, local_rank + 1),
-                                  env["MASTER_ADDR"], _int(env, "MASTER_PORT"), source))
+        return _checked(
+            WorldInfo(
+                rank,
+                local_rank,
+                world,
+                max(local_world, local_rank + 1),
+                env["MASTER_ADDR"],
+                _int(env, "MASTER_PORT"),
+                source,
+            )
+        )
 
     # --- srun: one process per task ---------------------------------------------------------------
     if "SLURM_PROCID" in env:
@@ -189,9 +201,7 @@ def discover_world(env=None, argv=None) -> WorldInfo:
         if "MASTER_PORT" not in env and "SLURM_JOB_ID" not in env:
             missing.append("SLURM_JOB_ID (or MASTER_PORT)")
         if missing:
-            raise WorldDiscoveryError(
-                f"SLURM task detected (SLURM_PROCID set) but {', '.join(missing)} missing"
-            )
+            raise WorldDiscoveryError(f"SLURM task detected (SLURM_PROCID set) but {', '.join(missing)} missing")
         in_step = "SLURM_STEP_ID" in env or "SLURM_STEPID" in env
         world = _int(env, "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in env else "SLURM_NTASKS")
         if not in_step:
@@ -212,8 +222,9 @@ def discover_world(env=None, argv=None) -> WorldInfo:
         nodelist = env.get("SLURM_STEP_NODELIST") or env["SLURM_JOB_NODELIST"]
         addr = env.get("MASTER_ADDR") or _first_host(nodelist)
         port = _int(env, "MASTER_PORT") if "MASTER_PORT" in env else slurm_port(env["SLURM_JOB_ID"])
-        return _checked(WorldInfo(_int(env, "SLURM_PROCID"), _int(env, "SLURM_LOCALID"), world,
-                                  local_world, addr, port, "slurm"))
+        return _checked(
+            WorldInfo(_int(env, "SLURM_PROCID"), _int(env, "SLURM_LOCALID"), world, local_world, addr, port, "slurm")
+        )
 
     return _single(env)
 
@@ -227,9 +238,7 @@ def _checked(info: WorldInfo) -> WorldInfo:
     if not (0 <= info.rank < info.world_size):
         raise WorldDiscoveryError(f"rank {info.rank} outside world of size {info.world_size} ({info.source})")
     if not (0 <= info.local_rank < max(info.local_world_size, 1)):
-        raise WorldDiscoveryError(
-            f"local rank {info.local_rank} outside {info.local_world_size} ({info.source})"
-        )
+        raise WorldDiscoveryError(f"local rank {info.local_rank} outside {info.local_world_size} ({info.source})")
     if not (0 < info.master_port < 65536):
         raise WorldDiscoveryError(f"MASTER_PORT {info.master_port} out of range")
     return info
@@ -290,15 +299,18 @@ def init_distributed(timeout_s: float | None = None, backend: str | None = None)
 
     import deepspeed
 
-    deepspeed.init_distributed(dist_backend=backend, timeout=timeout, auto_mpi_discovery=False,
-                               verbose=info.rank == 0)
+    deepspeed.init_distributed(dist_backend=backend, timeout=timeout, auto_mpi_discovery=False, verbose=info.rank == 0)
     _state["info"] = info
     if os.environ.get("DSCLIP_LOG_WORLD", "1") != "0":
         # one line per rank: the first thing to look at when a launch misbehaves
-        print(f"[dsclip] rank {info.rank}/{info.world_size} local {info.local_rank}/{info.local_world_size} "
-              f"host {socket.gethostname()} node {os.environ.get('SLURMD_NODENAME', '-')} "
-              f"source {info.source} master {info.master_addr}:{info.master_port} backend {backend} "
-              f"timeout {int(timeout.total_seconds())}s", file=sys.stderr, flush=True)
+        print(
+            f"[dsclip] rank {info.rank}/{info.world_size} local {info.local_rank}/{info.local_world_size} "
+            f"host {socket.gethostname()} node {os.environ.get('SLURMD_NODENAME', '-')} "
+            f"source {info.source} master {info.master_addr}:{info.master_port} backend {backend} "
+            f"timeout {int(timeout.total_seconds())}s",
+            file=sys.stderr,
+            flush=True,
+        )
     if not _state["atexit"]:
         _state["atexit"] = True
         _state["prev_excepthook"] = sys.excepthook
@@ -339,8 +351,11 @@ def _shutdown_at_exit() -> None:
     try:
         shutdown(barrier=not _state["failed"])
     except Exception as e:  # the peers may be gone already; exiting is all that is left to do
-        print(f"[dsclip rank {os.environ.get('RANK', '?')}] process group shutdown failed: {e}",
-              file=sys.stderr, flush=True)
+        print(
+            f"[dsclip rank {os.environ.get('RANK', '?')}] process group shutdown failed: {e}",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 # --- preemption (SLURM --signal, scancel --signal, kill) -------------------------------------------

@@ -19,10 +19,17 @@ from pathlib import Path
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dsclip eval", description="Zero-shot classification and retrieval.")
-    p.add_argument("--model", required=True, help="Saved model folder or weights file (dsclip or OpenCLIP).")
     p.add_argument(
-        "--tokenizer", help="SentencePiece model (default: tokenizer.model beside the weights, or demo)."
+        "--model",
+        required=True,
+        help="Saved model folder or weights file (dsclip or OpenCLIP); with --pretrained, an architecture name.",
     )
+    p.add_argument(
+        "--pretrained",
+        help="OpenCLIP checkpoint (.pt/.bin/.safetensors, `module.` prefixes and {'state_dict': ...} accepted) "
+        "to load into the --model architecture; use with --tokenizer open_clip:NAME.",
+    )
+    p.add_argument("--tokenizer", help="SentencePiece model (default: tokenizer.model beside the weights, or demo).")
     p.add_argument("--zeroshot-data", help="Class-folder dataset DIR/<class>/*.jpg, or 'demo'.")
     p.add_argument(
         "--zeroshot-templates",
@@ -43,6 +50,17 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _load_openclip_pretrained(name: str, path: str, device):
+    """An OpenCLIP checkpoint in a shipped architecture, with key-set and shape checks (never strict=False)."""
+    from ..model import create_model, from_openclip_state_dict, load_openclip_checkpoint
+
+    sd = load_openclip_checkpoint(path)
+    vocab = sd.get("token_embedding.weight", sd.get("module.token_embedding.weight"))
+    model = create_model(name, vocab_size=None if vocab is None else vocab.shape[0])
+    model.load_state_dict(from_openclip_state_dict(sd, model.config))
+    return model.to(device).eval()
+
+
 def main_eval(argv: list[str]) -> int:
     """Entry point of ``dsclip eval``; returns the exit code."""
     a = _parser().parse_args(argv)
@@ -59,22 +77,32 @@ def main_eval(argv: list[str]) -> int:
         from ..model.weights import load_model  # the CLI is the one place eval touches the model package
 
         device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        model = load_model(a.model, device=device)
+        if a.pretrained:
+            model = _load_openclip_pretrained(a.model, a.pretrained, device)
+        else:
+            model = load_model(a.model, device=device)
         cfg = model.config
         ctx = int(cfg["text_cfg"]["context_length"])
         image_size = cfg["vision_cfg"]["image_size"]
         image_size = image_size[0] if isinstance(image_size, (list, tuple)) else int(image_size)
         tok_path = a.tokenizer
-        if tok_path is None:
+        if tok_path is None and not a.pretrained:
             mp = Path(a.model)
-            cand = (mp if mp.is_dir() else mp.parent) / "tokenizer.model"
-            if cand.is_file():
-                tok_path = str(cand)
+            folder = mp if mp.is_dir() else mp.parent
+            if (folder / "tokenizer.model").is_file():
+                tok_path = str(folder / "tokenizer.model")
+            elif (folder / "tokenizer.json").is_file():  # {"tokenizer": "open_clip:NAME"} written by convert
+                tok_path = json.loads((folder / "tokenizer.json").read_text())["tokenizer"]
         if tok_path is None:
             from ..data.demo import ensure_demo_tokenizer
 
             tok_path = ensure_demo_tokenizer(Path.home() / ".cache" / "dsclip")
-        tokenizer = SentencePieceTokenizer(tok_path, ctx)
+        if tok_path.startswith("open_clip:"):
+            from ..data.openclip_tokenizer import OpenCLIPTokenizer
+
+            tokenizer = OpenCLIPTokenizer(tok_path, ctx)
+        else:
+            tokenizer = SentencePieceTokenizer(tok_path, ctx)
         dcfg = DataConfig(
             zeroshot_data=a.zeroshot_data,
             zeroshot_templates=a.zeroshot_templates,
@@ -87,9 +115,7 @@ def main_eval(argv: list[str]) -> int:
             demo_eval_samples=a.demo_eval_samples,
             workers=a.workers,
         )
-        ev = Evaluator(
-            dcfg, tokenizer=tokenizer, image_size=image_size, batch_size=a.batch_size, device=device
-        )
+        ev = Evaluator(dcfg, tokenizer=tokenizer, image_size=image_size, batch_size=a.batch_size, device=device)
         t0 = time.time()
         metrics = {**ev.zeroshot(model), **ev.retrieval(model)}
     except (ValueError, FileNotFoundError, KeyError) as e:

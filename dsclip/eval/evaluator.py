@@ -158,9 +158,7 @@ def evaluate_zeroshot(
 ) -> dict[str, float]:
     """Top-1/top-5 of ``dataset`` (images, or (image, label) tuples) against prompt-built classes."""
     with eval_mode(model):
-        classifier = zeroshot_classifier(
-            model, tokenizer, classnames, templates, batch_size=batch_size, device=device
-        )
+        classifier = zeroshot_classifier(model, tokenizer, classnames, templates, batch_size=batch_size, device=device)
         feats = encode_dataset(model, dataset, "image", batch_size=batch_size, device=device, workers=workers)
     out = zeroshot_topk(feats, torch.as_tensor(labels, device=feats.device), classifier.to(feats.device))
     return {**out, "num_samples": len(dataset), "num_classes": len(classnames)}
@@ -180,12 +178,8 @@ def evaluate_retrieval(
 ) -> dict[str, float]:
     """Retrieval metrics for images and their captions (``text_to_image[t]`` = image of caption t)."""
     with eval_mode(model):
-        img = encode_dataset(
-            model, image_dataset, "image", batch_size=batch_size, device=device, workers=workers
-        )
-        txt = encode_dataset(
-            model, _Rows(tokenizer(list(captions))), "text", batch_size=batch_size, device=device
-        )
+        img = encode_dataset(model, image_dataset, "image", batch_size=batch_size, device=device, workers=workers)
+        txt = encode_dataset(model, _Rows(tokenizer(list(captions))), "text", batch_size=batch_size, device=device)
     out = retrieval_metrics(img, txt, torch.as_tensor(text_to_image, device=img.device))
     return {**out, "num_images": img.shape[0], "num_texts": txt.shape[0]}
 
@@ -289,9 +283,7 @@ class Evaluator:
                 num_samples=self.cfg.demo_eval_samples,
                 batch_size=self.batch_size,
                 device=self.device,
-                templates=load_templates(self.cfg.zeroshot_templates)
-                if self.cfg.zeroshot_templates
-                else None,
+                templates=load_templates(self.cfg.zeroshot_templates) if self.cfg.zeroshot_templates else None,
             )
         else:
             if self._zs is None:

@@ -19,9 +19,7 @@ def _summary(prefix: str, ranks: torch.Tensor, ks) -> dict[str, float]:
     ranks = ranks.float()
     out = {f"{prefix}_R@{k}": float((ranks < k).float().mean()) for k in ks}
     out[f"{prefix}_mean_rank"] = float(ranks.mean() + 1)
-    out[f"{prefix}_median_rank"] = float(
-        torch.floor(ranks.median()) + 1
-    )  # median() = lower median, as np.floor
+    out[f"{prefix}_median_rank"] = float(torch.floor(ranks.median()) + 1)  # median() = lower median, as np.floor
     return out
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from .distributed import _all_gather_single, get_rank_world
 
@@ -153,3 +153,43 @@ def check_inputs(
     if msg is not None:
         raise LossInputError(f"contrastive loss inputs rejected on all {world} rank(s): {msg}")
     return BatchLayout(rank=rank, world=world, sizes=tuple(int(row[1]) for row in table))
+
+
+class ContrastiveLoss(nn.Module):
+    """Front door shared by every loss: validate the inputs on all ranks together, then compute.
+
+    ``check_inputs`` exchanges a tiny metadata tensor first, so a bad input on any rank raises on
+    every rank instead of leaving the others blocked in a collective. Subclasses implement
+    ``compute(image_features, text_features, logit_scale, logit_bias, layout)``.
+    """
+
+    def __init__(self, *, check_finite: bool = True, group=None):
+        super().__init__()
+        self.check_finite = check_finite
+        self.group = group
+
+    def forward(
+        self,
+        image_features: Tensor,
+        text_features: Tensor,
+        logit_scale: Tensor,
+        logit_bias: Tensor | None = None,
+    ) -> Tensor:
+        layout = check_inputs(
+            image_features,
+            text_features,
+            logit_scale,
+            logit_bias,
+            group=self.group,
+            check_finite=self.check_finite,
+        )
+        return self.compute(image_features, text_features, logit_scale, logit_bias, layout)
+
+    def compute(self, image_features, text_features, logit_scale, logit_bias, layout: BatchLayout) -> Tensor:
+        raise NotImplementedError
+
+
+def check_label_smoothing(label_smoothing: float) -> float:
+    if not 0.0 <= label_smoothing < 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
+    return float(label_smoothing)

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
-from .common import acc_dtype, check_inputs
+from .common import ContrastiveLoss, acc_dtype, check_label_smoothing
 from .distributed import all_gather_with_grad
 
 
-class InfoNCELoss(nn.Module):
+class InfoNCELoss(ContrastiveLoss):
     """CLIP InfoNCE, global (``local=False``) or local-loss + gather-with-grad (``local=True``).
 
     ``label_smoothing`` is applied to both directions as ``torch.nn.functional.cross_entropy`` does
@@ -32,32 +32,14 @@ class InfoNCELoss(nn.Module):
     def __init__(
         self, local: bool = True, label_smoothing: float = 0.0, *, check_finite: bool = True, group=None
     ):
-        super().__init__()
-        if not 0.0 <= label_smoothing < 1.0:
-            raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
+        super().__init__(check_finite=check_finite, group=group)
         self.local = local
-        self.label_smoothing = float(label_smoothing)
-        self.check_finite = check_finite
-        self.group = group
+        self.label_smoothing = check_label_smoothing(label_smoothing)
 
     def extra_repr(self) -> str:
         return f"local={self.local}, label_smoothing={self.label_smoothing}"
 
-    def forward(
-        self,
-        image_features: Tensor,
-        text_features: Tensor,
-        logit_scale: Tensor,
-        logit_bias: Tensor | None = None,
-    ) -> Tensor:
-        lay = check_inputs(
-            image_features,
-            text_features,
-            logit_scale,
-            logit_bias,
-            group=self.group,
-            check_finite=self.check_finite,
-        )
+    def compute(self, image_features, text_features, logit_scale, logit_bias, lay) -> Tensor:
         dt = acc_dtype(image_features.dtype)
         x, y = image_features.to(dt), text_features.to(dt)  # (b, D) each; no copy for fp32/fp64
         all_x = all_gather_with_grad(x, lay.sizes, self.group)  # (N, D), gradient flows back to owners

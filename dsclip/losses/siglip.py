@@ -14,9 +14,9 @@ the batches are equal) so that the mean over ranks of the returned loss is the f
 from __future__ import annotations
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from .common import check_inputs
+from .common import ContrastiveLoss
 from .distributed import Ring
 from .tiled import _check_tile, _RingTiledFn, _SigLipKernel
 
@@ -25,33 +25,17 @@ SIGLIP_INIT_LOGIT_SCALE = 10.0
 SIGLIP_INIT_LOGIT_BIAS = -10.0
 
 
-class SigLipRingLoss(nn.Module):
+class SigLipRingLoss(ContrastiveLoss):
     """Sigmoid contrastive loss (``logit_bias`` learnable; ``None`` means no bias), tiled ring."""
 
     def __init__(self, tile_size: int = 1024, *, check_finite: bool = True, group=None):
-        super().__init__()
+        super().__init__(check_finite=check_finite, group=group)
         self.tile_size = _check_tile(tile_size)
-        self.check_finite = check_finite
-        self.group = group
 
     def extra_repr(self) -> str:
         return f"tile_size={self.tile_size}"
 
-    def forward(
-        self,
-        image_features: Tensor,
-        text_features: Tensor,
-        logit_scale: Tensor,
-        logit_bias: Tensor | None = None,
-    ) -> Tensor:
-        lay = check_inputs(
-            image_features,
-            text_features,
-            logit_scale,
-            logit_bias,
-            group=self.group,
-            check_finite=self.check_finite,
-        )
+    def compute(self, image_features, text_features, logit_scale, logit_bias, lay) -> Tensor:
         s = torch.as_tensor(logit_scale).reshape(())
         b = None if logit_bias is None else torch.as_tensor(logit_bias).reshape(())
         value = _RingTiledFn.apply(

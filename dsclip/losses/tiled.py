@@ -24,9 +24,9 @@ grad(local features) == world * dL/dx_local, grad(scale/bias) summed over ranks 
 from __future__ import annotations
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from .common import BatchLayout, acc_dtype, check_inputs
+from .common import BatchLayout, ContrastiveLoss, acc_dtype, check_label_smoothing
 from .distributed import Ring, all_reduce_sum_with_grad
 
 _TAG_Y, _TAG_INFO, _TAG_COLS, _TAG_GRAD = 11, 12, 13, 14
@@ -255,7 +255,7 @@ def _check_tile(tile_size: int) -> int:
     return int(tile_size)
 
 
-class TiledInfoNCELoss(nn.Module):
+class TiledInfoNCELoss(ContrastiveLoss):
     """Memory-bounded InfoNCE (global-batch CLIP loss), tiled and ring-exchanged across ranks.
 
     Same value and gradients as the full N x N CLIP loss (``InfoNCELoss``) with O(tile^2 + b*D)
@@ -266,33 +266,15 @@ class TiledInfoNCELoss(nn.Module):
     def __init__(
         self, tile_size: int = 1024, label_smoothing: float = 0.0, *, check_finite: bool = True, group=None
     ):
-        super().__init__()
-        if not 0.0 <= label_smoothing < 1.0:
-            raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
+        super().__init__(check_finite=check_finite, group=group)
         self.tile_size = _check_tile(tile_size)
-        self.label_smoothing = float(label_smoothing)
-        self.check_finite = check_finite
-        self.group = group
+        self.label_smoothing = check_label_smoothing(label_smoothing)
         self._kernel = _InfoNCEKernel(diag_coef=2.0 * (1.0 - self.label_smoothing))
 
     def extra_repr(self) -> str:
         return f"tile_size={self.tile_size}, label_smoothing={self.label_smoothing}"
 
-    def forward(
-        self,
-        image_features: Tensor,
-        text_features: Tensor,
-        logit_scale: Tensor,
-        logit_bias: Tensor | None = None,
-    ) -> Tensor:
-        lay = check_inputs(
-            image_features,
-            text_features,
-            logit_scale,
-            logit_bias,
-            group=self.group,
-            check_finite=self.check_finite,
-        )
+    def compute(self, image_features, text_features, logit_scale, logit_bias, lay) -> Tensor:
         s = logit_scale.reshape(())
         b = None if logit_bias is None else logit_bias.reshape(())
         value = _RingTiledFn.apply(

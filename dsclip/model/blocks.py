@@ -111,9 +111,7 @@ def apply_init_plan(plan: InitPlan, gather: GatherFn | None = None) -> int:
     return skipped
 
 
-def block_init_plan(
-    block: Block, attn_std: float | None, proj_std: float | None, fc_std: float | None
-) -> InitPlan:
+def block_init_plan(block: Block, attn_std: float | None, proj_std: float | None, fc_std: float | None) -> InitPlan:
     """OpenCLIP's block init. ``None`` stds keep torch's defaults, as OpenCLIP does for the vision tower
     (nn.MultiheadAttention: xavier-uniform in_proj, zero biases; nn.Linear defaults for the MLP)."""
     attn, mlp = block.attn, block.mlp

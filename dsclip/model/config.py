@@ -138,9 +138,7 @@ def resolve_model_config(cfg: dict) -> dict:
     if isinstance(vision["layers"], (list, tuple)):
         raise ValueError("ResNet vision towers (vision_cfg.layers as a list) are not supported")
     if vision["width"] % vision["head_width"]:
-        raise ValueError(
-            f"vision width {vision['width']} is not a multiple of head_width {vision['head_width']}"
-        )
+        raise ValueError(f"vision width {vision['width']} is not a multiple of head_width {vision['head_width']}")
     if text["width"] % text["heads"]:
         raise ValueError(f"text width {text['width']} is not a multiple of heads {text['heads']}")
     if text["pool_type"] not in TEXT_POOL_TYPES:

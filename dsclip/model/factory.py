@@ -41,8 +41,7 @@ def get_model_config(name_or_path: str | os.PathLike) -> dict:
     registered = CONFIG_DIR / f"{name_or_path}.json"
     if not registered.is_file():
         raise UnknownModelError(
-            f"unknown model {str(name_or_path)!r}; available: {', '.join(list_models())} "
-            "(or a path to a .json config)"
+            f"unknown model {str(name_or_path)!r}; available: {', '.join(list_models())} (or a path to a .json config)"
         )
     with open(registered) as f:
         return json.load(f)

@@ -156,9 +156,7 @@ def _openclip_expected(model_config: dict) -> dict[str, torch.Size]:
     return {k: v.shape for k, v in _convert(meta, _TO_OC, "dsclip -> OpenCLIP").items()}
 
 
-def to_openclip_state_dict(
-    sd: Mapping[str, torch.Tensor], model_config: dict | None = None
-) -> dict[str, torch.Tensor]:
+def to_openclip_state_dict(sd: Mapping[str, torch.Tensor], model_config: dict | None = None) -> dict[str, torch.Tensor]:
     """dsclip state dict -> OpenCLIP native keys/shapes (``logit_scale``/``logit_bias`` 0-dim).
 
     With ``model_config`` the input is first checked against the model that config builds."""

@@ -78,8 +78,16 @@ class TextTower(nn.Module):
         self.token_embedding = nn.Embedding(vocab_size, width)
         self.positional_embedding = nn.Parameter(torch.empty(context_length, width))
         self.blocks = make_blocks(
-            width, layers, heads, mlp_ratio, ls_init_value, quick_gelu, norm_kwargs,
-            dropout=dropout, attn_dropout=attn_dropout, drop_path_rate=drop_path_rate,
+            width,
+            layers,
+            heads,
+            mlp_ratio,
+            ls_init_value,
+            quick_gelu,
+            norm_kwargs,
+            dropout=dropout,
+            attn_dropout=attn_dropout,
+            drop_path_rate=drop_path_rate,
         )
         self.ln_final = norm_layer(norm_kwargs)(width)
         self.text_projection = nn.Parameter(torch.empty(width, embed_dim))
@@ -118,9 +126,7 @@ class TextTower(nn.Module):
         if seq_len > self.context_length:
             raise ValueError(f"text length {seq_len} exceeds context_length {self.context_length}")
         x = self.token_embedding(text) + self.positional_embedding[:seq_len]  # (B, L, W)
-        x = run_blocks(
-            self.blocks, x, self.checkpoint_fn if self.grad_checkpointing else None, is_causal=True
-        )
+        x = run_blocks(self.blocks, x, self.checkpoint_fn if self.grad_checkpointing else None, is_causal=True)
         return self.ln_final(x)
 
     def forward(self, text: torch.Tensor) -> torch.Tensor:  # (B, L) long -> (B, D)

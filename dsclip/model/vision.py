@@ -35,9 +35,7 @@ class PatchDropout(_TimmPatchDropout):
         self.force = force
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, 1 + N, W) -> (B, 1 + keep, W)
-        out, _ = patch_dropout_forward(
-            x, self.prob, self.num_prefix_tokens, self.ordered, self.training or self.force
-        )
+        out, _ = patch_dropout_forward(x, self.prob, self.num_prefix_tokens, self.ordered, self.training or self.force)
         return out
 
     def extra_repr(self) -> str:

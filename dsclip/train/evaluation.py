@@ -55,8 +55,14 @@ class TrainingEvaluator:
         res = {}
         with torch.no_grad():
             for task in ("shape", "color"):  # 7 and 8 classes: chance is 14% and 12.5%
-                r = evaluate_demo_zeroshot(engine.module, self.tokenizer, num_samples=self.cfg.data.demo_eval_samples,
-                                           image_size=self.image_size, device=self.device, task=task)
+                r = evaluate_demo_zeroshot(
+                    engine.module,
+                    self.tokenizer,
+                    num_samples=self.cfg.data.demo_eval_samples,
+                    image_size=self.image_size,
+                    device=self.device,
+                    task=task,
+                )
                 res.update({f"{task}_{k}": v for k, v in r.items() if k in ("top1", "top5")})
         self._log(step, epoch, "demo_zeroshot", res)
         return {"zeroshot": res}

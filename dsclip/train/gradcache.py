@@ -117,8 +117,9 @@ class GradCacheStep:
         tokens = tokens.to(self.device, non_blocking=True)
         return self.engine(image=images, text=tokens)
 
-    def __call__(self, micro_batches: Sequence[Batch], *, record: bool = False, optimizer_step: bool = True
-                 ) -> StepResult:
+    def __call__(
+        self, micro_batches: Sequence[Batch], *, record: bool = False, optimizer_step: bool = True
+    ) -> StepResult:
         """One optimizer step over the K = len(micro_batches) chunks of this rank.
 
         ``optimizer_step=False`` stops after the gradients are reduced (tests inspect them with
@@ -156,8 +157,9 @@ class GradCacheStep:
         )
         if _all_reduce(bad).item() > 0:
             live = None  # nothing was back-propagated: the step is skipped on every rank together
-            return StepResult(float("nan"), scale.item(), None if bias is None else bias.item(), None, False,
-                              "non-finite embeddings")
+            return StepResult(
+                float("nan"), scale.item(), None if bias is None else bias.item(), None, False, "non-finite embeddings"
+            )
 
         # ---- the loss, once, over all cached embeddings (fp32) ----
         img_all = torch.cat(img_cache).requires_grad_(True)  # (K·B, D)

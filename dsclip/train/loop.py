@@ -51,8 +51,7 @@ def train(cfg: RunConfig) -> dict:
 
     # --- config: everything checked before any expensive work ---
     model_cfg = get_model_config(cfg.model.model)
-    ds_config = resolve_ds_config(load_ds_json(cfg.train.deepspeed_config), cfg, world_size=world_size,
-                                  device_type=dev)
+    ds_config = resolve_ds_config(load_ds_json(cfg.train.deepspeed_config), cfg, world_size=world_size, device_type=dev)
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         cfgmod.save_run_config(cfg, run_dir / "run_config.yaml")
@@ -72,8 +71,15 @@ def train(cfg: RunConfig) -> dict:
     if rank == 0:
         ds_checkpoint.record_tokenizer(run_dir, tokenizer)  # `dsclip convert` ships it with the weights
     image_size = model_cfg["vision_cfg"]["image_size"]
-    data = build_train_data(cfg.data, tokenizer=tokenizer, image_size=image_size, batch_size=cfg.train.batch_size,
-                            rank=rank, world_size=world_size, seed=cfg.train.seed)
+    data = build_train_data(
+        cfg.data,
+        tokenizer=tokenizer,
+        image_size=image_size,
+        batch_size=cfg.train.batch_size,
+        rank=rank,
+        world_size=world_size,
+        seed=cfg.train.seed,
+    )
     k = cfg.train.accum_freq
     steps_per_epoch = data.steps_per_epoch // k
     if steps_per_epoch < 1:
@@ -104,33 +110,51 @@ def train(cfg: RunConfig) -> dict:
         def after_construction(model):
             load_pretrained_into(model, cfg.model.pretrained)
 
-    bundle = build_engine(cfg, ds_config, model_factory, total_steps=total_steps, steps_per_epoch=steps_per_epoch,
-                          after_construction=after_construction)
+    bundle = build_engine(
+        cfg,
+        ds_config,
+        model_factory,
+        total_steps=total_steps,
+        steps_per_epoch=steps_per_epoch,
+        after_construction=after_construction,
+    )
     engine = bundle.engine
     loss_fn = build_loss(cfg.loss_name, tile_size=cfg.loss.loss_tile_size, label_smoothing=cfg.loss.label_smoothing)
-    step_fn = GradCacheStep(engine, loss_fn, keep_last_graph=cfg.train.keep_last_graph,
-                            compute_dtype=autocast_dtype(bundle))
+    step_fn = GradCacheStep(
+        engine, loss_fn, keep_last_graph=cfg.train.keep_last_graph, compute_dtype=autocast_dtype(bundle)
+    )
 
     samples_per_step = cfg.train.batch_size * k * world_size
     step = 0
     if resume is not None:
         state = ds_checkpoint.load(engine, *resume)
         # same global batch: same step; otherwise the same place in the data (rule in checkpoint/universal.py)
-        step, moved = universal.resume_position(state, global_batch=samples_per_step,
-                                                steps_per_epoch=steps_per_epoch)
+        step, moved = universal.resume_position(state, global_batch=samples_per_step, steps_per_epoch=steps_per_epoch)
         if moved:
             universal.set_schedule_step(engine, step)
         if rank == 0:
             print(f"resumed from {resume[0] / resume[1]} at step {step}", flush=True)
 
-    checkpointer = ds_checkpoint.Checkpointer(run_dir, every_n_steps=cfg.checkpoint.save_every_n_steps,
-                                              every_n_epochs=cfg.checkpoint.save_frequency,
-                                              keep_last=cfg.checkpoint.keep_last, rank=rank)
-    metrics = MetricsLogger(run_dir, rank=rank, world_size=world_size, every_n_steps=cfg.log.log_every_n_steps,
-                            report_to=cfg.log.report_to, samples_per_step=samples_per_step,
-                            total_steps=total_steps, device=engine.device)
-    evaluator = TrainingEvaluator(cfg, tokenizer=tokenizer, image_size=image_size, device=engine.device,
-                                  run_dir=run_dir, metrics=metrics)
+    checkpointer = ds_checkpoint.Checkpointer(
+        run_dir,
+        every_n_steps=cfg.checkpoint.save_every_n_steps,
+        every_n_epochs=cfg.checkpoint.save_frequency,
+        keep_last=cfg.checkpoint.keep_last,
+        rank=rank,
+    )
+    metrics = MetricsLogger(
+        run_dir,
+        rank=rank,
+        world_size=world_size,
+        every_n_steps=cfg.log.log_every_n_steps,
+        report_to=cfg.log.report_to,
+        samples_per_step=samples_per_step,
+        total_steps=total_steps,
+        device=engine.device,
+    )
+    evaluator = TrainingEvaluator(
+        cfg, tokenizer=tokenizer, image_size=image_size, device=engine.device, run_dir=run_dir, metrics=metrics
+    )
     if rank == 0:
         print(
             f"dsclip: {cfg.model.model} | world {world_size} | ZeRO-{bundle.zero_stage} {bundle.precision} | "
@@ -140,9 +164,16 @@ def train(cfg: RunConfig) -> dict:
         )
 
     def client_state(epoch: int, in_epoch: int) -> dict:
-        return {"step": step, "epoch": epoch, "step_in_epoch": in_epoch, "samples_seen": step * samples_per_step,
-                "world_size": world_size, "accum_freq": k, "batch_size": cfg.train.batch_size,
-                "seed": cfg.train.seed}
+        return {
+            "step": step,
+            "epoch": epoch,
+            "step_in_epoch": in_epoch,
+            "samples_seen": step * samples_per_step,
+            "world_size": world_size,
+            "accum_freq": k,
+            "batch_size": cfg.train.batch_size,
+            "seed": cfg.train.seed,
+        }
 
     preempted = False
     epoch, in_epoch = divmod(step, steps_per_epoch)
@@ -162,10 +193,21 @@ def train(cfg: RunConfig) -> dict:
             step += 1
             in_epoch += 1
             epoch_end = in_epoch == steps_per_epoch
-            metrics.step(step, result, data_wait_s=data_wait, lr=engine.get_lr()[0], epoch=epoch,
-                         extra={"bad_samples": sum(data.stats().values())})
-            checkpointer.maybe_save(engine, step, client_state(epoch + epoch_end, 0 if epoch_end else in_epoch),
-                                    epoch_end=epoch_end, epoch=epoch)
+            metrics.step(
+                step,
+                result,
+                data_wait_s=data_wait,
+                lr=engine.get_lr()[0],
+                epoch=epoch,
+                extra={"bad_samples": sum(data.stats().values())},
+            )
+            checkpointer.maybe_save(
+                engine,
+                step,
+                client_state(epoch + epoch_end, 0 if epoch_end else in_epoch),
+                epoch_end=epoch_end,
+                epoch=epoch,
+            )
             if epoch_end:
                 evaluator.epoch_end(engine, step, epoch)
             if world.preemption_requested():
@@ -179,8 +221,9 @@ def train(cfg: RunConfig) -> dict:
         t_wait = time.perf_counter()
 
     final_epoch, final_in_epoch = divmod(step, steps_per_epoch)
-    if checkpointer.last_saved_step != step and (preempted or cfg.checkpoint.save_frequency or
-                                                 cfg.checkpoint.save_every_n_steps):
+    if checkpointer.last_saved_step != step and (
+        preempted or cfg.checkpoint.save_frequency or cfg.checkpoint.save_every_n_steps
+    ):
         checkpointer.save(engine, step, client_state(final_epoch, final_in_epoch))
     summary = {"step": step, "run_dir": str(run_dir), "preempted": preempted}
     if not preempted:

@@ -24,8 +24,18 @@ def peak_memory_gb(device: torch.device) -> float:
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: Path, *, rank: int, world_size: int, every_n_steps: int, report_to: str,
-                 samples_per_step: int, total_steps: int, device: torch.device):
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        rank: int,
+        world_size: int,
+        every_n_steps: int,
+        report_to: str,
+        samples_per_step: int,
+        total_steps: int,
+        device: torch.device,
+    ):
         self.rank = rank
         self.world_size = world_size
         self.every = every_n_steps
@@ -126,8 +136,10 @@ class MetricsLogger:
     def log_eval(self, step: int, metrics: dict, prefix: str = "eval") -> None:
         if self.rank != 0:
             return
-        self.write_line(f"{prefix} @ step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()
-                                                               if isinstance(v, (int, float))))
+        self.write_line(
+            f"{prefix} @ step {step}: "
+            + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if isinstance(v, (int, float)))
+        )
         self.jsonl.write(json.dumps({"step": step, prefix: metrics, "time": time.time()}) + "\n")
         if self.tb is not None:
             for k, v in metrics.items():

@@ -38,8 +38,16 @@ def _engine(tmp, stage, checkpointing, profile):
     path = f"{tmp}/ds_{checkpointing}_{profile}.json"
     with open(path, "w") as f:
         json.dump(raw, f)
-    cfg = make_run_config({"name": "t", "batch_size": B, "precision": "fp32", "deepspeed_config": path,
-                           "grad_checkpointing": checkpointing, "warmup": 0})
+    cfg = make_run_config(
+        {
+            "name": "t",
+            "batch_size": B,
+            "precision": "fp32",
+            "deepspeed_config": path,
+            "grad_checkpointing": checkpointing,
+            "warmup": 0,
+        }
+    )
     ds = resolve_ds_config(load_ds_json(path), cfg, world_size=1, device_type="cpu")
     return build_engine(cfg, ds, _model, total_steps=1, steps_per_epoch=1).engine
 
@@ -58,8 +66,10 @@ def _one_step(rank, world, tmp, stage, profile):
     for checkpointing in (False, True):
         engine = _engine(tmp, stage, checkpointing, profile)
         calls = {"n": 0}
-        hooks = [blk.register_forward_hook(lambda *a: calls.__setitem__("n", calls["n"] + 1))
-                 for blk in list(engine.module.visual.blocks) + list(engine.module.text.blocks)]
+        hooks = [
+            blk.register_forward_hook(lambda *a: calls.__setitem__("n", calls["n"] + 1))
+            for blk in list(engine.module.visual.blocks) + list(engine.module.text.blocks)
+        ]
         torch.manual_seed(123)
         engine.train()
         GradCacheStep(engine, build_loss("infonce"))([(images, tokens)], optimizer_step=False)

@@ -12,7 +12,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dsclip.model import create_model, get_model_config  # imported before zero.Init patches torch.Tensor (timm -> dynamo)
+from dsclip.model import (
+    create_model,
+    get_model_config,
+)  # imported before zero.Init patches torch.Tensor (timm -> dynamo)
 from tests.distutil import run_world
 
 B, SEED = 4, 1234
@@ -43,7 +46,7 @@ def rank_chunks(images, tokens, rank, world, k):
     per_rank = k * B
     sl = slice(rank * per_rank, (rank + 1) * per_rank)
     im, tk = images[sl], tokens[sl]
-    return [(im[i * B:(i + 1) * B], tk[i * B:(i + 1) * B]) for i in range(k)]
+    return [(im[i * B : (i + 1) * B], tk[i * B : (i + 1) * B]) for i in range(k)]
 
 
 def make_model(patch_dropout=0.0):
@@ -78,9 +81,20 @@ def ds_json_path(stage) -> str:
 def make_cfg(stage, k, lr=1e-3):
     from dsclip.config import make_run_config
 
-    return make_run_config({"name": "t", "batch_size": B, "accum_freq": k, "lr": lr, "wd": 0.1, "warmup": 0,
-                            "lr_scheduler": "const", "precision": "fp32", "eps": EPS,
-                            "deepspeed_config": ds_json_path(stage)})
+    return make_run_config(
+        {
+            "name": "t",
+            "batch_size": B,
+            "accum_freq": k,
+            "lr": lr,
+            "wd": 0.1,
+            "warmup": 0,
+            "lr_scheduler": "const",
+            "precision": "fp32",
+            "eps": EPS,
+            "deepspeed_config": ds_json_path(stage),
+        }
+    )
 
 
 def _rank_step(rank, world, stage, k, reduction, patch_dropout, keep_last):
@@ -95,6 +109,7 @@ def _rank_step(rank, world, stage, k, reduction, patch_dropout, keep_last):
     ds = resolve_ds_config(load_ds_json(cfg.train.deepspeed_config), cfg, world_size=world, device_type="cpu")
     bundle = build_engine(cfg, ds, lambda: make_model(patch_dropout), total_steps=10, steps_per_epoch=10)
     engine = bundle.engine
+
     def full_param(p):  # ZeRO-0 keeps plain fp32 parameters: DeepSpeed's accessor returns None there
         v = safe_get_full_fp32_param(p)
         return (p.detach() if v is None else v).clone()
@@ -116,8 +131,13 @@ def _rank_step(rank, world, stage, k, reduction, patch_dropout, keep_last):
     same_embeddings = all(
         torch.equal(c[0], r[0]) and torch.equal(c[1], r[1]) for c, r in zip(step.last_cached, step.last_reforwarded)
     )
-    return {"loss": result.loss, "grads": grads, "weights": weights, "same_embeddings": same_embeddings,
-            "initial": initial}
+    return {
+        "loss": result.loss,
+        "grads": grads,
+        "weights": weights,
+        "same_embeddings": same_embeddings,
+        "initial": initial,
+    }
 
 
 def reference_step(initial, world, k, patch_dropout=0.0, lr=1e-3):

@@ -47,9 +47,29 @@ def losses(run_dir: Path) -> dict[int, float]:
 @pytest.mark.dist
 @pytest.mark.parametrize("ds_config", ["zero2_fp32", "zero2_bf16", "zero3_fp32", "zero3_bf16"])
 def test_two_rank_deepspeed_launcher_trains_and_resumes_exactly(tmp_path, ds_config):
-    common = ["train", "--config", "tiny", "--logs", str(tmp_path), "--deepspeed-config", f"ds_configs/{ds_config}.json",
-              "--max-steps", "10", "--lr-scheduler", "cosine", "--warmup", "2", "--save-every-n-steps", "5",
-              "--batch-size", "8", "--accum-freq", "2", "--precision", "auto"]
+    common = [
+        "train",
+        "--config",
+        "tiny",
+        "--logs",
+        str(tmp_path),
+        "--deepspeed-config",
+        f"ds_configs/{ds_config}.json",
+        "--max-steps",
+        "10",
+        "--lr-scheduler",
+        "cosine",
+        "--warmup",
+        "2",
+        "--save-every-n-steps",
+        "5",
+        "--batch-size",
+        "8",
+        "--accum-freq",
+        "2",
+        "--precision",
+        "auto",
+    ]
     full = run_cli(common + ["--name", "full"], world=2)
     run = tmp_path / "full"
     curve = losses(run)
@@ -74,8 +94,21 @@ def test_two_rank_deepspeed_launcher_trains_and_resumes_exactly(tmp_path, ds_con
 
 
 def test_resume_latest_without_checkpoint_starts_fresh_and_continues(tmp_path):
-    args = ["train", "--config", "tiny", "--logs", str(tmp_path), "--name", "r", "--max-steps", "4",
-            "--save-every-n-steps", "2", "--resume", "latest"]
+    args = [
+        "train",
+        "--config",
+        "tiny",
+        "--logs",
+        str(tmp_path),
+        "--name",
+        "r",
+        "--max-steps",
+        "4",
+        "--save-every-n-steps",
+        "2",
+        "--resume",
+        "latest",
+    ]
     run_cli(args)
     assert sorted(losses(tmp_path / "r")) == [1, 2, 3, 4]
     p = run_cli(args[:-4] + ["--max-steps", "6", "--resume", "latest"])
@@ -90,18 +123,29 @@ def _write(tmp_path, name, text):
 
 @pytest.mark.parametrize(
     "case",
-    ["missing_recipe", "unknown_flag", "unknown_json_key", "batch_mismatch", "unknown_model", "invalid_json",
-     "fp16_on_cpu"],
+    [
+        "missing_recipe",
+        "unknown_flag",
+        "unknown_json_key",
+        "batch_mismatch",
+        "unknown_model",
+        "invalid_json",
+        "fp16_on_cpu",
+    ],
 )
 def test_bad_input_is_one_line_and_nonzero(tmp_path, case):
     base = ["train", "--config", "tiny", "--logs", str(tmp_path), "--name", "bad"]
     args, expect = {
         "missing_recipe": (["train", "--config", str(tmp_path / "nope.yaml")], "recipe not found"),
         "unknown_flag": (base + ["--batch-sise", "4"], "unknown flag --batch-sise"),
-        "unknown_json_key": (base + ["--deepspeed-config", _write(tmp_path, "k.json", '{"zero_optimisation": {}}')],
-                             "unknown key 'zero_optimisation'"),
-        "batch_mismatch": (base + ["--deepspeed-config", _write(tmp_path, "b.json", '{"train_batch_size": 1000}')],
-                           "'train_batch_size' is 1000"),
+        "unknown_json_key": (
+            base + ["--deepspeed-config", _write(tmp_path, "k.json", '{"zero_optimisation": {}}')],
+            "unknown key 'zero_optimisation'",
+        ),
+        "batch_mismatch": (
+            base + ["--deepspeed-config", _write(tmp_path, "b.json", '{"train_batch_size": 1000}')],
+            "'train_batch_size' is 1000",
+        ),
         "unknown_model": (base + ["--model", "ViT-Q-99"], "ViT-B-32"),
         "invalid_json": (base + ["--deepspeed-config", _write(tmp_path, "j.json", "{nope")], "not valid JSON"),
         "fp16_on_cpu": (base + ["--precision", "fp16"], "fp16 is not supported by DeepSpeed on CPU"),

@@ -28,8 +28,19 @@ def test_sectioned_recipe_is_flattened(tmp_path):
 
 
 def test_bool_flags_and_optional_values(tmp_path):
-    cfg = parse_run_config(["--grad-checkpointing", "--local-loss", "--gather-with-grad", "--name", "x",
-                            "--grad-clip-norm", "1.0", "--force-patch-dropout", "0.5"])
+    cfg = parse_run_config(
+        [
+            "--grad-checkpointing",
+            "--local-loss",
+            "--gather-with-grad",
+            "--name",
+            "x",
+            "--grad-clip-norm",
+            "1.0",
+            "--force-patch-dropout",
+            "0.5",
+        ]
+    )
     assert cfg.model.grad_checkpointing and cfg.loss.local_loss
     assert cfg.optim.grad_clip_norm == 1.0 and cfg.model.force_patch_dropout == 0.5
     assert cfg.loss_name == "infonce_local"
@@ -88,9 +99,31 @@ def test_delete_previous_checkpoint_means_keep_one():
 
 def test_every_field_has_help():
     text = build_arg_parser().format_help()
-    for flag in ("--model", "--batch-size", "--epochs", "--lr", "--wd", "--warmup", "--lr-scheduler",
-                 "--grad-clip-norm", "--precision", "--grad-checkpointing", "--force-patch-dropout", "--local-loss",
-                 "--gather-with-grad", "--seed", "--logs", "--name", "--resume", "--save-frequency",
-                 "--log-every-n-steps", "--report-to", "--train-data", "--train-num-samples", "--workers",
-                 "--deepspeed-config", "--accum-freq"):
+    for flag in (
+        "--model",
+        "--batch-size",
+        "--epochs",
+        "--lr",
+        "--wd",
+        "--warmup",
+        "--lr-scheduler",
+        "--grad-clip-norm",
+        "--precision",
+        "--grad-checkpointing",
+        "--force-patch-dropout",
+        "--local-loss",
+        "--gather-with-grad",
+        "--seed",
+        "--logs",
+        "--name",
+        "--resume",
+        "--save-frequency",
+        "--log-every-n-steps",
+        "--report-to",
+        "--train-data",
+        "--train-num-samples",
+        "--workers",
+        "--deepspeed-config",
+        "--accum-freq",
+    ):
         assert flag in text, flag

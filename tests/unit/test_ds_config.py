@@ -64,8 +64,12 @@ def test_precision_resolution():
 
 
 def test_clip_and_optimizer_autofill():
-    ds = resolve({"gradient_clipping": "auto", "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}},
-                 grad_clip_norm=1.5, lr=3e-4, wd=0.05)
+    ds = resolve(
+        {"gradient_clipping": "auto", "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}},
+        grad_clip_norm=1.5,
+        lr=3e-4,
+        wd=0.05,
+    )
     assert ds["gradient_clipping"] == 1.5
     assert ds["optimizer"]["params"]["lr"] == 3e-4 and ds["optimizer"]["params"]["weight_decay"] == 0.05
     with pytest.raises(ConfigError, match="'gradient_clipping' is 2.0"):

@@ -82,9 +82,46 @@ def test_eval_zeroshot_and_retrieval(tmp_path, saved_model, capsys):
 
 def test_eval_errors(tmp_path, saved_model, capsys):
     assert main_eval(["--model", str(saved_model)]) == 2
-    assert (
-        main_eval(["--model", str(saved_model), "--zeroshot-data", str(tmp_path / "nope"), "--device", "cpu"])
-        == 2
-    )
+    assert main_eval(["--model", str(saved_model), "--zeroshot-data", str(tmp_path / "nope"), "--device", "cpu"]) == 2
     assert main_eval(["--model", str(tmp_path / "nomodel"), "--zeroshot-data", "demo"]) == 2
     assert capsys.readouterr().err.count("dsclip eval: error:") == 3
+
+
+def test_eval_openclip_pretrained_matches_openclip_embeddings(tmp_path):
+    """`dsclip eval --model ARCH --pretrained openclip.pt`: an OpenCLIP training checkpoint (module. prefix)."""
+    import open_clip
+    import torch
+
+    from dsclip.eval.cli import _load_openclip_pretrained
+    from dsclip.model import get_model_config, openclip_model_config
+
+    torch.manual_seed(0)
+    oc = open_clip.CLIP(**openclip_model_config(get_model_config("tiny"))["model_cfg"]).eval()
+    ckpt = tmp_path / "epoch_1.pt"
+    torch.save({"epoch": 1, "state_dict": {f"module.{k}": v for k, v in oc.state_dict().items()}}, ckpt)
+    model = _load_openclip_pretrained("tiny", str(ckpt), "cpu")
+    images, tokens = torch.randn(3, 3, 32, 32), torch.randint(1, 999, (3, 32))
+    with torch.no_grad():
+        torch.testing.assert_close(
+            model.encode_image(images), oc.encode_image(images, normalize=True), atol=1e-5, rtol=0
+        )
+        torch.testing.assert_close(model.encode_text(tokens), oc.encode_text(tokens, normalize=True), atol=1e-5, rtol=0)
+    results = tmp_path / "results.jsonl"
+    argv = [
+        "--model",
+        "tiny",
+        "--pretrained",
+        str(ckpt),
+        "--zeroshot-data",
+        "demo",
+        "--demo-eval-samples",
+        "16",
+        "--workers",
+        "0",
+        "--results",
+        str(results),
+        "--device",
+        "cpu",
+    ]
+    assert main_eval(argv) == 0
+    assert "zeroshot-top1" in json.loads(results.read_text().splitlines()[-1])["metrics"]

@@ -29,8 +29,12 @@ class TinyTowers(nn.Module):
     def forward(self, image, text):
         i = F.normalize(self.drop(self.img(image)), dim=-1)
         t = F.normalize(self.txt(text.float()), dim=-1)
-        return {"image_features": i, "text_features": t, "logit_scale": self.logit_scale.exp().squeeze(0),
-                "logit_bias": None}
+        return {
+            "image_features": i,
+            "text_features": t,
+            "logit_scale": self.logit_scale.exp().squeeze(0),
+            "logit_bias": None,
+        }
 
 
 class FakeFp16Engine:
@@ -101,8 +105,11 @@ def test_loss_scale_applied_once_and_temperature_once():
     ref_model = TinyTowers()
     torch.manual_seed(11)  # the same dropout masks: chunks drawn in order
     outs = [ref_model(image=i, text=t) for i, t in batches(k)]
-    loss = reference_loss(torch.cat([o["image_features"] for o in outs]), torch.cat([o["text_features"] for o in outs]),
-                          outs[-1]["logit_scale"])
+    loss = reference_loss(
+        torch.cat([o["image_features"] for o in outs]),
+        torch.cat([o["text_features"] for o in outs]),
+        outs[-1]["logit_scale"],
+    )
     loss.backward()
     for n, p in ref_model.named_parameters():
         # the engine scaled the surrogate once: grads are exactly loss_scale x the big-batch gradient

@@ -18,8 +18,20 @@ def test_no_decay_on_bias_norm_embeddings_and_scale():
     assert groups[0]["weight_decay"] == 0.0 and groups[1]["weight_decay"] == 0.2
     assert not (no_decay & decay) and len(no_decay) + len(decay) == len(names)
     assert "logit_scale" in no_decay
-    assert all(("bias" in n or "norm" in n or "ln" in n or "embed" in n or "token" in n or "scale" in n
-                or "pos" in n or "cls" in n or "class" in n) for n in no_decay), no_decay
+    assert all(
+        (
+            "bias" in n
+            or "norm" in n
+            or "ln" in n
+            or "embed" in n
+            or "token" in n
+            or "scale" in n
+            or "pos" in n
+            or "cls" in n
+            or "class" in n
+        )
+        for n in no_decay
+    ), no_decay
     assert all(p.ndim >= 2 for n, p in model.named_parameters() if n in decay)
     assert any("embed" in n or "pos" in n for n in no_decay)  # embeddings do not decay
     assert not any(n.endswith("bias") for n in decay)
@@ -41,8 +53,9 @@ def test_cosine_with_warmup():
 def test_const_and_const_cooldown():
     f = lr_multiplier(sched(warmup=2, lr_scheduler="const"), total_steps=100, steps_per_epoch=10)
     assert [f(0), f(1), f(50), f(99)] == pytest.approx([0.5, 1.0, 1.0, 1.0])
-    o = sched(warmup=0, lr=1.0, lr_scheduler="const-cooldown", epochs_cooldown=2, lr_cooldown_end=0.1,
-              lr_cooldown_power=1.0)
+    o = sched(
+        warmup=0, lr=1.0, lr_scheduler="const-cooldown", epochs_cooldown=2, lr_cooldown_end=0.1, lr_cooldown_power=1.0
+    )
     f = lr_multiplier(o, total_steps=100, steps_per_epoch=10)
     assert f(79) == pytest.approx(1.0)
     assert f(80) == pytest.approx(1.0)
