@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -41,32 +42,127 @@ def cache_dir() -> Path:
     return Path(os.environ.get("DSCLIP_CACHE", Path.home() / ".cache" / "dsclip"))
 
 
+@dataclass
+class Run:
+    """Everything one training run is made of, built once by :func:`build_run`."""
+
+    cfg: RunConfig
+    rank: int
+    world_size: int
+    engine: object
+    zero_stage: int
+    precision: str
+    data: object  # dsclip.data.TrainData
+    step_fn: GradCacheStep
+    checkpointer: ds_checkpoint.Checkpointer
+    metrics: MetricsLogger
+    evaluator: TrainingEvaluator
+    steps_per_epoch: int
+    total_steps: int
+    samples_per_step: int  # global: batch × accum_freq × world
+    start_step: int = 0
+
+    def client_state(self, step: int) -> dict:
+        """What a checkpoint records besides DeepSpeed's state: the data position and batch geometry."""
+        epoch, in_epoch = divmod(step, self.steps_per_epoch)
+        t = self.cfg.train
+        return {
+            "step": step,
+            "epoch": epoch,
+            "step_in_epoch": in_epoch,
+            "samples_seen": step * self.samples_per_step,
+            "world_size": self.world_size,
+            "accum_freq": t.accum_freq,
+            "batch_size": t.batch_size,
+            "seed": t.seed,
+        }
+
+
 def train(cfg: RunConfig) -> dict:
+    """Train per ``cfg`` on this rank; every rank of the job calls it. Returns a summary dict."""
+    run = build_run(cfg)
+    step, preempted = fit(run)
+    if run.checkpointer.last_saved_step != step and (
+        preempted or cfg.checkpoint.save_frequency or cfg.checkpoint.save_every_n_steps
+    ):
+        run.checkpointer.save(run.engine, step, run.client_state(step))
+    summary = {"step": step, "run_dir": str(cfg.run_dir), "preempted": preempted}
+    if not preempted:
+        summary.update(run.evaluator.final(run.engine, step, step // run.steps_per_epoch))
+    run.metrics.close()
+    run.data.close()
+    if preempted and run.rank == 0:
+        print(f"preempted: checkpoint saved at step {step}; exiting with {world.EXIT_REQUEUE} to requeue", flush=True)
+    summary["exit_code"] = world.EXIT_REQUEUE if preempted else 0
+    return summary
+
+
+def fit(run: Run) -> tuple[int, bool]:
+    """Optimizer steps from ``run.start_step`` to ``run.total_steps`` (or a preemption signal)."""
+    cfg, engine, k = run.cfg, run.engine, run.cfg.train.accum_freq
+    step, preempted = run.start_step, False
+    epoch, in_epoch = divmod(step, run.steps_per_epoch)
+    while step < run.total_steps and not preempted:
+        batches = run.data.batches(epoch, start_step=in_epoch * k)
+        chunk: list = []
+        t_wait = time.perf_counter()
+        for batch in batches:
+            chunk.append(batch)
+            if len(chunk) < k:
+                continue
+            data_wait = time.perf_counter() - t_wait
+            torch.manual_seed(step_seed(cfg.train.seed, step, run.rank))
+            engine.train()
+            result = run.step_fn(chunk)
+            chunk = []
+            step, in_epoch = step + 1, in_epoch + 1
+            epoch_end = in_epoch == run.steps_per_epoch
+            run.metrics.step(
+                step,
+                result,
+                data_wait_s=data_wait,
+                lr=engine.get_lr()[0],
+                epoch=epoch,
+                extra={"bad_samples": sum(run.data.stats().values())},
+            )
+            run.checkpointer.maybe_save(engine, step, run.client_state(step), epoch_end=epoch_end, epoch=epoch)
+            if epoch_end:
+                run.evaluator.epoch_end(engine, step, epoch)
+            preempted = world.preemption_requested()  # collective: all ranks stop at the same step
+            if step >= run.total_steps or epoch_end or preempted:
+                break
+            t_wait = time.perf_counter()
+        batches.close()
+        if in_epoch == run.steps_per_epoch:
+            epoch, in_epoch = epoch + 1, 0
+    return step, preempted
+
+
+def build_run(cfg: RunConfig) -> Run:
+    """config -> world -> data/model -> engine -> step, checkpointer, metrics, evaluator (+ resume)."""
     info = world.init_distributed()
     rank, world_size = info.rank, info.world_size
     world.install_preemption_handler()
     cfgmod.validate(cfg, world_size=world_size)
     run_dir = cfg.run_dir
-    dev = device_type()
 
     # --- config: everything checked before any expensive work ---
     model_cfg = get_model_config(cfg.model.model)
-    ds_config = resolve_ds_config(load_ds_json(cfg.train.deepspeed_config), cfg, world_size=world_size, device_type=dev)
+    ds_config = resolve_ds_config(
+        load_ds_json(cfg.train.deepspeed_config), cfg, world_size=world_size, device_type=device_type()
+    )
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         cfgmod.save_run_config(cfg, run_dir / "run_config.yaml")
         (run_dir / "ds_config.json").write_text(cfgmod.dumps(ds_config))
-    resume = None
-    if cfg.checkpoint.resume:
-        resume = ds_checkpoint.resolve_resume(cfg.checkpoint.resume, run_dir)
+    resume = ds_checkpoint.resolve_resume(cfg.checkpoint.resume, run_dir) if cfg.checkpoint.resume else None
     if resume is not None and universal.needs_universal(universal.saved_state(*resume), world_size):
         # saved on another number of ranks: load a re-shardable (universal) copy of the tag
         resume = universal.prepare_universal(*resume, rank=rank)
         ds_config["checkpoint"] = {**ds_config.get("checkpoint", {}), "load_universal": True}
 
     # --- data and model ---
-    text_cfg = model_cfg["text_cfg"]
-    context_length = cfg.model.context_length or text_cfg.get("context_length", 77)
+    context_length = cfg.model.context_length or model_cfg["text_cfg"].get("context_length", 77)
     tokenizer = build_tokenizer(cfg.data, context_length, cache_dir())
     if rank == 0:
         ds_checkpoint.record_tokenizer(run_dir, tokenizer)  # `dsclip convert` ships it with the weights
@@ -103,45 +199,23 @@ def train(cfg: RunConfig) -> dict:
             init_logit_bias=SIGLIP_INIT_LOGIT_BIAS if cfg.model.siglip else None,
         )
 
-    after_construction = None
-    if cfg.model.pretrained:
+    def load_pretrained(model):
         from dsclip.checkpoint.pretrained import load_pretrained_into
 
-        def after_construction(model):
-            load_pretrained_into(model, cfg.model.pretrained)
+        load_pretrained_into(model, cfg.model.pretrained)
 
+    # --- engine and the components that own their cadence ---
     bundle = build_engine(
         cfg,
         ds_config,
         model_factory,
         total_steps=total_steps,
         steps_per_epoch=steps_per_epoch,
-        after_construction=after_construction,
+        after_construction=load_pretrained if cfg.model.pretrained else None,
     )
     engine = bundle.engine
     loss_fn = build_loss(cfg.loss_name, tile_size=cfg.loss.loss_tile_size, label_smoothing=cfg.loss.label_smoothing)
-    step_fn = GradCacheStep(
-        engine, loss_fn, keep_last_graph=cfg.train.keep_last_graph, compute_dtype=autocast_dtype(bundle)
-    )
-
     samples_per_step = cfg.train.batch_size * k * world_size
-    step = 0
-    if resume is not None:
-        state = ds_checkpoint.load(engine, *resume)
-        # same global batch: same step; otherwise the same place in the data (rule in checkpoint/universal.py)
-        step, moved = universal.resume_position(state, global_batch=samples_per_step, steps_per_epoch=steps_per_epoch)
-        if moved:
-            universal.set_schedule_step(engine, step)
-        if rank == 0:
-            print(f"resumed from {resume[0] / resume[1]} at step {step}", flush=True)
-
-    checkpointer = ds_checkpoint.Checkpointer(
-        run_dir,
-        every_n_steps=cfg.checkpoint.save_every_n_steps,
-        every_n_epochs=cfg.checkpoint.save_frequency,
-        keep_last=cfg.checkpoint.keep_last,
-        rank=rank,
-    )
     metrics = MetricsLogger(
         run_dir,
         rank=rank,
@@ -152,9 +226,42 @@ def train(cfg: RunConfig) -> dict:
         total_steps=total_steps,
         device=engine.device,
     )
-    evaluator = TrainingEvaluator(
-        cfg, tokenizer=tokenizer, image_size=image_size, device=engine.device, run_dir=run_dir, metrics=metrics
+    run = Run(
+        cfg=cfg,
+        rank=rank,
+        world_size=world_size,
+        engine=engine,
+        zero_stage=bundle.zero_stage,
+        precision=bundle.precision,
+        data=data,
+        step_fn=GradCacheStep(
+            engine, loss_fn, keep_last_graph=cfg.train.keep_last_graph, compute_dtype=autocast_dtype(bundle)
+        ),
+        checkpointer=ds_checkpoint.Checkpointer(
+            run_dir,
+            every_n_steps=cfg.checkpoint.save_every_n_steps,
+            every_n_epochs=cfg.checkpoint.save_frequency,
+            keep_last=cfg.checkpoint.keep_last,
+            rank=rank,
+        ),
+        metrics=metrics,
+        evaluator=TrainingEvaluator(
+            cfg, tokenizer=tokenizer, image_size=image_size, device=engine.device, run_dir=run_dir, metrics=metrics
+        ),
+        steps_per_epoch=steps_per_epoch,
+        total_steps=total_steps,
+        samples_per_step=samples_per_step,
     )
+    if resume is not None:
+        state = ds_checkpoint.load(engine, *resume)
+        # same global batch: same step; otherwise the same place in the data (rule in checkpoint/universal.py)
+        run.start_step, moved = universal.resume_position(
+            state, global_batch=samples_per_step, steps_per_epoch=steps_per_epoch
+        )
+        if moved:
+            universal.set_schedule_step(engine, run.start_step)
+        if rank == 0:
+            print(f"resumed from {resume[0] / resume[1]} at step {run.start_step}", flush=True)
     if rank == 0:
         print(
             f"dsclip: {cfg.model.model} | world {world_size} | ZeRO-{bundle.zero_stage} {bundle.precision} | "
@@ -162,75 +269,4 @@ def train(cfg: RunConfig) -> dict:
             f"{samples_per_step} | {steps_per_epoch} steps/epoch | {total_steps} steps | run {run_dir}",
             flush=True,
         )
-
-    def client_state(epoch: int, in_epoch: int) -> dict:
-        return {
-            "step": step,
-            "epoch": epoch,
-            "step_in_epoch": in_epoch,
-            "samples_seen": step * samples_per_step,
-            "world_size": world_size,
-            "accum_freq": k,
-            "batch_size": cfg.train.batch_size,
-            "seed": cfg.train.seed,
-        }
-
-    preempted = False
-    epoch, in_epoch = divmod(step, steps_per_epoch)
-    t_wait = time.perf_counter()
-    while step < total_steps and not preempted:
-        batches = data.batches(epoch, start_step=in_epoch * k)
-        chunk: list = []
-        for batch in batches:
-            chunk.append(batch)
-            if len(chunk) < k:
-                continue
-            data_wait = time.perf_counter() - t_wait
-            torch.manual_seed(step_seed(cfg.train.seed, step, rank))
-            engine.train()
-            result = step_fn(chunk)
-            chunk = []
-            step += 1
-            in_epoch += 1
-            epoch_end = in_epoch == steps_per_epoch
-            metrics.step(
-                step,
-                result,
-                data_wait_s=data_wait,
-                lr=engine.get_lr()[0],
-                epoch=epoch,
-                extra={"bad_samples": sum(data.stats().values())},
-            )
-            checkpointer.maybe_save(
-                engine,
-                step,
-                client_state(epoch + epoch_end, 0 if epoch_end else in_epoch),
-                epoch_end=epoch_end,
-                epoch=epoch,
-            )
-            if epoch_end:
-                evaluator.epoch_end(engine, step, epoch)
-            if world.preemption_requested():
-                preempted = True
-            if step >= total_steps or epoch_end or preempted:
-                break
-            t_wait = time.perf_counter()
-        batches.close()
-        if in_epoch == steps_per_epoch:
-            epoch, in_epoch = epoch + 1, 0
-        t_wait = time.perf_counter()
-
-    final_epoch, final_in_epoch = divmod(step, steps_per_epoch)
-    if checkpointer.last_saved_step != step and (
-        preempted or cfg.checkpoint.save_frequency or cfg.checkpoint.save_every_n_steps
-    ):
-        checkpointer.save(engine, step, client_state(final_epoch, final_in_epoch))
-    summary = {"step": step, "run_dir": str(run_dir), "preempted": preempted}
-    if not preempted:
-        summary.update(evaluator.final(engine, step, final_epoch))
-    metrics.close()
-    data.close()
-    if preempted and rank == 0:
-        print(f"preempted: checkpoint saved at step {step}; exiting with {world.EXIT_REQUEUE} to requeue", flush=True)
-    summary["exit_code"] = world.EXIT_REQUEUE if preempted else 0
-    return summary
+    return run

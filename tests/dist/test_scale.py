@@ -95,9 +95,7 @@ def test_zero3_init_never_materialises_the_model(model, params_b):
     res = run_world(_build_partitioned, 2, model, timeout=900)
     for r in res:
         assert abs(r["total"] / 1e9 - params_b) < 0.01 * params_b
-        assert (
-            r["local"] * 2 >= r["total"] and r["local"] < 0.51 * r["total"]
-        )  # each rank: its half (+padding)
+        assert r["local"] * 2 >= r["total"] and r["local"] < 0.51 * r["total"]  # each rank: its half (+padding)
         assert r["dtypes"] == {"torch.bfloat16"}
         assert r["placeholder_numel"] == 0  # every parameter is an empty placeholder outside a gather
         # "well below": the rank's whole process (interpreter, torch, its bf16 half) stays under 45% of the
@@ -105,7 +103,7 @@ def test_zero3_init_never_materialises_the_model(model, params_b):
         assert r["peak_gb"] < 0.45 * full_fp32_gb, (r, full_fp32_gb)
 
 
-def _vit_h_step(rank, world):
+def _train_step(rank, world, model="ViT-H-14"):
     import torch
 
     from dsclip.engine.build import autocast_dtype, build_engine
@@ -114,19 +112,17 @@ def _vit_h_step(rank, world):
     from dsclip.train.gradcache import GradCacheStep
     from dsclip.train.loop import step_seed
 
-    cfg = _run_config("ViT-H-14", grad_checkpointing=True)
+    cfg = _run_config(model, grad_checkpointing=True)
     ds = resolve_ds_config(load_ds_json(cfg.train.deepspeed_config), cfg, world_size=world, device_type="cpu")
     ds["bf16"].update(bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
 
     def factory():
         torch.manual_seed(0)
-        return create_model("ViT-H-14")
+        return create_model(model)
 
     bundle = build_engine(cfg, ds, factory, total_steps=10, steps_per_epoch=10)
     engine = bundle.engine
-    step = GradCacheStep(
-        engine, build_loss("infonce"), keep_last_graph=True, compute_dtype=autocast_dtype(bundle)
-    )
+    step = GradCacheStep(engine, build_loss("infonce"), keep_last_graph=True, compute_dtype=autocast_dtype(bundle))
     g = torch.Generator().manual_seed(rank)
     chunks = []
     for _ in range(2):  # K = 2 micro-batches of 1 sample at 224 px
@@ -152,13 +148,7 @@ def _vit_h_step(rank, world):
     }
 
 
-def test_vit_h_training_step_zero3_checkpointing_gradient_cache():
-    need = 2 * 6.5
-    if _mem_available_gb() < need:
-        pytest.skip(
-            f"needs ~{need:.0f} GB available for two ViT-H-14 ZeRO-3 ranks, have {_mem_available_gb():.1f}"
-        )
-    res = run_world(_vit_h_step, 2, timeout=900)
+def _check_step(res):
     import math
 
     for r in res:
@@ -166,3 +156,16 @@ def test_vit_h_training_step_zero3_checkpointing_gradient_cache():
         assert math.isfinite(r["loss"]) and abs(r["loss"] - math.log(4)) < 1.0  # 4 pairs, random init
         assert r["moved"] > 0
     assert res[0]["loss"] == pytest.approx(res[1]["loss"])
+
+
+def test_vit_b32_training_step_same_path_small():
+    """The ViT-H-14 step's exact code path on ViT-B-32 (0.15 B params, ~1 GB per rank): stays in CI even
+    where the machine cannot hold ViT-H-14's optimizer states."""
+    _check_step(run_world(_train_step, 2, "ViT-B-32", timeout=600))
+
+
+def test_vit_h_training_step_zero3_checkpointing_gradient_cache():
+    need = 2 * 6.5
+    if _mem_available_gb() < need:
+        pytest.skip(f"needs ~{need:.0f} GB available for two ViT-H-14 ZeRO-3 ranks, have {_mem_available_gb():.1f}")
+    _check_step(run_world(_train_step, 2, "ViT-H-14", timeout=900))
