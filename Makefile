@@ -6,7 +6,8 @@ PY := $(VENV)/bin/python
 # This machine's pip serves these torch/torchvision builds from local disk; override on other hosts.
 TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
 # Private, persistent JIT cache for DeepSpeed's CPU ops (see DEEPSPEED-NOTES: ninja rebuilds otherwise).
-export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/dsclip/torch_extensions
+# Per checkout (= per venv): two ninja binaries alternating on one cache rebuild the op every time.
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 PYTEST_ARGS ?=
 
 .PHONY: venv demo test lint clean

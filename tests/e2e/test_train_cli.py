@@ -94,25 +94,32 @@ def test_two_rank_deepspeed_launcher_trains_and_resumes_exactly(tmp_path, ds_con
 
 
 def test_resume_latest_without_checkpoint_starts_fresh_and_continues(tmp_path):
-    args = [
-        "train",
-        "--config",
-        "tiny",
-        "--logs",
-        str(tmp_path),
-        "--name",
-        "r",
-        "--max-steps",
-        "4",
-        "--save-every-n-steps",
-        "2",
-        "--resume",
-        "latest",
-    ]
-    run_cli(args)
+    def args(max_steps):
+        return [
+            "train",
+            "--config",
+            "tiny",
+            "--logs",
+            str(tmp_path),
+            "--name",
+            "r",
+            "--max-steps",
+            str(max_steps),
+            "--save-every-n-steps",
+            "2",
+            "--resume",
+            "latest",
+            "--report-to",
+            "tensorboard",
+        ]
+
+    first = run_cli(args(4))
+    assert "resumed from" not in first.stdout  # nothing to resume: a fresh start, as a requeued job wants
     assert sorted(losses(tmp_path / "r")) == [1, 2, 3, 4]
-    p = run_cli(args[:-4] + ["--max-steps", "6", "--resume", "latest"])
-    assert "resumed from" in p.stdout and "step_000000004" in p.stdout
+    assert list((tmp_path / "r" / "tensorboard").glob("events.out.tfevents.*"))
+    second = run_cli(args(6))
+    assert "resumed from" in second.stdout and "step_000000004" in second.stdout
+    assert sorted(losses(tmp_path / "r")) == [1, 2, 3, 4, 5, 6]  # one metrics.jsonl, continued
 
 
 def _write(tmp_path, name, text):
