@@ -47,17 +47,28 @@ def construction_context(ds_config: dict):
 
 
 def enable_activation_checkpointing(model: nn.Module, ds_config: dict) -> None:
-    """Route the model's per-block checkpointing through DeepSpeed's implementation.
+    """Checkpoint every transformer block.
 
-    The JSON ``activation_checkpointing`` block does nothing by itself: DeepSpeed only reads it in
-    ``deepspeed.checkpointing.configure`` and only applies it inside ``deepspeed.checkpointing.checkpoint``.
-    We use DeepSpeed's non-reentrant variant: the reentrant one has produced "Gradient computed
-    twice for this partition" under ZeRO-2.
+    ZeRO-0/1/2: through DeepSpeed's implementation, because the JSON ``activation_checkpointing``
+    block does nothing by itself: DeepSpeed only reads it in ``deepspeed.checkpointing.configure`` and
+    only applies it inside its own checkpoint functions. We use the non-reentrant variant: the
+    reentrant one has produced "Gradient computed twice for this partition" under ZeRO-2.
+    ZeRO-3: DeepSpeed 0.19's non-reentrant recomputation sees the partitioned (empty) parameters of
+    larger layers ("The size of tensor a (0) must match ..."), so torch's non-reentrant checkpoint is
+    used there; ZeRO-3's own parameter hooks gather weights for the recomputation.
     """
     import deepspeed
-    from deepspeed.runtime.activation_checkpointing import checkpointing as ds_ckpt
 
     deepspeed.checkpointing.configure(None, deepspeed_config=ds_config)
+    if zero_stage(ds_config) == 3:
+        from functools import partial
+
+        from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+        model.set_grad_checkpointing(True, checkpoint_fn=partial(torch_checkpoint, use_reentrant=False))
+        return
+    from deepspeed.runtime.activation_checkpointing import checkpointing as ds_ckpt
+
     model.set_grad_checkpointing(True, checkpoint_fn=ds_ckpt.non_reentrant_checkpoint)
 
 

@@ -35,6 +35,8 @@ def _engine(tmp, stage, checkpointing, profile):
 
     raw = load_ds_json(f"ds_configs/zero{stage}_fp32.json")
     raw["activation_checkpointing"]["profile"] = profile
+    if stage == 3:  # partition every parameter (the tiny model's would all stay persistent otherwise)
+        raw["zero_optimization"]["stage3_param_persistence_threshold"] = 0
     path = f"{tmp}/ds_{checkpointing}_{profile}.json"
     with open(path, "w") as f:
         json.dump(raw, f)
