@@ -129,6 +129,16 @@ def _train_step(rank, world, model="ViT-H-14"):
     cfg = _run_config(model, grad_checkpointing=True)
     ds = resolve_ds_config(load_ds_json(cfg.train.deepspeed_config), cfg, world_size=world, device_type="cpu")
     ds["bf16"].update(bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
+    # Bound ZeRO-3's transient memory on a RAM-limited CPU box: the optimizer steps one sub-group at a
+    # time (its temporaries scale with sub_group_size, 1e9 elements by default = the whole partition
+    # here), and at most 1e8 gathered elements stay live / are reused. With the shipped values one rank
+    # of this step peaked at 9.7 GB and was OOM-killed.
+    ds["zero_optimization"].update(
+        sub_group_size=50_000_000,
+        stage3_max_live_parameters=100_000_000,
+        stage3_max_reuse_distance=100_000_000,
+        stage3_prefetch_bucket_size=50_000_000,
+    )
 
     def factory():
         torch.manual_seed(0)
