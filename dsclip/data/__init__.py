@@ -64,28 +64,15 @@ def build_train_data(
             workers=data_cfg.workers,
             name="demo data",
         )
+    common = dict(
+        tokenizer=tokenizer, image_size=image_size, batch_size=batch_size, rank=rank, world_size=world_size, seed=seed
+    )
     if kind == "csv":
         from .csv_data import build_csv_train_data
 
-        return build_csv_train_data(
-            data_cfg,
-            tokenizer=tokenizer,
-            image_size=image_size,
-            batch_size=batch_size,
-            rank=rank,
-            world_size=world_size,
-            seed=seed,
-        )
+        return build_csv_train_data(data_cfg, **common)
     if kind == "webdataset":
         from .webdataset import build_wds_train_data
 
-        return build_wds_train_data(
-            data_cfg,
-            tokenizer=tokenizer,
-            image_size=image_size,
-            batch_size=batch_size,
-            rank=rank,
-            world_size=world_size,
-            seed=seed,
-        )
+        return build_wds_train_data(data_cfg, **common)
     raise ValueError(f"unknown dataset_type {kind!r}")
