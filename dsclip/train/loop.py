@@ -163,19 +163,22 @@ def build_run(cfg: RunConfig) -> Run:
 
     # --- data and model ---
     context_length = cfg.model.context_length or model_cfg["text_cfg"].get("context_length", 77)
-    tokenizer = build_tokenizer(cfg.data, context_length, cache_dir())
+    image_size = model_cfg["vision_cfg"]["image_size"]
+    try:  # the data layer reports unusable settings (no shards, no tokenizer, ...) as ValueError
+        tokenizer = build_tokenizer(cfg.data, context_length, cache_dir())
+        data = build_train_data(
+            cfg.data,
+            tokenizer=tokenizer,
+            image_size=image_size,
+            batch_size=cfg.train.batch_size,
+            rank=rank,
+            world_size=world_size,
+            seed=cfg.train.seed,
+        )
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
     if rank == 0:
         ds_checkpoint.record_tokenizer(run_dir, tokenizer)  # `dsclip convert` ships it with the weights
-    image_size = model_cfg["vision_cfg"]["image_size"]
-    data = build_train_data(
-        cfg.data,
-        tokenizer=tokenizer,
-        image_size=image_size,
-        batch_size=cfg.train.batch_size,
-        rank=rank,
-        world_size=world_size,
-        seed=cfg.train.seed,
-    )
     k = cfg.train.accum_freq
     steps_per_epoch = data.steps_per_epoch // k
     if steps_per_epoch < 1:

@@ -122,6 +122,12 @@ def test_resume_latest_without_checkpoint_starts_fresh_and_continues(tmp_path):
     assert sorted(losses(tmp_path / "r")) == [1, 2, 3, 4, 5, 6]  # one metrics.jsonl, continued
 
 
+def _demo_tokenizer(tmp_path) -> str:
+    from dsclip.data.demo import ensure_demo_tokenizer
+
+    return ensure_demo_tokenizer(tmp_path / "tok")
+
+
 def _write(tmp_path, name, text):
     p = tmp_path / name
     p.write_text(text)
@@ -138,6 +144,8 @@ def _write(tmp_path, name, text):
         "unknown_model",
         "invalid_json",
         "fp16_on_cpu",
+        "missing_tokenizer",
+        "missing_shards",
     ],
 )
 def test_bad_input_is_one_line_and_nonzero(tmp_path, case):
@@ -156,6 +164,12 @@ def test_bad_input_is_one_line_and_nonzero(tmp_path, case):
         "unknown_model": (base + ["--model", "ViT-Q-99"], "ViT-B-32"),
         "invalid_json": (base + ["--deepspeed-config", _write(tmp_path, "j.json", "{nope")], "not valid JSON"),
         "fp16_on_cpu": (base + ["--precision", "fp16"], "fp16 is not supported by DeepSpeed on CPU"),
+        "missing_tokenizer": (base + ["--tokenizer", str(tmp_path / "none.model")], "sentencepiece model not found"),
+        "missing_shards": (
+            base
+            + ["--tokenizer", _demo_tokenizer(tmp_path), "--train-data", str(tmp_path / "s" / "{00000..00003}.tar")],
+            "00000.tar",
+        ),
     }[case]
     p = run_cli(args, check=False, timeout=300)
     assert p.returncode == 2, p.stderr[-3000:]

@@ -127,3 +127,14 @@ def test_every_field_has_help():
         "--accum-freq",
     ):
         assert flag in text, flag
+
+
+@pytest.mark.parametrize("recipe", ["demo", "tiny", "ViT-B-32", "ViT-L-14", "ViT-H-14", "ViT-bigG-14"])
+def test_builtin_recipes_parse_and_resolve_with_their_deepspeed_config(recipe):
+    from dsclip.engine.ds_config import load_ds_json, resolve_ds_config
+    from dsclip.model import get_model_config
+
+    cfg = parse_run_config(["--config", recipe, "--name", "x"])
+    get_model_config(cfg.model.model)  # the architecture exists
+    ds = resolve_ds_config(load_ds_json(cfg.train.deepspeed_config), cfg, world_size=8, device_type="cuda")
+    assert ds["train_batch_size"] == cfg.train.batch_size * cfg.train.accum_freq * 8
