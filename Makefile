@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 PYTEST_ARGS ?=
 
-.PHONY: venv demo test lint clean
+.PHONY: venv demo test test-all lint clean
 
 $(VENV)/.installed: setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,6 +26,10 @@ demo: venv
 
 test: venv
 	$(PY) -m ruff check dsclip tests bench
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+# Also the scale smoke tests (ViT-H-14 / ViT-bigG-14 under ZeRO-3 on 2 CPU ranks, ~10 min, ~15 GB RAM).
+test-all: venv
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(PYTEST_ARGS)
 
 lint: venv

@@ -32,9 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import vs_openclip as V  # noqa: E402  (bench helpers: data, workers, peak RSS, alternation)
 
 
-def openclip_style_worker(
-    batch: int, accum_freq: int, warmup: int, steps: int, cfg: dict = V.BENCH_CFG
-) -> dict:
+def openclip_style_worker(batch: int, accum_freq: int, warmup: int, steps: int, cfg: dict = V.BENCH_CFG) -> dict:
     import torch
     from open_clip.loss import ClipLoss
 
@@ -180,17 +178,12 @@ def main(argv=None) -> int:
                     "method": n,
                     **s,
                     "ratio_vs_openclip": s["samples_per_s"] / summ["openclip-style"]["samples_per_s"],
-                    "cpu_ratio_vs_openclip": s["samples_per_cpu_s"]
-                    / summ["openclip-style"]["samples_per_cpu_s"],
+                    "cpu_ratio_vs_openclip": s["samples_per_cpu_s"] / summ["openclip-style"]["samples_per_cpu_s"],
                     "cpu_time_per_sample_vs_big_batch": (
-                        summ["big batch"]["samples_per_cpu_s"] / s["samples_per_cpu_s"]
-                        if "big batch" in summ
-                        else 1.0
+                        summ["big batch"]["samples_per_cpu_s"] / s["samples_per_cpu_s"] if "big batch" in summ else 1.0
                     ),
                     "time_per_sample_vs_big_batch": (
-                        summ["big batch"]["samples_per_s"] / s["samples_per_s"]
-                        if "big batch" in summ
-                        else 1.0
+                        summ["big batch"]["samples_per_s"] / s["samples_per_s"] if "big batch" in summ else 1.0
                     ),
                 }
             )

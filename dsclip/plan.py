@@ -118,9 +118,7 @@ def load_arch(model: str | dict, patch_dropout: float = 0.0, count_params: bool 
         arch.vision_params = sum(p.numel() for p in m.visual.parameters())
         arch.text_params = sum(p.numel() for p in m.text.parameters())
         # As DeepSpeed's model_to_params: the most parameters any single module owns directly.
-        arch.largest_layer_params = max(
-            sum(p.numel() for p in mod.parameters(recurse=False)) for mod in m.modules()
-        )
+        arch.largest_layer_params = max(sum(p.numel() for p in mod.parameters(recurse=False)) for mod in m.modules())
     return arch
 
 
@@ -204,9 +202,7 @@ def tower_extra_bytes(arch: Arch, act_b: int) -> dict[str, float]:
     return {"vision": float(vision), "text": float(text)}
 
 
-def activation_bytes(
-    arch: Arch, precision: str = "bf16", grad_checkpointing: bool = False
-) -> dict[str, float]:
+def activation_bytes(arch: Arch, precision: str = "bf16", grad_checkpointing: bool = False) -> dict[str, float]:
     """Per-sample activation memory: what the forward keeps for backward, and the backward's transient peak.
 
     ``saved``: bytes alive at the end of a forward (what the tests measure). ``transient``: extra bytes at
@@ -222,9 +218,7 @@ def activation_bytes(
         out[f"{name}_other"] = extra[name]
     out["saved"] = sum(out.values())
     widest = max(act_b * 2 * tw.tokens * tw.hidden for tw in (arch.vision, arch.text))
-    recompute = (
-        max(block_saved_bytes(tw, act_b) for tw in (arch.vision, arch.text)) if grad_checkpointing else 0
-    )
+    recompute = max(block_saved_bytes(tw, act_b) for tw in (arch.vision, arch.text)) if grad_checkpointing else 0
     out["transient"] = float(widest + recompute)
     out["peak"] = out["saved"] + out["transient"]
     return out
@@ -364,8 +358,7 @@ def make_plan(
         raise ConfigError("--gpus, --batch-size and --gpu-memory must be positive")
     if batch_size % gpus:
         raise ConfigError(
-            f"--batch-size {batch_size} is not a multiple of --gpus {gpus}: every rank needs the "
-            f"same number of rows"
+            f"--batch-size {batch_size} is not a multiple of --gpus {gpus}: every rank needs the same number of rows"
         )
     if not 0.0 <= patch_dropout < 1.0:
         raise ConfigError(f"--patch-dropout must be in [0, 1), got {patch_dropout}")
@@ -431,9 +424,7 @@ def make_plan(
 
     nodes = math.ceil(gpus / gpus_per_node)
     launch = (
-        f"deepspeed --num_nodes {nodes} --num_gpus {min(gpus, gpus_per_node)} --hostfile HOSTFILE "
-        if gpus > 1
-        else ""
+        f"deepspeed --num_nodes {nodes} --num_gpus {min(gpus, gpus_per_node)} --hostfile HOSTFILE " if gpus > 1 else ""
     )
     args = [
         f"{launch}--module dsclip train" if launch else "dsclip train",
@@ -512,25 +503,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="architecture name (dsclip/model/configs) or JSON path")
     p.add_argument("--gpus", type=int, required=True, help="total number of GPUs (ranks)")
     p.add_argument("--gpu-memory", type=float, default=80.0, help="memory per GPU in GiB")
-    p.add_argument(
-        "--batch-size", type=int, required=True, help="global contrastive batch per optimizer step"
-    )
+    p.add_argument("--batch-size", type=int, required=True, help="global contrastive batch per optimizer step")
     p.add_argument("--zero", type=int, default=2, choices=(1, 2, 3), help="ZeRO stage")
     p.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
-    p.add_argument(
-        "--grad-checkpointing", action="store_true", help="activation checkpointing of every block"
-    )
+    p.add_argument("--grad-checkpointing", action="store_true", help="activation checkpointing of every block")
     p.add_argument("--patch-dropout", type=float, default=0.0, help="FLIP patch-dropout rate (training)")
     p.add_argument("--loss", default="infonce", choices=LOSS_MODES)
     p.add_argument("--loss-tile-size", type=int, default=4096, help="tile edge of the tiled losses")
     p.add_argument("--mfu", type=float, default=0.4, help="model-FLOPs utilisation (3x forward FLOPs / peak)")
-    p.add_argument(
-        "--peak-tflops", type=float, default=790.0, help="dense bf16 peak per GPU (H200 measured: 790)"
-    )
+    p.add_argument("--peak-tflops", type=float, default=790.0, help="dense bf16 peak per GPU (H200 measured: 790)")
     p.add_argument("--gpus-per-node", type=int, default=8)
-    p.add_argument(
-        "--reserve", type=float, default=2.0, help="GiB kept for the CUDA context and fragmentation"
-    )
+    p.add_argument("--reserve", type=float, default=2.0, help="GiB kept for the CUDA context and fragmentation")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     return p
 

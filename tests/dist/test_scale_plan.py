@@ -65,9 +65,7 @@ def _measure(rank, world, stage):
         masters = list(opt.fp32_partitioned_groups_flat)
         params16 = nbytes(p.ds_tensor for p in engine.module.parameters())
         grads16 = nbytes([opt.grad_partitions_flat_buffer])
-    adam = nbytes(
-        v for m in masters for v in opt.optimizer.state[m].values() if torch.is_tensor(v) and v.dim()
-    )
+    adam = nbytes(v for m in masters for v in opt.optimizer.state[m].values() if torch.is_tensor(v) and v.dim())
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())
     planned = P.model_state_bytes(n_params, world, stage, "bf16")
     return {

@@ -217,9 +217,7 @@ def test_plan_is_consistent():
     # the next divisor up would not fit
     assert p.micro_batch == p.local_batch or 2 * p.micro_batch > p.max_micro_batch
     # checkpointing saves memory per sample; patch dropout halves the vision tower's FLOPs roughly
-    nock = P.make_plan(
-        "ViT-bigG-14", gpus=256, gpu_memory_gb=80, batch_size=32768, zero=3, loss="infonce_tiled"
-    )
+    nock = P.make_plan("ViT-bigG-14", gpus=256, gpu_memory_gb=80, batch_size=32768, zero=3, loss="infonce_tiled")
     assert nock.activation_per_sample_mb["peak"] > 5 * p.activation_per_sample_mb["peak"]
     pd = P.make_plan("ViT-bigG-14", gpus=256, gpu_memory_gb=80, batch_size=32768, patch_dropout=0.5)
     assert 0.4 < pd.forward_gflops_per_sample["vision"] / p.forward_gflops_per_sample["vision"] < 0.55
