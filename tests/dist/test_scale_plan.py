@@ -51,8 +51,9 @@ def _measure(rank, world, stage):
     engine = bundle.engine
     step = GradCacheStep(engine, build_loss("infonce"), compute_dtype=autocast_dtype(bundle))
     g = torch.Generator().manual_seed(rank)
-    tok = torch.randint(3, 900, (4, 32), generator=g)
-    tok[:, 20] = 2
+    ctx = engine.module.context_length
+    tok = torch.randint(3, 900, (4, ctx), generator=g)
+    tok[:, ctx - 2] = 2  # EOS
     step([(torch.randn(4, 3, 32, 32, generator=g), tok)])
 
     opt = engine.optimizer
