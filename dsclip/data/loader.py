@@ -175,7 +175,12 @@ class MapStyleTrainData(TrainData):
         yield from self.loader
 
     def close(self) -> None:
-        it = getattr(self.loader, "_iterator", None)
-        if it is not None and hasattr(it, "_shutdown_workers"):
-            it._shutdown_workers()
-        self.loader._iterator = None
+        shutdown_loader(self.loader)
+
+
+def shutdown_loader(loader: DataLoader) -> None:
+    """Stop a DataLoader's (persistent) worker processes now rather than at garbage collection."""
+    it = getattr(loader, "_iterator", None)
+    if it is not None and hasattr(it, "_shutdown_workers"):
+        it._shutdown_workers()
+    loader._iterator = None

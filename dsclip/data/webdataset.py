@@ -34,7 +34,7 @@ from collections.abc import Iterator
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from .loader import TrainData, mix_seed
+from .loader import TrainData, mix_seed, shutdown_loader
 from .shards import (
     BadData,
     ShardError,
@@ -217,10 +217,7 @@ class WdsTrainData(TrainData):
         yield from self.loader
 
     def close(self) -> None:
-        it = getattr(self.loader, "_iterator", None)
-        if it is not None and hasattr(it, "_shutdown_workers"):
-            it._shutdown_workers()
-        self.loader._iterator = None
+        shutdown_loader(self.loader)
 
 
 def build_wds_train_data(data_cfg, *, tokenizer, image_size, batch_size, rank, world_size, seed) -> WdsTrainData:
