@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import vs_openclip as V  # noqa: E402  (bench helpers: data, workers, peak RSS, alternation)
 
 
-def openclip_style_worker(batch: int, accum_freq: int, warmup: int, steps: int, cfg: dict = V.BENCH_CFG) -> dict:
+def _openclip_style_rank(rank: int, world: int, batch: int, accum_freq: int, warmup: int, steps: int, cfg: dict):
     import torch
     from open_clip.loss import ClipLoss
 
@@ -43,7 +43,14 @@ def openclip_style_worker(batch: int, accum_freq: int, warmup: int, steps: int, 
     torch.manual_seed(0)
     model = create_model(cfg).train()
     optimizer = torch.optim.AdamW(param_groups(model, 0.2), lr=5e-4, betas=(0.9, 0.98), eps=1e-6)
-    loss = ClipLoss(local_loss=False, gather_with_grad=False, cache_labels=True, rank=0, world_size=1)
+    if world > 1:
+        # open_clip_train/main.py wraps the model in DDP (on CPU without its device_ids=[cpu] bug) and the
+        # exact multi-rank loss is --local-loss --gather-with-grad. Its accum_freq branch does not use
+        # no_sync(), so every one of the K backwards all-reduces the full gradient.
+        model = torch.nn.parallel.DistributedDataParallel(model)
+        loss = ClipLoss(local_loss=True, gather_with_grad=True, cache_labels=True, rank=rank, world_size=world)
+    else:
+        loss = ClipLoss(local_loss=False, gather_with_grad=False, cache_labels=True, rank=0, world_size=1)
     k = accum_freq
 
     def forward(images, texts):
@@ -82,17 +89,31 @@ def openclip_style_worker(batch: int, accum_freq: int, warmup: int, steps: int, 
         for i in range(len(data) // k):
             step(data[i * k : (i + 1) * k])
 
-    run(V.synthetic_batches(warmup * k, batch, cfg, seed=1))
-    data = V.synthetic_batches(steps * k, batch, cfg, seed=2)
+    run(V.synthetic_batches(warmup * k, batch, cfg, seed=1 + 100 * rank))
+    data = V.synthetic_batches(steps * k, batch, cfg, seed=2 + 100 * rank)
     V.reset_peak_rss()
     t0, c0 = time.perf_counter(), time.process_time()
     run(data)
     dt, cpu = time.perf_counter() - t0, time.process_time() - c0
     return {
-        "samples_per_s": steps * k * batch / dt,
+        "samples_per_s": steps * k * batch * world / dt,
         "samples_per_cpu_s": steps * k * batch / cpu,
         "peak_rss_mb": V.peak_rss_mb(),
         "step_s": dt / steps,
+    }
+
+
+def openclip_style_worker(
+    batch: int, accum_freq: int, warmup: int, steps: int, cfg: dict = V.BENCH_CFG, world: int = 1
+) -> dict:
+    from tests.distutil import run_world
+
+    res = run_world(_openclip_style_rank, world, batch, accum_freq, warmup, steps, cfg)
+    return {
+        "samples_per_s": min(r["samples_per_s"] for r in res),
+        "samples_per_cpu_s": min(r["samples_per_cpu_s"] for r in res),
+        "peak_rss_mb": max(r["peak_rss_mb"] for r in res),
+        "step_s": max(r["step_s"] for r in res),
     }
 
 
@@ -133,6 +154,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--world", type=int, default=1, help="ranks (gloo); samples/s is global")
     ap.add_argument("--json-out")
     a = ap.parse_args(argv)
     if a.worker:
@@ -140,7 +162,7 @@ def main(argv=None) -> int:
         return 0
     rows = []
     for k in [int(x) for x in a.ks.split(",")]:
-        common = {"warmup": a.warmup, "steps": a.steps}
+        common = {"warmup": a.warmup, "steps": a.steps, "world": a.world}
         specs = {
             "dsclip": {
                 "impl": "dsclip",
@@ -168,7 +190,7 @@ def main(argv=None) -> int:
                 "accum_freq": 1,
                 **common,
             }
-        print(f"== K={k}: micro-batch {a.batch}, effective batch {a.batch * k}", flush=True)
+        print(f"== K={k}: micro-batch {a.batch}, world {a.world}, effective batch {a.batch * k * a.world}", flush=True)
         res = V.alternate(specs, a.rounds, runner=run_worker)
         summ = {n: V.summarize(v) for n, v in res.items()}
         for n, s in summ.items():
@@ -194,7 +216,7 @@ def main(argv=None) -> int:
     print("|---:|---:|---|---:|---:|---:|---:|---:|")
     for r in rows:
         print(
-            f"| {r['K']} | {a.batch * r['K']} | {r['method']} | {r['samples_per_s']:.2f} ({r['min']:.2f}-"
+            f"| {r['K']} | {a.batch * r['K'] * a.world} | {r['method']} | {r['samples_per_s']:.2f} ({r['min']:.2f}-"
             f"{r['max']:.2f}) | {r['samples_per_cpu_s']:.2f} | {r['peak_rss_mb']:.0f} | "
             f"{r['ratio_vs_openclip']:.2f} / {r['cpu_ratio_vs_openclip']:.2f} | "
             f"{r['time_per_sample_vs_big_batch']:.2f} / {r['cpu_time_per_sample_vs_big_batch']:.2f} |"

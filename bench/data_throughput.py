@@ -46,9 +46,7 @@ def make_image(rng: np.random.Generator, size: int) -> bytes:
 def make_shards(root: Path, n: int, per_shard: int, size: int) -> tuple[str, float]:
     rng = np.random.default_rng(0)
     pool = [make_image(rng, size) for _ in range(min(n, 256))]  # reuse: decoding cost is per sample anyway
-    words = (
-        "a photo of the small large red blue green dog cat house tree car on in with at beach city".split()
-    )
+    words = "a photo of the small large red blue green dog cat house tree car on in with at beach city".split()
     k = 0
     shards = math.ceil(n / per_shard)
     for s in range(shards):

@@ -4,6 +4,8 @@
   attention       fused SDPA (what the towers use) vs the math path (``sdpa_kernel(SDPBackend.MATH)``)
   overlap_comm    ZeRO-2 ``overlap_comm`` + ``contiguous_gradients`` on (shipped JSONs) vs off, 2 ranks
   buckets         ZeRO-2 reduce/allgather bucket 2e8 (shipped) vs 5e6 elements, 2 ranks
+  torchcompile    --torchcompile (inductor, every transformer block) vs eager; compilation happens in the
+                  warm-up steps, which are not timed
   data_loader     ``dsclip train --config demo`` with --workers 0 vs 2: data-wait fraction (metrics.jsonl)
 
 The step measurements use bench/vs_openclip.py's dsclip worker (build_engine + GradCacheStep, the
@@ -26,12 +28,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import vs_openclip as V  # noqa: E402
 
-FEATURES = ("patch_dropout", "attention", "overlap_comm", "buckets", "data_loader")
+FEATURES = ("patch_dropout", "attention", "overlap_comm", "buckets", "torchcompile", "data_loader")
 
 
 def step_specs(feature: str, common: dict) -> tuple[dict, dict]:
     """(on, off) dsclip worker specs for a step-throughput feature."""
-    base = {"impl": "dsclip", "precision": "bf16", **common}
+    base = {"impl": "dsclip", "precision": "bf16", **common}  # common may override the precision
     if feature == "patch_dropout":
         return (
             {**base, "opts": {"model_kwargs": {"patch_dropout": 0.5}}},
@@ -45,6 +47,8 @@ def step_specs(feature: str, common: dict) -> tuple[dict, dict]:
     if feature == "buckets":
         small = {"zero_optimization": {"reduce_bucket_size": 5_000_000, "allgather_bucket_size": 5_000_000}}
         return {**base, "world": 2, "opts": {}}, {**base, "world": 2, "opts": {"ds_overrides": small}}
+    if feature == "torchcompile":
+        return {**base, "opts": {"extra": {"torchcompile": True}}}, {**base, "opts": {}}
     raise ValueError(feature)
 
 
@@ -98,10 +102,11 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--data-steps", type=int, default=40)
+    ap.add_argument("--precision", default="bf16", choices=("bf16", "fp32"), help="step features' precision")
     ap.add_argument("--json-out")
     a = ap.parse_args(argv)
     rows = []
-    common = {"batch": a.batch, "warmup": a.warmup, "steps": a.steps}
+    common = {"batch": a.batch, "warmup": a.warmup, "steps": a.steps, "precision": a.precision}
     for feat in a.features.split(","):
         print(f"== {feat}", flush=True)
         if feat == "data_loader":
@@ -138,6 +143,7 @@ def main(argv=None) -> int:
             "attention": ("SDPA (fused)", "math"),
             "overlap_comm": ("on (shipped)", "off"),
             "buckets": ("2e8 (shipped)", "5e6"),
+            "torchcompile": ("--torchcompile (inductor)", "eager"),
         }[feat]
         rows.append(
             {

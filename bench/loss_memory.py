@@ -135,9 +135,7 @@ def run_config(name, n, d, world, tile, timeout):
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [
-        ctx.Process(target=_rank_main, args=(r, world, port, name, n, d, tile, queue)) for r in range(world)
-    ]
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, name, n, d, tile, queue)) for r in range(world)]
     for p in procs:
         p.start()
     out, err = {}, None
@@ -182,9 +180,7 @@ def main(argv=None):
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--tile-size", type=int, default=1024)
     ap.add_argument("--losses", default=",".join(LOSSES), help=f"subset of {','.join(LOSSES)}")
-    ap.add_argument(
-        "--mem-fraction", type=float, default=0.9, help="skip if world*estimate > this * MemAvailable"
-    )
+    ap.add_argument("--mem-fraction", type=float, default=0.9, help="skip if world*estimate > this * MemAvailable")
     ap.add_argument("--timeout", type=float, default=1800)
     args = ap.parse_args(argv)
     sizes = [parse_size(s) for s in args.sizes.split(",")]

@@ -115,6 +115,16 @@ class TrainArgs:
     keep_last_graph: bool = opt(
         True, "Gradient cache: keep the last micro-batch's graph from the first pass instead of re-forwarding it."
     )
+    torchcompile: bool = opt(
+        False, "torch.compile every transformer block (OpenCLIP --torchcompile); compiled on first use."
+    )
+    torchcompile_backend: str = opt("inductor", "torch.compile backend for --torchcompile (e.g. inductor, aot_eager).")
+    torchcompile_mode: str = opt(
+        "default",
+        "torch.compile mode for --torchcompile (CUDA-graph modes are not offered: the gradient cache re-forwards "
+        "with restored RNG and ZeRO hooks run between blocks).",
+        choices=("default", "max-autotune-no-cudagraphs"),
+    )
 
 
 @dataclass

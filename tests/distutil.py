@@ -58,9 +58,7 @@ def run_world(fn, world_size: int, *args, timeout: float = 600.0) -> list:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [
-        ctx.Process(target=_rank_main, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)
-    ]
+    procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
     for p in procs:
         p.start()
     results: dict[int, object] = {}

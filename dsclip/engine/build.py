@@ -17,6 +17,7 @@ from torch import nn
 from dsclip.config import RunConfig
 from dsclip.engine import optim
 from dsclip.engine.ds_config import precision_of, zero_stage
+from dsclip.engine.world import release_shm_workspace
 
 
 @dataclass
@@ -87,6 +88,7 @@ def build_engine(
     # before them (a no-op after dsclip.engine.world.init_distributed; needed when a caller set up
     # torch.distributed directly, as the multi-process tests do).
     deepspeed.init_distributed(dist_backend="nccl" if device_type() == "cuda" else "gloo")
+    release_shm_workspace()  # DeepSpeed's CPU all-reduce segment would outlive the run in /dev/shm
     with construction_context(ds_config):
         model = model_factory()
     if zero_stage(ds_config) == 3:
@@ -99,6 +101,10 @@ def build_engine(
         after_construction(model)
     if cfg.model.grad_checkpointing:
         enable_activation_checkpointing(model, ds_config)
+    if cfg.train.torchcompile:
+        from dsclip.engine.compile import compile_towers
+
+        compile_towers(model, cfg.train.torchcompile_backend, cfg.train.torchcompile_mode, device_type())
 
     def scheduler(opt):
         return optim.build_scheduler(opt, cfg.optim, total_steps, steps_per_epoch)

@@ -300,6 +300,7 @@ def init_distributed(timeout_s: float | None = None, backend: str | None = None)
     import deepspeed
 
     deepspeed.init_distributed(dist_backend=backend, timeout=timeout, auto_mpi_discovery=False, verbose=info.rank == 0)
+    release_shm_workspace()
     _state["info"] = info
     if os.environ.get("DSCLIP_LOG_WORLD", "1") != "0":
         # one line per rank: the first thing to look at when a launch misbehaves
@@ -317,6 +318,39 @@ def init_distributed(timeout_s: float | None = None, backend: str | None = None)
         sys.excepthook = _excepthook
         atexit.register(_shutdown_at_exit)
     return info
+
+
+SHM_WORKSPACE = "/dev/shm/deepspeed_allreduce_buffer_{uid}_{addr}_{port}_{rank}"
+
+
+def release_shm_workspace() -> bool:
+    """Unlink this rank's DeepSpeed CPU shared-memory all-reduce workspace from /dev/shm (keeping it mapped).
+
+    Why: on a CPU accelerator DeepSpeed (0.19) creates a ~69 MB POSIX shm segment per rank when its
+    comm backend starts (csrc/cpu/comm/shm.cpp, named from MASTER_ADDR/MASTER_PORT/rank) and never
+    unlinks it, so every run leaves RAM-backed files behind until the machine fills up. Its
+    initialisation returns only after the rank has opened every peer's segment, so once all ranks
+    are past it (the barrier) the names are no longer needed; the mappings stay valid until exit.
+    Safe to call more than once and where the segment does not exist (GPU runs). Collective when
+    the world has more than one rank: call it on every rank. Returns True if a segment was removed.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    path = SHM_WORKSPACE.format(
+        uid=os.getuid(),
+        addr=os.environ.get("MASTER_ADDR", ""),
+        port=os.environ.get("MASTER_PORT", ""),
+        rank=dist.get_rank(),
+    )
+    if dist.get_world_size() > 1 and dist.get_backend() == "gloo":
+        dist.barrier()  # every peer has mapped our segment
+    try:
+        os.unlink(path)
+        return True
+    except FileNotFoundError:
+        return False
 
 
 def world_info() -> WorldInfo | None:

@@ -86,20 +86,12 @@ def build_loss(
     cfg = (
         name
         if isinstance(name, LossConfig)
-        else LossConfig(
-            name=name, tile_size=tile_size, label_smoothing=label_smoothing, check_finite=check_finite
-        )
+        else LossConfig(name=name, tile_size=tile_size, label_smoothing=label_smoothing, check_finite=check_finite)
     )
     if cfg.name == "infonce":
-        return InfoNCELoss(
-            local=False, label_smoothing=cfg.label_smoothing, check_finite=cfg.check_finite, group=group
-        )
+        return InfoNCELoss(local=False, label_smoothing=cfg.label_smoothing, check_finite=cfg.check_finite, group=group)
     if cfg.name == "infonce_local":
-        return InfoNCELoss(
-            local=True, label_smoothing=cfg.label_smoothing, check_finite=cfg.check_finite, group=group
-        )
+        return InfoNCELoss(local=True, label_smoothing=cfg.label_smoothing, check_finite=cfg.check_finite, group=group)
     if cfg.name == "infonce_tiled":
-        return TiledInfoNCELoss(
-            cfg.tile_size, cfg.label_smoothing, check_finite=cfg.check_finite, group=group
-        )
+        return TiledInfoNCELoss(cfg.tile_size, cfg.label_smoothing, check_finite=cfg.check_finite, group=group)
     return SigLipRingLoss(cfg.tile_size, check_finite=cfg.check_finite, group=group)

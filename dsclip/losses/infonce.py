@@ -29,9 +29,7 @@ class InfoNCELoss(ContrastiveLoss):
     logits. ``logit_bias`` is accepted (OpenCLIP adds it to the logits); it cancels in the softmax.
     """
 
-    def __init__(
-        self, local: bool = True, label_smoothing: float = 0.0, *, check_finite: bool = True, group=None
-    ):
+    def __init__(self, local: bool = True, label_smoothing: float = 0.0, *, check_finite: bool = True, group=None):
         super().__init__(check_finite=check_finite, group=group)
         self.local = local
         self.label_smoothing = check_label_smoothing(label_smoothing)

@@ -234,9 +234,7 @@ class _RingTiledFn(torch.autograd.Function):
             s = scale.detach().to(acc)
             b = None if bias is None else bias.detach().to(acc)
             g = grad.detach().to(acc).reshape(())
-            dx, dy, ds, db = _ring_backward(
-                ctx.kernel, x, y, s, b, lse_rows, lse_cols, g, ctx.lay, ctx.ring, ctx.tile
-            )
+            dx, dy, ds, db = _ring_backward(ctx.kernel, x, y, s, b, lse_rows, lse_cols, g, ctx.lay, ctx.ring, ctx.tile)
         return (
             dx.to(x.dtype),
             dy.to(y.dtype),
@@ -263,9 +261,7 @@ class TiledInfoNCELoss(ContrastiveLoss):
     ``torch.nn.functional.cross_entropy`` (uniform over the N global classes).
     """
 
-    def __init__(
-        self, tile_size: int = 1024, label_smoothing: float = 0.0, *, check_finite: bool = True, group=None
-    ):
+    def __init__(self, tile_size: int = 1024, label_smoothing: float = 0.0, *, check_finite: bool = True, group=None):
         super().__init__(check_finite=check_finite, group=group)
         self.tile_size = _check_tile(tile_size)
         self.label_smoothing = check_label_smoothing(label_smoothing)

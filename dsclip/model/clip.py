@@ -144,6 +144,21 @@ class CLIP(nn.Module):
         self.visual.set_grad_checkpointing(enable, checkpoint_fn)
         self.text.set_grad_checkpointing(enable, checkpoint_fn)
 
+    def compile_blocks(self, **compile_kwargs) -> int:
+        """``torch.compile`` every transformer block in place (``nn.Module.compile``); returns how many.
+
+        Per block, as torchtitan does, not the whole model: the blocks of a tower share one code
+        object, so one compiled graph serves every layer (compile time does not grow with depth), and
+        everything around the blocks that is awkward to trace (activation checkpointing's autograd
+        function, ZeRO-3's parameter hooks, the loss's collectives) stays eager. In-place compilation
+        keeps parameter names, so checkpoints and OpenCLIP export are unchanged."""
+        n = 0
+        for tower in (self.visual, self.text):
+            for blk in tower.blocks:
+                blk.compile(**compile_kwargs)
+                n += 1
+        return n
+
     def set_patch_dropout(self, prob: float | None = None, force: bool | None = None) -> None:
         """Change the patch-dropout rate and/or whether it also applies in eval mode."""
         self.visual.set_patch_dropout(prob, force)

@@ -151,6 +151,13 @@ def build_run(cfg: RunConfig) -> Run:
     ds_config = resolve_ds_config(
         load_ds_json(cfg.train.deepspeed_config), cfg, world_size=world_size, device_type=device_type()
     )
+    if cfg.train.torchcompile:
+        from dsclip.engine.compile import CompileSetupError, check_compile_setup
+
+        try:
+            check_compile_setup(cfg.train.torchcompile_backend, device_type())
+        except CompileSetupError as e:
+            raise ConfigError(str(e)) from e
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         cfgmod.save_run_config(cfg, run_dir / "run_config.yaml")

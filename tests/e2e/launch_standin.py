@@ -74,8 +74,10 @@ def main(argv: list[str]) -> int:
         step += 1
         if info.rank == 0:
             with open(run / "metrics.jsonl", "a") as f:
-                f.write(json.dumps({"step": step, "loss": lt.item() / info.world_size,
-                                    "world_size": dist.get_world_size()}) + "\n")
+                f.write(
+                    json.dumps({"step": step, "loss": lt.item() / info.world_size, "world_size": dist.get_world_size()})
+                    + "\n"
+                )
         time.sleep(args.step_sleep)
         if world.preemption_requested():
             preempted = True

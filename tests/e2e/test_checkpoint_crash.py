@@ -75,9 +75,7 @@ def _kill_when(proc, condition, timeout=300):
 def _final_weights(run: Path) -> dict[str, torch.Tensor]:
     from dsclip.checkpoint.convert import lazy_fp32_state_dict
 
-    return {
-        k: t.load().clone() for k, t in lazy_fp32_state_dict(run / "checkpoints", f"step_{STEPS:09d}").items()
-    }
+    return {k: t.load().clone() for k, t in lazy_fp32_state_dict(run / "checkpoints", f"step_{STEPS:09d}").items()}
 
 
 def _latest(run: Path) -> str | None:
@@ -107,10 +105,7 @@ def test_sigkill_mid_training_and_during_save_then_resume_latest(tmp_path):
     proc = _start(_args(tmp_path, "save"), {"DSCLIP_TEST_SLOW_SAVE_S": "60@4"})
     _kill_when(
         proc,
-        lambda: (
-            len(list(partial.glob("*optim_states.pt"))) == 2
-            and (partial / "mp_rank_00_model_states.pt").exists()
-        ),
+        lambda: len(list(partial.glob("*optim_states.pt"))) == 2 and (partial / "mp_rank_00_model_states.pt").exists(),
     )
     ckpts = run / "checkpoints"
     assert _latest(run) == "step_000000002"

@@ -58,9 +58,7 @@ def test_resume_on_other_world_size_continues_loss_curve(tmp_path, stage):
     assert sorted(ref) == list(range(1, 9))
 
     # 2 ranks -> 1 rank
-    p = run_cli(
-        _train_args(tmp_path, "w1", ds, 1, "--resume", str(tmp_path / "w2/checkpoints/step_000000002"))
-    )
+    p = run_cli(_train_args(tmp_path, "w1", ds, 1, "--resume", str(tmp_path / "w2/checkpoints/step_000000002")))
     assert "resumed from" in p.stdout and "universal" in p.stdout
     _assert_continues(losses(tmp_path / "w1"), ref, 3)
     assert (tmp_path / "w2/checkpoints/step_000000002/universal/COMPLETE").exists()

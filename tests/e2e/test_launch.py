@@ -41,6 +41,7 @@ pytestmark = pytest.mark.launch
 
 # ---- cluster and environment -------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def cluster_env() -> dict[str, str]:
     """The environment of a shell that sourced the cluster's env.sh, plus test settings."""
@@ -49,22 +50,39 @@ def cluster_env() -> dict[str, str]:
     except (OSError, subprocess.TimeoutExpired) as e:
         pytest.skip(f"launch tests need the test cluster: `tests/cluster.sh env` failed ({e})")
     if r.returncode != 0 or not r.stdout.strip():
-        pytest.skip("launch tests need the SLURM/ssh test cluster, which is not up: run "
-                    "`sudo tests/cluster.sh up` first (.ci/run does), `tests/cluster.sh down` after")
+        pytest.skip(
+            "launch tests need the SLURM/ssh test cluster, which is not up: run "
+            "`sudo tests/cluster.sh up` first (.ci/run does), `tests/cluster.sh down` after"
+        )
     env_sh = r.stdout.strip()
     out = subprocess.run(["bash", "-c", f'source "{env_sh}" && env -0'], capture_output=True, check=True)
     env = dict(kv.split("=", 1) for kv in out.stdout.decode().split("\0") if "=" in kv)
-    for k in [k for k in env if k.startswith(("SLURM_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_"))
-              and k != "SLURM_CONF"]:
+    for k in [
+        k for k in env if k.startswith(("SLURM_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_")) and k != "SLURM_CONF"
+    ]:
         del env[k]  # a pytest started inside an allocation must not leak its job into ours
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), DSCLIP_LOG_WORLD="1",
-               # short enough that a lost rank cannot stall anything for long; whole minutes
-               DEEPSPEED_TIMEOUT="2")
+    env.update(
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=str(REPO),
+        DSCLIP_LOG_WORLD="1",
+        # short enough that a lost rank cannot stall anything for long; whole minutes
+        DEEPSPEED_TIMEOUT="2",
+    )
     if not STANDIN:
         # the demo tokenizer is trained once and cached: do it here, not inside the timed runs
-        subprocess.run([str(PY), "-c", "from dsclip.train.loop import cache_dir; "
-                        "from dsclip.data.demo import ensure_demo_tokenizer as e; e(cache_dir())"],
-                       env=env, cwd=REPO, check=True, capture_output=True, timeout=600)
+        subprocess.run(
+            [
+                str(PY),
+                "-c",
+                "from dsclip.train.loop import cache_dir; "
+                "from dsclip.data.demo import ensure_demo_tokenizer as e; e(cache_dir())",
+            ],
+            env=env,
+            cwd=REPO,
+            check=True,
+            capture_output=True,
+            timeout=600,
+        )
     return env
 
 
@@ -90,9 +108,15 @@ class Run:
         self.name = name
         self.dir = self.logs / name
         self.tmp = tmp
-        self.env = dict(env, DSCLIP_LAUNCH_TEST_ID=self.tag, LOGS=str(self.logs), NAME=name,
-                        MASTER_PORT=str(free_port()), RECIPE="dsclip/recipes/tiny.yaml",
-                        MODULE="tests.e2e.launch_standin" if STANDIN else "dsclip")
+        self.env = dict(
+            env,
+            DSCLIP_LAUNCH_TEST_ID=self.tag,
+            LOGS=str(self.logs),
+            NAME=name,
+            MASTER_PORT=str(free_port()),
+            RECIPE="dsclip/recipes/tiny.yaml",
+            MODULE="tests.e2e.launch_standin" if STANDIN else "dsclip",
+        )
         self.extra = extra or []
 
     def metrics(self) -> list[dict]:
@@ -112,10 +136,13 @@ class Run:
                 cmd = Path(f"/proc/{d}/cmdline").read_bytes()
             except OSError:
                 continue
-            if (f"DSCLIP_LAUNCH_TEST_ID={self.tag}".encode() in environ
-                    and (rank is None or f"RANK={rank}".encode() in environ)
-                    and b"python" in cmd
-                    and b"deepspeed.launcher" not in cmd and b"bin/deepspeed" not in cmd):
+            if (
+                f"DSCLIP_LAUNCH_TEST_ID={self.tag}".encode() in environ
+                and (rank is None or f"RANK={rank}".encode() in environ)
+                and b"python" in cmd
+                and b"deepspeed.launcher" not in cmd
+                and b"bin/deepspeed" not in cmd
+            ):
                 pids.append(int(d))
         return pids
 
@@ -143,11 +170,19 @@ def check_trained(run: Run, output: str, steps: int = TRAIN_STEPS) -> None:
 
 def sbatch(run: Run, script: str, args: list[str], *, wait: bool = True, timeout: float = 240):
     out = run.tmp / "slurm-%j.out"
-    cmd = ["sbatch", "--parsable", "--wait", *SBATCH_RES, f"--output={out}", f"--job-name=t-{run.name}",
-           *args, script, *run.extra]
+    cmd = [
+        "sbatch",
+        "--parsable",
+        "--wait",
+        *SBATCH_RES,
+        f"--output={out}",
+        f"--job-name=t-{run.name}",
+        *args,
+        script,
+        *run.extra,
+    ]
     if not wait:
-        return subprocess.Popen(cmd, cwd=REPO, env=run.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True)
+        return subprocess.Popen(cmd, cwd=REPO, env=run.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     r = subprocess.run(cmd, cwd=REPO, env=run.env, capture_output=True, text=True, timeout=timeout)
     return r.returncode, slurm_output(run) + r.stdout + r.stderr
 
@@ -171,6 +206,7 @@ def runs():
 
 
 # ---- training through each launch path ---------------------------------------------------------
+
 
 def test_sbatch_srun_one_task_per_gpu(cluster_env, tmp_path, runs):
     run = Run(cluster_env, tmp_path, "srun")
@@ -196,8 +232,9 @@ def test_deepspeed_hostfile_over_pdsh(cluster_env, tmp_path, runs):
     run = Run(cluster_env, tmp_path, "pdsh")
     run.env["HOSTFILE"] = str(hostfile(tmp_path))
     runs.append(run)
-    r = subprocess.run(["launch/deepspeed_hostfile.sh"], cwd=REPO, env=run.env, capture_output=True,
-                       text=True, timeout=240)
+    r = subprocess.run(
+        ["launch/deepspeed_hostfile.sh"], cwd=REPO, env=run.env, capture_output=True, text=True, timeout=240
+    )
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-4000:]
     check_trained(run, out)
@@ -232,12 +269,19 @@ def kill_rank_and_time(run: Run, proc: subprocess.Popen, output) -> tuple[int, f
     return rc, time.monotonic() - t0
 
 
-@pytest.mark.parametrize("script", [
-    "train.sbatch",
-    # launch.py's propagation is covered by the pdsh case, the srun kill by train.sbatch
-    pytest.param("train_per_node.sbatch", marks=pytest.mark.skipif(
-        not EXTENDED, reason="covered by the pdsh and train.sbatch cases; DSCLIP_LAUNCH_EXTENDED=1 runs it")),
-])
+@pytest.mark.parametrize(
+    "script",
+    [
+        "train.sbatch",
+        # launch.py's propagation is covered by the pdsh case, the srun kill by train.sbatch
+        pytest.param(
+            "train_per_node.sbatch",
+            marks=pytest.mark.skipif(
+                not EXTENDED, reason="covered by the pdsh and train.sbatch cases; DSCLIP_LAUNCH_EXTENDED=1 runs it"
+            ),
+        ),
+    ],
+)
 def test_killed_rank_fails_sbatch_fast(cluster_env, tmp_path, runs, script):
     run = Run(cluster_env, tmp_path, "kill-" + script.split(".")[0], LONG_STANDIN if STANDIN else LONG)
     run.env["GPUS_PER_NODE"] = "1"
@@ -301,8 +345,9 @@ def test_killed_rank_fails_pdsh_fast(cluster_env, tmp_path, runs):
     runs.append(run)
     log = tmp_path / "launcher.log"
     with open(log, "w") as f:
-        proc = subprocess.Popen(["launch/deepspeed_hostfile.sh", *run.extra], cwd=REPO, env=run.env, stdout=f,
-                                stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            ["launch/deepspeed_hostfile.sh", *run.extra], cwd=REPO, env=run.env, stdout=f, stderr=subprocess.STDOUT
+        )
         try:
             rc, took = kill_rank_and_time(run, proc, log.read_text)
         finally:
@@ -317,6 +362,7 @@ def test_killed_rank_fails_pdsh_fast(cluster_env, tmp_path, runs):
 
 
 # ---- requeue: signal before the time limit -> checkpoint -> requeue -> resume ------------------
+
 
 @pytest.mark.parametrize("script", ["train.sbatch", "train_per_node.sbatch"])
 def test_sbatch_preemption_requeues_and_resumes(cluster_env, tmp_path, runs, script):
@@ -333,8 +379,9 @@ def test_sbatch_preemption_requeues_and_resumes(cluster_env, tmp_path, runs, scr
             assert proc.poll() is None, slurm_output(run)[-4000:]
             assert time.monotonic() < deadline, slurm_output(run)[-4000:]
             if job is None:
-                q = subprocess.run(["squeue", "-h", "-n", f"t-{run.name}", "-o", "%i"], env=run.env,
-                                   capture_output=True, text=True)
+                q = subprocess.run(
+                    ["squeue", "-h", "-n", f"t-{run.name}", "-o", "%i"], env=run.env, capture_output=True, text=True
+                )
                 job = q.stdout.split()[0] if q.stdout.split() else None
             time.sleep(0.2)
         # what --signal=B:USR1@120 does at the time limit: signal the batch shell only
@@ -343,8 +390,7 @@ def test_sbatch_preemption_requeues_and_resumes(cluster_env, tmp_path, runs, scr
         # (only once it is PENDING again: while COMPLETING the update does not stick)
         deadline = time.monotonic() + 150
         while proc.poll() is None:
-            info = subprocess.run(["scontrol", "show", "job", job], env=run.env, capture_output=True,
-                                  text=True).stdout
+            info = subprocess.run(["scontrol", "show", "job", job], env=run.env, capture_output=True, text=True).stdout
             if "Restarts=1" in info:
                 if "JobState=RUNNING" in info:
                     break

@@ -146,6 +146,7 @@ def _write(tmp_path, name, text):
         "fp16_on_cpu",
         "missing_tokenizer",
         "missing_shards",
+        "unknown_compile_backend",
     ],
 )
 def test_bad_input_is_one_line_and_nonzero(tmp_path, case):
@@ -164,6 +165,10 @@ def test_bad_input_is_one_line_and_nonzero(tmp_path, case):
         "unknown_model": (base + ["--model", "ViT-Q-99"], "ViT-B-32"),
         "invalid_json": (base + ["--deepspeed-config", _write(tmp_path, "j.json", "{nope")], "not valid JSON"),
         "fp16_on_cpu": (base + ["--precision", "fp16"], "fp16 is not supported by DeepSpeed on CPU"),
+        "unknown_compile_backend": (
+            base + ["--torchcompile", "--torchcompile-backend", "inductr"],
+            "'inductr' is not a torch.compile backend",
+        ),
         "missing_tokenizer": (base + ["--tokenizer", str(tmp_path / "none.model")], "sentencepiece model not found"),
         "missing_shards": (
             base

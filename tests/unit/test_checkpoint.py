@@ -190,9 +190,7 @@ def test_pretrained_mismatch_names_every_key_and_changes_nothing(tmp_path):
     with pytest.raises(StateDictMismatchError) as e:
         load_pretrained_into(model, path)
     msg = str(e.value)
-    assert (
-        "missing (1): logit_scale" in msg and "extra.weight" in msg and "text.token_embedding.weight" in msg
-    )
+    assert "missing (1): logit_scale" in msg and "extra.weight" in msg and "text.token_embedding.weight" in msg
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
@@ -216,9 +214,7 @@ def test_convert_cli_refuses_incomplete_tag_in_one_line(tmp_path, capsys):
     engine, ck = FakeEngine(), _ckpt(tmp_path)
     ck.save(engine, 2, {"step": 2})
     (tmp_path / "checkpoints" / "step_000000002" / dc.COMPLETE).unlink()
-    assert (
-        main(["convert", str(tmp_path / "checkpoints" / "step_000000002"), "-o", str(tmp_path / "out")]) == 2
-    )
+    assert main(["convert", str(tmp_path / "checkpoints" / "step_000000002"), "-o", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("dsclip convert: error:") and "incomplete" in err[0]
     assert not (tmp_path / "out").exists()

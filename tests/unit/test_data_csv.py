@@ -25,9 +25,7 @@ def test_csv_epoch_ranks_and_bad_rows(tmp_path):
     cfg = DataConfig(train_data=path, workers=0)
     assert cfg.resolved_dataset_type() == "csv"
     tds = [
-        build_train_data(
-            cfg, tokenizer=IdTokenizer(), image_size=16, batch_size=3, rank=r, world_size=2, seed=0
-        )
+        build_train_data(cfg, tokenizer=IdTokenizer(), image_size=16, batch_size=3, rank=r, world_size=2, seed=0)
         for r in range(2)
     ]
     assert tds[0].steps_per_epoch == tds[1].steps_per_epoch == 3
@@ -38,9 +36,7 @@ def test_csv_epoch_ranks_and_bad_rows(tmp_path):
             seen += tokens[:, 0].tolist()
     assert not {4, 7, 9} & set(seen)
     stats = [td.stats() for td in tds]
-    total = {
-        k: sum(s.get(k, 0) for s in stats) for k in ("corrupt_image", "missing_caption", "missing_image")
-    }
+    total = {k: sum(s.get(k, 0) for s in stats) for k in ("corrupt_image", "missing_caption", "missing_image")}
     assert sum(total.values()) >= 1  # whichever of the bad rows fell into the 18 used samples
     # resume exactness
     full = [t.clone() for _, t in tds[1].batches(1)]

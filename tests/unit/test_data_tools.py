@@ -29,10 +29,7 @@ def test_write_inspect_from_folder(tmp_path, capsys):
     _demo_folder(tmp_path / "imgs")
     (tmp_path / "imgs" / "0005.png").write_bytes(b"broken")
     (tmp_path / "imgs" / "0007.txt").write_text("  ")
-    assert (
-        main_data(["--images", str(tmp_path / "imgs"), "--out", str(tmp_path / "s"), "--shard-size", "8"])
-        == 0
-    )
+    assert main_data(["--images", str(tmp_path / "imgs"), "--out", str(tmp_path / "s"), "--shard-size", "8"]) == 0
     sizes = json.loads((tmp_path / "s" / "sizes.json").read_text())
     assert sum(sizes.values()) == 28 and len(sizes) == 4  # rows 5 (corrupt) and 7 (no caption) skipped
     assert main_data(["inspect", str(tmp_path / "s" / "shard-{00000..00003}.tar")]) == 0
@@ -115,6 +112,4 @@ def test_tokenizer_train_cli(tmp_path, capsys):
     assert rc == 0 and "eos_id=2" in capsys.readouterr().out
     tok = SentencePieceTokenizer(tmp_path / "tok" / "spm.model", 16)
     assert tok.decode(tok(["a small red circle"])) == ["a small red circle"]
-    assert (
-        main_tokenizer(["train", "--input", str(tmp_path / "none.txt"), "--out", str(tmp_path / "t2")]) == 2
-    )
+    assert main_tokenizer(["train", "--input", str(tmp_path / "none.txt"), "--out", str(tmp_path / "t2")]) == 2

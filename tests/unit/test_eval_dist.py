@@ -14,9 +14,7 @@ def _evaluate(rank, world, tok_path):
     torch.manual_seed(0)
     model = create_model("tiny", vocab_size=256)
     tok = SentencePieceTokenizer(tok_path, 32)
-    return evaluate_demo_zeroshot(
-        model, tok, num_samples=23, batch_size=4, retrieval=True, task="color_shape"
-    )
+    return evaluate_demo_zeroshot(model, tok, num_samples=23, batch_size=4, retrieval=True, task="color_shape")
 
 
 @pytest.mark.dist

@@ -76,11 +76,7 @@ CASES = [
     ("infonce", 0.1, 5.0, 0),
     ("infonce_local", 0.0, None, 0),
     ("infonce_local", 0.2, None, 0),
-    *[
-        ("infonce_tiled", eps, bias, tile)
-        for eps, bias in ((0.0, None), (0.1, -2.0))
-        for tile in (1, 3, 7, 64)
-    ],
+    *[("infonce_tiled", eps, bias, tile) for eps, bias in ((0.0, None), (0.1, -2.0)) for tile in (1, 3, 7, 64)],
     *[("siglip", 0.0, bias, tile) for bias in (-3.0, None) for tile in (1, 3, 7, 64)],
 ]
 
@@ -103,10 +99,7 @@ def test_label_smoothing_matches_torch_cross_entropy():
     z = s * x @ y.T
     labels = torch.arange(11)
     for eps in (0.0, 0.1, 0.3):
-        want = (
-            F.cross_entropy(z, labels, label_smoothing=eps)
-            + F.cross_entropy(z.T, labels, label_smoothing=eps)
-        ) / 2
+        want = (F.cross_entropy(z, labels, label_smoothing=eps) + F.cross_entropy(z.T, labels, label_smoothing=eps)) / 2
         assert_close(ref_infonce(x, y, s, label_smoothing=eps), want)  # the reference itself
         for name in ("infonce", "infonce_local", "infonce_tiled"):
             got = build_loss(name, tile_size=4, label_smoothing=eps)(x, y, s)

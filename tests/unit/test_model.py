@@ -28,9 +28,7 @@ def _inputs(model: CLIP, batch: int = 4, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     size = model.image_size
     images = torch.randn(batch, 3, size, size, generator=g)
-    tokens = torch.randint(
-        3, model.config["text_cfg"]["vocab_size"], (batch, model.context_length), generator=g
-    )
+    tokens = torch.randint(3, model.config["text_cfg"]["vocab_size"], (batch, model.context_length), generator=g)
     return images, tokens
 
 
@@ -85,9 +83,7 @@ def test_param_counts_known_values(name, count):
 
 
 def test_create_model_overrides():
-    m = create_model(
-        "tiny", vocab_size=500, context_length=16, eos_id=7, pad_id=3, patch_dropout=0.25, device="meta"
-    )
+    m = create_model("tiny", vocab_size=500, context_length=16, eos_id=7, pad_id=3, patch_dropout=0.25, device="meta")
     t = m.config["text_cfg"]
     assert (t["vocab_size"], t["context_length"], t["eos_id"], t["pad_id"]) == (500, 16, 7, 3)
     assert t["pool_type"] == "eos"  # eos_id given on an argmax config

@@ -10,15 +10,43 @@ from dsclip.engine import world
 from dsclip.engine.world import WorldDiscoveryError, discover_world, export_env, resolve_timeout
 
 # What `deepspeed --num_gpus 2 ...` gives rank 1 (launch.py), plus --local_rank=1 in argv.
-DEEPSPEED = dict(RANK="1", LOCAL_RANK="1", WORLD_SIZE="2", LOCAL_SIZE="2", CROSS_RANK="0", CROSS_SIZE="1",
-                 MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
-TORCHRUN = dict(RANK="3", LOCAL_RANK="1", WORLD_SIZE="4", LOCAL_WORLD_SIZE="2", GROUP_RANK="1",
-                TORCHELASTIC_RUN_ID="x", MASTER_ADDR="n1", MASTER_PORT="29400")
+DEEPSPEED = dict(
+    RANK="1",
+    LOCAL_RANK="1",
+    WORLD_SIZE="2",
+    LOCAL_SIZE="2",
+    CROSS_RANK="0",
+    CROSS_SIZE="1",
+    MASTER_ADDR="127.0.0.1",
+    MASTER_PORT="29500",
+)
+TORCHRUN = dict(
+    RANK="3",
+    LOCAL_RANK="1",
+    WORLD_SIZE="4",
+    LOCAL_WORLD_SIZE="2",
+    GROUP_RANK="1",
+    TORCHELASTIC_RUN_ID="x",
+    MASTER_ADDR="n1",
+    MASTER_PORT="29400",
+)
 # What `srun` (sbatch --nodes=2 --ntasks-per-node=2) gives task 3 — copied from a real step.
-SLURM = dict(SLURM_JOB_ID="1234", SLURM_PROCID="3", SLURM_LOCALID="1", SLURM_NODEID="1", SLURM_NTASKS="4",
-             SLURM_NPROCS="4", SLURM_NTASKS_PER_NODE="2", SLURM_TASKS_PER_NODE="2(x2)", SLURM_STEP_ID="0",
-             SLURM_STEPID="0", SLURM_STEP_NUM_TASKS="4", SLURM_STEP_TASKS_PER_NODE="2(x2)",
-             SLURM_JOB_NODELIST="gpu[07-08]", SLURM_STEP_NODELIST="gpu[07-08]")
+SLURM = dict(
+    SLURM_JOB_ID="1234",
+    SLURM_PROCID="3",
+    SLURM_LOCALID="1",
+    SLURM_NODEID="1",
+    SLURM_NTASKS="4",
+    SLURM_NPROCS="4",
+    SLURM_NTASKS_PER_NODE="2",
+    SLURM_TASKS_PER_NODE="2(x2)",
+    SLURM_STEP_ID="0",
+    SLURM_STEPID="0",
+    SLURM_STEP_NUM_TASKS="4",
+    SLURM_STEP_TASKS_PER_NODE="2(x2)",
+    SLURM_JOB_NODELIST="gpu[07-08]",
+    SLURM_STEP_NODELIST="gpu[07-08]",
+)
 
 
 @pytest.fixture(autouse=True)
@@ -43,8 +71,16 @@ def test_local_rank_only_in_argv():
 
 
 def test_srun_wrapper_env_is_slurm():
-    env = {**SLURM, "RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
-           "LOCAL_SIZE": "2", "MASTER_ADDR": "gpu07", "MASTER_PORT": "16234"}
+    env = {
+        **SLURM,
+        "RANK": "3",
+        "LOCAL_RANK": "1",
+        "WORLD_SIZE": "4",
+        "LOCAL_WORLD_SIZE": "2",
+        "LOCAL_SIZE": "2",
+        "MASTER_ADDR": "gpu07",
+        "MASTER_PORT": "16234",
+    }
     w = discover_world(env, [])
     assert (w.rank, w.local_world_size, w.source) == (3, 2, "slurm")
     assert discover_world({**env, "SLURM_PROCID": "0"}, []).source == "env"
@@ -72,8 +108,7 @@ def test_slurm_master_from_env_wins():
 
 
 def test_slurm_uneven_tasks_per_node():
-    env = {**SLURM, "SLURM_STEP_TASKS_PER_NODE": "3,1", "SLURM_NODEID": "1", "SLURM_PROCID": "3",
-           "SLURM_LOCALID": "0"}
+    env = {**SLURM, "SLURM_STEP_TASKS_PER_NODE": "3,1", "SLURM_NODEID": "1", "SLURM_PROCID": "3", "SLURM_LOCALID": "0"}
     assert discover_world(env, []).local_world_size == 1
 
 
@@ -88,8 +123,15 @@ def test_scontrol_used_when_available(monkeypatch):
 def test_launcher_env_wins_over_slurm():
     # srun --ntasks-per-node=1 deepspeed --no_ssh --node_rank=$SLURM_NODEID: every rank sees SLURM_*
     # of its (single) task per node, and the launcher's RANK/WORLD_SIZE are the truth.
-    env = {**SLURM, "SLURM_PROCID": "1", "SLURM_LOCALID": "0", "SLURM_NTASKS": "2", **DEEPSPEED,
-           "RANK": "3", "WORLD_SIZE": "4"}
+    env = {
+        **SLURM,
+        "SLURM_PROCID": "1",
+        "SLURM_LOCALID": "0",
+        "SLURM_NTASKS": "2",
+        **DEEPSPEED,
+        "RANK": "3",
+        "WORLD_SIZE": "4",
+    }
     w = discover_world(env, ["--local_rank=1"])
     assert (w.rank, w.world_size, w.source) == (3, 4, "deepspeed")
 
