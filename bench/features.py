@@ -2,7 +2,8 @@
 
   patch_dropout   FLIP patch dropout 0.5 vs 0 (``create_model(patch_dropout=...)``, --force-patch-dropout)
   attention       fused SDPA (what the towers use) vs the math path (``sdpa_kernel(SDPBackend.MATH)``)
-  overlap_comm    ZeRO-2 ``overlap_comm`` + ``contiguous_gradients`` on (shipped JSONs) vs off, 2 ranks
+  overlap_comm    ZeRO-2 ``overlap_comm`` on (shipped JSONs) vs off, ``contiguous_gradients`` on in both, 2 ranks
+  contiguous_gradients  ZeRO-2 ``overlap_comm`` + ``contiguous_gradients`` on (shipped) vs both off, 2 ranks
   buckets         ZeRO-2 reduce/allgather bucket 2e8 (shipped) vs 5e6 elements, 2 ranks
   torchcompile    --torchcompile (inductor, every transformer block) vs eager; compilation happens in the
                   warm-up steps, which are not timed
@@ -28,7 +29,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import vs_openclip as V  # noqa: E402
 
-FEATURES = ("patch_dropout", "attention", "overlap_comm", "buckets", "torchcompile", "data_loader")
+FEATURES = (
+    "patch_dropout",
+    "attention",
+    "overlap_comm",
+    "contiguous_gradients",
+    "buckets",
+    "torchcompile",
+    "data_loader",
+)
 
 
 def step_specs(feature: str, common: dict) -> tuple[dict, dict]:
@@ -42,8 +51,13 @@ def step_specs(feature: str, common: dict) -> tuple[dict, dict]:
     if feature == "attention":
         return {**base, "opts": {}}, {**base, "opts": {"sdpa_math": True}}
     if feature == "overlap_comm":
+        on = {"zero_optimization": {"overlap_comm": True}}
+        off = {"zero_optimization": {"overlap_comm": False}}
+        return {**base, "world": 2, "opts": {"ds_overrides": on}}, {**base, "world": 2, "opts": {"ds_overrides": off}}
+    if feature == "contiguous_gradients":
+        on = {"zero_optimization": {"overlap_comm": True, "contiguous_gradients": True}}
         off = {"zero_optimization": {"overlap_comm": False, "contiguous_gradients": False}}
-        return {**base, "world": 2, "opts": {}}, {**base, "world": 2, "opts": {"ds_overrides": off}}
+        return {**base, "world": 2, "opts": {"ds_overrides": on}}, {**base, "world": 2, "opts": {"ds_overrides": off}}
     if feature == "buckets":
         small = {"zero_optimization": {"reduce_bucket_size": 5_000_000, "allgather_bucket_size": 5_000_000}}
         return {**base, "world": 2, "opts": {}}, {**base, "world": 2, "opts": {"ds_overrides": small}}
@@ -142,6 +156,7 @@ def main(argv=None) -> int:
             "patch_dropout": ("0.5", "0"),
             "attention": ("SDPA (fused)", "math"),
             "overlap_comm": ("on (shipped)", "off"),
+            "contiguous_gradients": ("overlap + contiguous on (shipped)", "both off"),
             "buckets": ("2e8 (shipped)", "5e6"),
             "torchcompile": ("--torchcompile (inductor)", "eager"),
         }[feat]
