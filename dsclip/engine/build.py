@@ -104,7 +104,13 @@ def build_engine(
     if cfg.train.torchcompile:
         from dsclip.engine.compile import compile_towers
 
-        compile_towers(model, cfg.train.torchcompile_backend, cfg.train.torchcompile_mode, device_type())
+        n = compile_towers(model, cfg.train.torchcompile_backend, cfg.train.torchcompile_mode, device_type())
+        if torch.distributed.get_rank() == 0:
+            print(
+                f"dsclip: --torchcompile: {n} transformer blocks compiled in place with "
+                f"{cfg.train.torchcompile_backend} (the first steps include compilation)",
+                flush=True,
+            )
 
     def scheduler(opt):
         return optim.build_scheduler(opt, cfg.optim, total_steps, steps_per_epoch)

@@ -122,6 +122,25 @@ def test_resume_latest_without_checkpoint_starts_fresh_and_continues(tmp_path):
     assert sorted(losses(tmp_path / "r")) == [1, 2, 3, 4, 5, 6]  # one metrics.jsonl, continued
 
 
+def test_torchcompile_run_trains_like_eager_and_evaluates(tmp_path):
+    """The whole loop with compiled blocks: gradient-cache steps (K=2), checkpoint, end-of-run zero-shot
+    (eval mode, no grad: more graphs). aot_eager traces exactly what inductor would lower, without a
+    C++ build; inductor numerics are checked in tests/dist/test_gradcache.py."""
+    common = ["train", "--config", "tiny", "--logs", str(tmp_path), "--max-steps", "4", "--batch-size", "8"]
+    common += ["--accum-freq", "2", "--save-every-n-steps", "4", "--warmup", "1", "--precision", "fp32"]
+    compiled = run_cli(common + ["--name", "compiled", "--torchcompile", "--torchcompile-backend", "aot_eager"])
+    run_cli(common + ["--name", "eager"])
+    a, b = losses(tmp_path / "compiled"), losses(tmp_path / "eager")
+    assert sorted(a) == [1, 2, 3, 4]
+    for step in a:
+        assert a[step] == pytest.approx(b[step], abs=1e-4), (step, a, b)
+    assert "zeroshot" in compiled.stdout
+    assert "--torchcompile: 4 transformer blocks compiled in place with aot_eager" in compiled.stdout
+    assert (tmp_path / "compiled" / "checkpoints" / "step_000000004" / "COMPLETE").exists()
+    saved = (tmp_path / "compiled" / "run_config.yaml").read_text()
+    assert "torchcompile: true" in saved and "torchcompile_backend: aot_eager" in saved
+
+
 def _demo_tokenizer(tmp_path) -> str:
     from dsclip.data.demo import ensure_demo_tokenizer
 
