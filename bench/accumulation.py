@@ -108,13 +108,7 @@ def openclip_style_worker(
 ) -> dict:
     from tests.distutil import run_world
 
-    res = run_world(_openclip_style_rank, world, batch, accum_freq, warmup, steps, cfg)
-    return {
-        "samples_per_s": min(r["samples_per_s"] for r in res),
-        "samples_per_cpu_s": min(r["samples_per_cpu_s"] for r in res),
-        "peak_rss_mb": max(r["peak_rss_mb"] for r in res),
-        "step_s": max(r["step_s"] for r in res),
-    }
+    return V.combine_ranks(run_world(_openclip_style_rank, world, batch, accum_freq, warmup, steps, cfg))
 
 
 def worker_main(spec: dict) -> None:

@@ -300,7 +300,11 @@ def dsclip_worker(
 ) -> dict:
     from tests.distutil import run_world
 
-    res = run_world(_dsclip_rank, world, precision, batch, warmup, steps, cfg, accum_freq, opts)
+    return combine_ranks(run_world(_dsclip_rank, world, precision, batch, warmup, steps, cfg, accum_freq, opts))
+
+
+def combine_ranks(res: list[dict]) -> dict:
+    """One measurement from the ranks' results."""
     # throughput: the slowest rank's view (they run in lock-step); memory: the largest rank
     return {
         "samples_per_s": min(r["samples_per_s"] for r in res),
