@@ -40,6 +40,7 @@ LOSS_FLAGS = {
     "siglip": ["--siglip"],
 }
 ROOT = Path(__file__).resolve().parents[1]
+SHIPPED_DS_CONFIGS = Path(__file__).resolve().parent / "ds_configs"  # package data (as engine/ds_config.py)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -318,9 +319,9 @@ class Plan:
 
 def shipped_ds_config(zero: int, precision: str) -> tuple[str, dict]:
     name = f"ds_configs/zero{zero}_{precision}.json"
-    path = ROOT / name
+    path = SHIPPED_DS_CONFIGS / f"zero{zero}_{precision}.json"
     if not path.exists():
-        path = ROOT / f"ds_configs/zero{zero}.json"
+        path = SHIPPED_DS_CONFIGS / f"zero{zero}.json"
         name = f"ds_configs/zero{zero}.json"
     try:
         return name, json.loads(path.read_text())

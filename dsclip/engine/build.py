@@ -9,13 +9,14 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 from torch import nn
 
 from dsclip.config import RunConfig
-from dsclip.engine import optim
+from dsclip.engine import optim, world
 from dsclip.engine.ds_config import precision_of, zero_stage
 from dsclip.engine.world import release_shm_workspace
 
@@ -120,6 +121,11 @@ def build_engine(
         kwargs["model_parameters"] = optim.param_groups(model, cfg.optim.wd)
     else:
         kwargs["optimizer"] = optim.build_optimizer(model, cfg.optim, device_type())
+    # DeepSpeed binds set_device(LOCAL_RANK) unless told otherwise: with one GPU per task
+    # (--gpus-per-task=1) local rank 3 would ask for device 3 of 1. Hand it the index world.py bound.
+    dev = world.device_rank()
+    if dev is not None:
+        kwargs["args"] = SimpleNamespace(device_rank=dev)
     engine, _, _, _ = deepspeed.initialize(**kwargs)
     return EngineBundle(engine, ds_config, zero_stage(ds_config), precision_of(ds_config).name)
 

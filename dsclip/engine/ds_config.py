@@ -144,15 +144,31 @@ def normalize_precision(p: str) -> str:
     return p  # fp32 | auto
 
 
+# Shipped inside the package (package data), so an installed dsclip has them from any directory.
+SHIPPED_DS_CONFIGS = Path(__file__).resolve().parents[1] / "ds_configs"
+
+
+def shipped_ds_config_path(name: str | Path) -> Path | None:
+    """``zero3_bf16``, ``zero3_bf16.json`` or ``ds_configs/zero3_bf16.json`` → the shipped file (None if none)."""
+    stem = Path(name).name
+    for cand in (stem, f"{stem}.json"):
+        if (SHIPPED_DS_CONFIGS / cand).is_file():
+            return SHIPPED_DS_CONFIGS / cand
+    return None
+
+
 def load_ds_json(path: str | Path) -> dict[str, Any]:
+    """A DeepSpeed JSON: an existing path (relative to the working directory), else a shipped config
+    by name (``zero3_bf16``; the historical ``ds_configs/<name>.json`` spelling works from any cwd)."""
     p = Path(path)
-    if not p.exists():
-        shipped = Path(__file__).resolve().parents[2] / "ds_configs"
-        if (shipped / p.name).exists():
-            p = shipped / p.name
-        else:
-            avail = ", ".join(sorted(x.name for x in shipped.glob("*.json"))) if shipped.exists() else "none"
-            raise ConfigError(f"DeepSpeed config not found: {path} (shipped: {avail})")
+    if not p.is_file():
+        shipped = shipped_ds_config_path(p)
+        if shipped is None or (p.parent != Path(".") and p.parent.name != "ds_configs"):
+            avail = ", ".join(sorted(x.stem for x in SHIPPED_DS_CONFIGS.glob("*.json")))
+            raise ConfigError(
+                f"DeepSpeed config not found: {path} (not a file relative to {Path.cwd()}; shipped names: {avail})"
+            )
+        p = shipped
     try:
         return json.loads(p.read_text())
     except json.JSONDecodeError as e:

@@ -258,6 +258,165 @@ def export_env(info: WorldInfo, env=None) -> None:
     )
 
 
+# --- device binding (which GPU this rank uses, in its own view) -------------------------------------
+
+
+class DeviceBindingError(WorldDiscoveryError):
+    """This task cannot be given a GPU of its own (names the rank and the fix)."""
+
+
+@dataclass(frozen=True)
+class DeviceBinding:
+    """The GPU a rank binds, as an index valid in the task's own view.
+
+    ``index`` is what ``set_device`` and DeepSpeed's ``device_rank`` get; ``visible`` the task's
+    ``CUDA_VISIBLE_DEVICES`` entries (None when unset: the node's GPUs in order), so ``physical`` —
+    the entry ``index`` points at — names the node's GPU. On a CPU-only machine nothing is bound but
+    the same rule runs on ``CUDA_VISIBLE_DEVICES``, so a launch can be checked without GPUs.
+    """
+
+    index: int
+    count: int  # GPUs in the task's view
+    visible: tuple[str, ...] | None
+    on_gpu: bool
+
+    @property
+    def physical(self) -> str:
+        return self.visible[self.index] if self.visible is not None else str(self.index)
+
+    def describe(self) -> str:
+        vis = ",".join(self.visible) if self.visible is not None else "all"
+        return f"device {'cuda' if self.on_gpu else 'cpu'} bind cuda:{self.index} gpu {self.physical} visible {vis}"
+
+
+def _visible(env) -> tuple[str, ...] | None:
+    v = env.get("CUDA_VISIBLE_DEVICES")
+    if v is None:
+        return None
+    v = v.strip()
+    # SLURM writes NoDevFiles when a step has GPUs it cannot map to device files; -1 hides all
+    if v in ("", "-1", "NoDevFiles"):
+        return ()
+    return tuple(x.strip() for x in v.split(","))
+
+
+def remap_launcher_devices(env=None) -> None:
+    """Per-node DeepSpeed launcher under SLURM: ``launch.py`` sets ``CUDA_VISIBLE_DEVICES`` to hostfile
+    slot ids (``0,1,..``), which ignores the GPUs SLURM gave the node's task (``DSCLIP_NODE_GPUS``, saved
+    by launch/deepspeed_hostfile.sh before the launcher overwrote it). Translate the ids back into the
+    SLURM set, before CUDA initialises, so a rank never uses a GPU of another job."""
+    env = os.environ if env is None else env
+    node = env.get("DSCLIP_NODE_GPUS")
+    ids = _visible(env)
+    if not node or ids is None:
+        return
+    node_gpus = tuple(x.strip() for x in node.split(","))
+    if node_gpus == ids:
+        return
+    try:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(node_gpus[int(i)] for i in ids)
+    except (ValueError, IndexError):
+        raise DeviceBindingError(
+            f"rank {env.get('RANK', '?')}: the DeepSpeed launcher assigned GPU ids {','.join(ids)} but SLURM gave this "
+            f"node only {node} ({len(node_gpus)} GPUs); set GPUS_PER_NODE / hostfile slots to at most {len(node_gpus)} "
+            "or request more GPUs (--gpus-per-node)"
+        ) from None
+    env["DSCLIP_LAUNCHER_GPU_IDS"] = ",".join(ids)
+
+
+def resolve_device(info: WorldInfo, env=None, *, cuda_count: int | None = None) -> DeviceBinding:
+    """Which GPU index this rank binds, valid in its own view (see :class:`DeviceBinding`).
+
+    ``cuda_count``: ``torch.cuda.device_count()`` on a GPU run, None on a CPU-only machine (the view
+    is then counted from ``CUDA_VISIBLE_DEVICES``). Rule, with n GPUs visible and L ranks on the node:
+    n == 1 → 0 (``--gpus-per-task=1``, ``--gpu-bind=single``, ``map_gpu``); n >= L → the local rank (each
+    rank sees the whole node: deepspeed, torchrun, plain srun); n < L with L a multiple of n → local rank
+    mod n (``--gpu-bind=closest``: each socket's tasks see that socket's GPUs); anything else is an error.
+    """
+    env = os.environ if env is None else env
+    visible = _visible(env)
+    on_gpu = cuda_count is not None
+    if on_gpu:
+        n = cuda_count
+    else:
+        n = len(visible) if visible is not None else info.local_world_size
+    local, lws = info.local_rank, info.local_world_size
+    who = f"rank {info.rank} (local {local}/{lws}, host {socket.gethostname()})"
+    cvd = "unset" if visible is None else repr(env.get("CUDA_VISIBLE_DEVICES"))
+    if n == 0:
+        if not on_gpu and visible is None:
+            return DeviceBinding(local, 0, None, False)
+        raise DeviceBindingError(
+            f"{who}: no GPU visible to this task (CUDA_VISIBLE_DEVICES={cvd}); request GPUs for every task "
+            "(--gpus-per-task=1 or --gpus-per-node) or unset CUDA_VISIBLE_DEVICES"
+        )
+    if n == 1:
+        index = 0
+    elif n >= lws:
+        index = local
+    elif lws % n == 0:
+        index = local % n
+    else:
+        raise DeviceBindingError(
+            f"{who}: sees {n} GPUs (CUDA_VISIBLE_DEVICES={cvd}) for {lws} ranks on this node, so ranks would share "
+            "a GPU; start one rank per GPU (--ntasks-per-node / --num_gpus = GPUs per node) or give each task its "
+            "own GPU (--gpus-per-task=1)"
+        )
+    return DeviceBinding(index, n, visible, on_gpu)
+
+
+def cpu_affinity() -> list[int]:
+    """The cores this process may run on (SLURM task/affinity or cgroup binding, taskset, ...)."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return list(range(os.cpu_count() or 1))
+
+
+def format_cpus(cpus: list[int]) -> str:
+    """[0, 1, 2, 5] → "0-2,5" (the cpuset list syntax of taskset / Cpus_allowed_list)."""
+    parts, i = [], 0
+    while i < len(cpus):
+        j = i
+        while j + 1 < len(cpus) and cpus[j + 1] == cpus[j] + 1:
+            j += 1
+        parts.append(str(cpus[i]) if i == j else f"{cpus[i]}-{cpus[j]}")
+        i = j + 1
+    return ",".join(parts)
+
+
+def check_workers(workers: int, rank: int | None = None) -> str | None:
+    """One warning line when ``--workers`` data workers (plus the rank itself) exceed the rank's cores."""
+    cores = len(cpu_affinity())
+    if workers <= cores:
+        return None
+    rank = (_state["info"].rank if _state["info"] else 0) if rank is None else rank
+    msg = (
+        f"[dsclip] rank {rank}: WARNING --workers {workers} exceeds the {cores} core(s) this rank may use "
+        f"(affinity {format_cpus(cpu_affinity())}); lower --workers to {cores} or request more cores per task "
+        "(--cpus-per-task; srun needs -c or SRUN_CPUS_PER_TASK since Slurm 22.05)"
+    )
+    print(msg, file=sys.stderr, flush=True)
+    return msg
+
+
+def check_master_port(info: WorldInfo, env=None) -> None:
+    """Rank 0 hosts the rendezvous store on MASTER_PORT: fail with one line if another process holds it
+    (the other ranks would otherwise wait for the full timeout, or join a stranger's store)."""
+    env = os.environ if env is None else env
+    if info.rank != 0 or info.world_size == 1 or info.source == "torchrun" or "TORCHELASTIC_USE_AGENT_STORE" in env:
+        return  # torchrun's agent already listens on MASTER_PORT on purpose
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT leftovers are fine
+        try:
+            s.bind(("", info.master_port))
+        except OSError:
+            raise WorldDiscoveryError(
+                f"rank 0 (host {socket.gethostname()}): MASTER_PORT {info.master_port} is already in use on "
+                f"{info.master_addr} (another job?); set MASTER_PORT to a free port"
+            ) from None
+
+
 def resolve_timeout(timeout_s: float | None = None, env=None) -> timedelta:
     """Process-group timeout: DSCLIP_DIST_TIMEOUT (s) > DEEPSPEED_TIMEOUT (min) > ``timeout_s`` > 30 min."""
     env = os.environ if env is None else env
@@ -268,7 +427,7 @@ def resolve_timeout(timeout_s: float | None = None, env=None) -> timedelta:
     return timedelta(seconds=DEFAULT_TIMEOUT_S if timeout_s is None else float(timeout_s))
 
 
-_state = {"info": None, "failed": False, "atexit": False, "prev_excepthook": None}
+_state = {"info": None, "binding": None, "failed": False, "atexit": False, "prev_excepthook": None}
 
 
 def _excepthook(tp, value, tb):
@@ -290,11 +449,16 @@ def init_distributed(timeout_s: float | None = None, backend: str | None = None)
         return _state["info"]
     info = discover_world()
     export_env(info)
+    remap_launcher_devices()  # before CUDA initialises: it reads CUDA_VISIBLE_DEVICES once
+    on_gpu = torch.cuda.is_available()
+    binding = resolve_device(info, cuda_count=torch.cuda.device_count() if on_gpu else None)
     backend = backend or os.environ.get("DSCLIP_DIST_BACKEND")
     if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
+        backend = "nccl" if on_gpu else "gloo"
+    if on_gpu:
+        torch.cuda.set_device(binding.index)
+    _state["binding"] = binding
+    check_master_port(info)
     timeout = resolve_timeout(timeout_s)
 
     import deepspeed
@@ -308,7 +472,8 @@ def init_distributed(timeout_s: float | None = None, backend: str | None = None)
             f"[dsclip] rank {info.rank}/{info.world_size} local {info.local_rank}/{info.local_world_size} "
             f"host {socket.gethostname()} node {os.environ.get('SLURMD_NODENAME', '-')} "
             f"source {info.source} master {info.master_addr}:{info.master_port} backend {backend} "
-            f"timeout {int(timeout.total_seconds())}s",
+            f"timeout {int(timeout.total_seconds())}s {binding.describe()} "
+            f"cpus {format_cpus(cpu_affinity())} ({len(cpu_affinity())})",
             file=sys.stderr,
             flush=True,
         )
@@ -351,6 +516,12 @@ def release_shm_workspace() -> bool:
         return True
     except FileNotFoundError:
         return False
+
+
+def device_rank() -> int | None:
+    """The device index :func:`init_distributed` bound (DeepSpeed's ``device_rank``), None before it."""
+    b = _state["binding"]
+    return None if b is None else b.index
 
 
 def world_info() -> WorldInfo | None:
