@@ -40,8 +40,9 @@ class UserError(Exception):
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     from dsclip.config import ConfigError
+    from dsclip.engine.world import WorldDiscoveryError  # launch problems: bad env, GPU view, port taken
 
-    errors: list[type[BaseException]] = [ConfigError, UserError, FileNotFoundError]
+    errors: list[type[BaseException]] = [ConfigError, UserError, FileNotFoundError, WorldDiscoveryError]
     try:
         from dsclip.model import UnknownModelError
 

@@ -27,11 +27,12 @@ at once (gloo: "Connection closed by peer"), they exit non-zero, and the launche
 ``DSCLIP_DIST_TIMEOUT`` (seconds), ``DEEPSPEED_TIMEOUT`` (minutes, DeepSpeed's convention), the
 ``timeout_s`` argument, or 30 minutes — first one set wins.
 
-Preemption (SLURM ``--signal=B:USR1@120`` → batch script forwards ``SIGUSR1`` to the ranks):
-:func:`install_preemption_handler` records ``SIGUSR1``/``SIGTERM``; the training loop polls
-:func:`preemption_requested` (collective: every rank must call it at the same step), saves a
-checkpoint and exits with :data:`EXIT_REQUEUE`, and the batch script requeues the job, which then
-resumes with ``--resume latest``.
+Stop requests (SLURM ``--signal=B:USR1@120`` → batch script forwards ``SIGUSR1`` to the ranks;
+``scancel`` → ``SIGTERM``): :func:`install_preemption_handler` records them; the gradient cache folds
+:func:`local_stop_flags` into the all-reduce it makes every step, so every rank sees the same
+:func:`stop_reason` at the same step without an extra host sync; the loop saves a checkpoint and
+exits :data:`EXIT_REQUEUE` (USR1: the batch script requeues, the job resumes with ``--resume
+latest``) or :data:`EXIT_TERMINATED` (TERM: not requeued).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -417,6 +419,22 @@ def check_master_port(info: WorldInfo, env=None) -> None:
             ) from None
 
 
+# The network settings the launch scripts forward and README documents, as each rank sees them.
+NET_VARS = (
+    "NCCL_SOCKET_IFNAME",
+    "NCCL_IB_HCA",
+    "NCCL_DEBUG",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    "GLOO_SOCKET_IFNAME",
+)
+
+
+def net_settings(env=None) -> str:
+    """``NCCL_SOCKET_IFNAME=ib0,NCCL_DEBUG=WARN`` (the set ones of :data:`NET_VARS`), or ``-``."""
+    env = os.environ if env is None else env
+    return ",".join(f"{k}={env[k]}" for k in NET_VARS if env.get(k)) or "-"
+
+
 def resolve_timeout(timeout_s: float | None = None, env=None) -> timedelta:
     """Process-group timeout: DSCLIP_DIST_TIMEOUT (s) > DEEPSPEED_TIMEOUT (min) > ``timeout_s`` > 30 min."""
     env = os.environ if env is None else env
@@ -473,7 +491,7 @@ def init_distributed(timeout_s: float | None = None, backend: str | None = None)
             f"host {socket.gethostname()} node {os.environ.get('SLURMD_NODENAME', '-')} "
             f"source {info.source} master {info.master_addr}:{info.master_port} backend {backend} "
             f"timeout {int(timeout.total_seconds())}s {binding.describe()} "
-            f"cpus {format_cpus(cpu_affinity())} ({len(cpu_affinity())})",
+            f"cpus {format_cpus(cpu_affinity())} ({len(cpu_affinity())}) net {net_settings()}",
             file=sys.stderr,
             flush=True,
         )
@@ -563,40 +581,78 @@ def _shutdown_at_exit() -> None:
         )
 
 
-# --- preemption (SLURM --signal, scancel --signal, kill) -------------------------------------------
+# --- stop requests: SIGUSR1 (requeue), SIGTERM (stop, no requeue), a second SIGTERM (now) --------------
+#
+# One meaning per signal, the same for every launcher and documented in README ("Signals"):
+#   SIGUSR1  time-limit warning (sbatch --signal=B:USR1@120, forwarded by the batch scripts): finish
+#            the step, save a checkpoint, exit EXIT_REQUEUE (85); the batch scripts requeue on 85 only.
+#   SIGTERM  scancel, scheduler preemption, the time limit itself: finish the step, save, exit
+#            EXIT_TERMINATED (143 = 128 + SIGTERM); never requeued.
+#   SIGTERM again, more than TERM_REPEAT_S after the first one (or after SIGUSR1): stop now (default
+#            action). SLURM delivers one scancel twice within milliseconds (to the step and through
+#            srun's forwarding), which must not count as a second request.
+# TERM wins over USR1 when ranks disagree (someone cancelled the job).
 
-_preempt = {"signum": None}
+EXIT_TERMINATED = 128 + signal.SIGTERM
+TERM_REPEAT_S = 1.0
+STOP_NONE, STOP_REQUEUE, STOP_TERMINATE = None, "requeue", "terminate"
+
+_preempt = {"signum": None, "usr1": False, "term": False, "first_at": None}
 
 
 def install_preemption_handler(signals=PREEMPT_SIGNALS) -> None:
-    """Record (not act on) ``SIGUSR1``/``SIGTERM``; the loop checks :func:`preemption_requested`.
-
-    Only the first signal is deferred; after it, SIGTERM gets its default action back, so SLURM's
-    SIGTERM at the time limit (after the USR1 warning) or a second ``scancel`` ends the process at
-    once. A repeated SIGUSR1 (SLURM may deliver it to a rank both directly and via the batch
-    script) stays harmless."""
+    """Record ``SIGUSR1``/``SIGTERM`` (the loop acts at the end of the step, on every rank together);
+    a later ``SIGTERM`` ends the process at once (see the table above)."""
 
     def handler(signum, frame):
+        now = time.monotonic()
+        first = _preempt["first_at"]
+        if signum == signal.SIGTERM and first is not None and now - first > TERM_REPEAT_S:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # asked twice: stop now
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        if first is None:
+            _preempt["first_at"] = now
         _preempt["signum"] = signum
-        if signal.SIGTERM in signals:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        _preempt["usr1" if signum == signal.SIGUSR1 else "term"] = True
 
     for s in signals:
         signal.signal(s, handler)
 
 
-def preemption_requested(sync: bool = True) -> bool:
-    """True once any rank got a preemption signal. With ``sync`` (default) this is a collective
-    (MAX all-reduce of one int) so all ranks stop at the same step — call it on every rank."""
-    local = _preempt["signum"] is not None
+def local_stop_flags() -> tuple[float, float]:
+    """(SIGUSR1 seen, SIGTERM seen) on this rank, as numbers to fold into a collective the step makes."""
+    return float(_preempt["usr1"]), float(_preempt["term"])
+
+
+def stop_reason(flags) -> str | None:
+    """``STOP_*`` from flags summed over all ranks (every rank gets the same answer from the same sums)."""
+    usr1, term = (float(f) for f in flags)
+    if term > 0:
+        return STOP_TERMINATE
+    if usr1 > 0:
+        return STOP_REQUEUE
+    return STOP_NONE
+
+
+def exit_code(reason: str | None) -> int:
+    return {STOP_REQUEUE: EXIT_REQUEUE, STOP_TERMINATE: EXIT_TERMINATED}.get(reason, 0)
+
+
+def preemption_requested(sync: bool = True) -> str | None:
+    """The stop reason (truthy) once any rank got SIGUSR1/SIGTERM. With ``sync`` (default) this is a
+    collective (a SUM all-reduce of two numbers plus a host sync) so all ranks stop at the same step —
+    call it on every rank. The training loop does not: the gradient cache folds the same flags into
+    the all-reduce every step already makes (see dsclip/train/gradcache.py, bench/host_syncs.py)."""
+    local = local_stop_flags()
     if not sync:
-        return local
+        return stop_reason(local)
     import torch
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return local
+        return stop_reason(local)
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    flag = torch.tensor([int(local)], dtype=torch.int32, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
+    flags = torch.tensor(local, dtype=torch.float32, device=device)
+    dist.all_reduce(flags, op=dist.ReduceOp.SUM)
+    return stop_reason(flags.tolist())

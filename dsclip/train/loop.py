@@ -86,18 +86,21 @@ def train(cfg: RunConfig) -> dict:
         preempted or cfg.checkpoint.save_frequency or cfg.checkpoint.save_every_n_steps
     ):
         run.checkpointer.save(run.engine, step, run.client_state(step))
-    summary = {"step": step, "run_dir": str(cfg.run_dir), "preempted": preempted}
+    summary = {"step": step, "run_dir": str(cfg.run_dir), "preempted": bool(preempted)}
     if not preempted:
         summary.update(run.evaluator.final(run.engine, step, step // run.steps_per_epoch))
     run.metrics.close()
     run.data.close()
     if preempted and run.rank == 0:
-        print(f"preempted: checkpoint saved at step {step}; exiting with {world.EXIT_REQUEUE} to requeue", flush=True)
-    summary["exit_code"] = world.EXIT_REQUEUE if preempted else 0
+        what = "to requeue (SIGUSR1)" if preempted == world.STOP_REQUEUE else "(SIGTERM: not requeued)"
+        print(
+            f"preempted: checkpoint saved at step {step}; exiting with {world.exit_code(preempted)} {what}", flush=True
+        )
+    summary["exit_code"] = world.exit_code(preempted)
     return summary
 
 
-def fit(run: Run) -> tuple[int, bool]:
+def fit(run: Run) -> tuple[int, str | None]:
     """Optimizer steps from ``run.start_step`` to ``run.total_steps`` (or a preemption signal)."""
     cfg, engine, k = run.cfg, run.engine, run.cfg.train.accum_freq
     step, preempted = run.start_step, False
@@ -128,7 +131,8 @@ def fit(run: Run) -> tuple[int, bool]:
             run.checkpointer.maybe_save(engine, step, run.client_state(step), epoch_end=epoch_end, epoch=epoch)
             if epoch_end:
                 run.evaluator.epoch_end(engine, step, epoch)
-            preempted = world.preemption_requested()  # collective: all ranks stop at the same step
+            # the stop flags were summed over all ranks inside the step: every rank stops at the same step
+            preempted = world.stop_reason(result.flags)
             if step >= run.total_steps or epoch_end or preempted:
                 break
             t_wait = time.perf_counter()
@@ -143,6 +147,7 @@ def build_run(cfg: RunConfig) -> Run:
     info = world.init_distributed()
     rank, world_size = info.rank, info.world_size
     world.install_preemption_handler()
+    world.check_workers(cfg.data.workers)
     cfgmod.validate(cfg, world_size=world_size)
     run_dir = cfg.run_dir
 
@@ -245,7 +250,11 @@ def build_run(cfg: RunConfig) -> Run:
         precision=bundle.precision,
         data=data,
         step_fn=GradCacheStep(
-            engine, loss_fn, keep_last_graph=cfg.train.keep_last_graph, compute_dtype=autocast_dtype(bundle)
+            engine,
+            loss_fn,
+            keep_last_graph=cfg.train.keep_last_graph,
+            compute_dtype=autocast_dtype(bundle),
+            extra_flags=world.local_stop_flags,
         ),
         checkpointer=ds_checkpoint.Checkpointer(
             run_dir,

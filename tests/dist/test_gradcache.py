@@ -66,7 +66,9 @@ def ds_json_path(stage) -> str:
 
     if stage in (2, 3):
         return f"ds_configs/zero{stage}_fp32.json"
-    raw = json.loads(open("ds_configs/zero3_fp32.json" if stage == "3off" else "ds_configs/zero2_fp32.json").read())
+    from dsclip.engine.ds_config import load_ds_json
+
+    raw = load_ds_json("zero3_fp32" if stage == "3off" else "zero2_fp32")
     if stage == "3off":
         raw["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
         raw["zero_optimization"]["offload_param"] = {"device": "cpu"}

@@ -106,7 +106,9 @@ def fresh_world(monkeypatch):
     monkeypatch.setattr(sys, "excepthook", sys.excepthook)
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(k, raising=False)
-    for k in [k for k in os.environ if k.startswith(("SLURM_", "TORCHELASTIC", "CUDA_VISIBLE", "DSCLIP_NODE"))]:
+    for k in [
+        k for k in os.environ if k.startswith(("SLURM_", "TORCHELASTIC", "CUDA_VISIBLE", "DSCLIP_NODE", "NCCL_"))
+    ]:
         monkeypatch.delenv(k)
     yield
     world._state.clear()
@@ -129,7 +131,7 @@ def test_init_distributed_binds_the_index_of_the_tasks_view(monkeypatch, capsys,
     for k, v in dict(
         SLURM_PROCID="7", SLURM_LOCALID="3", SLURM_NODEID="1", SLURM_NTASKS="8", SLURM_STEP_ID="0",
         SLURM_STEP_NUM_TASKS="8", SLURM_STEP_TASKS_PER_NODE="4(x2)", SLURM_JOB_NODELIST="n[1-2]",
-        MASTER_ADDR="n1", MASTER_PORT="23456", CUDA_VISIBLE_DEVICES="3", DSCLIP_LOG_WORLD="1",
+        MASTER_ADDR="n1", MASTER_PORT="23456", CUDA_VISIBLE_DEVICES="3", DSCLIP_LOG_WORLD="1", NCCL_DEBUG="WARN",
     ).items():  # fmt: skip
         monkeypatch.setenv(k, v)
     set_device = mock_cuda(monkeypatch, 1)
@@ -142,7 +144,7 @@ def test_init_distributed_binds_the_index_of_the_tasks_view(monkeypatch, capsys,
     line = [x for x in capsys.readouterr().err.splitlines() if x.startswith("[dsclip] rank 7/8")][0]
     assert "device cuda bind cuda:0 gpu 3 visible 3 " in line
     cpus = sorted(os.sched_getaffinity(0))
-    assert line.endswith(f"cpus {world.format_cpus(cpus)} ({len(cpus)})")
+    assert line.endswith(f"cpus {world.format_cpus(cpus)} ({len(cpus)}) net NCCL_DEBUG=WARN")
 
 
 def test_engine_gets_device_rank_and_deepspeed_binds_it(monkeypatch, fresh_world, tmp_path):
