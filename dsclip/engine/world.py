@@ -387,6 +387,13 @@ def format_cpus(cpus: list[int]) -> str:
     return ",".join(parts)
 
 
+def _line(msg: str) -> None:
+    """One stderr line in one write: the ranks of a node share a pipe, and under ``python -u`` print()
+    writes the text and its newline separately, so two ranks' lines would interleave."""
+    sys.stderr.write(msg + "\n")
+    sys.stderr.flush()
+
+
 def check_workers(workers: int, rank: int | None = None) -> str | None:
     """One warning line when ``--workers`` data workers (plus the rank itself) exceed the rank's cores."""
     cores = len(cpu_affinity())
@@ -398,7 +405,7 @@ def check_workers(workers: int, rank: int | None = None) -> str | None:
         f"(affinity {format_cpus(cpu_affinity())}); lower --workers to {cores} or request more cores per task "
         "(--cpus-per-task; srun needs -c or SRUN_CPUS_PER_TASK since Slurm 22.05)"
     )
-    print(msg, file=sys.stderr, flush=True)
+    _line(msg)
     return msg
 
 
@@ -486,14 +493,12 @@ def init_distributed(timeout_s: float | None = None, backend: str | None = None)
     _state["info"] = info
     if os.environ.get("DSCLIP_LOG_WORLD", "1") != "0":
         # one line per rank: the first thing to look at when a launch misbehaves
-        print(
+        _line(
             f"[dsclip] rank {info.rank}/{info.world_size} local {info.local_rank}/{info.local_world_size} "
             f"host {socket.gethostname()} node {os.environ.get('SLURMD_NODENAME', '-')} "
             f"source {info.source} master {info.master_addr}:{info.master_port} backend {backend} "
             f"timeout {int(timeout.total_seconds())}s {binding.describe()} "
-            f"cpus {format_cpus(cpu_affinity())} ({len(cpu_affinity())}) net {net_settings()}",
-            file=sys.stderr,
-            flush=True,
+            f"cpus {format_cpus(cpu_affinity())} ({len(cpu_affinity())}) net {net_settings()}"
         )
     if not _state["atexit"]:
         _state["atexit"] = True

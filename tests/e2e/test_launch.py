@@ -505,3 +505,36 @@ def test_sbatch_binds_distinct_gpus_and_cores(cluster_env, tmp_path, runs, case)
     # NCCL settings reach every rank (SLURM exports the environment; DeepSpeed forwards NCCL_*)
     assert all(r["net"] == "NCCL_SOCKET_IFNAME=lo,TORCH_NCCL_ASYNC_ERROR_HANDLING=1" for r in reps.values())
     assert [r["step"] for r in run.metrics()] == [1, 2]
+
+
+def test_scancel_term_saves_and_does_not_requeue(cluster_env, tmp_path, runs):
+    """A plain `scancel` (SIGTERM to the batch shell and to every task, twice for a rank: from SLURM and
+    through srun): the ranks finish the step, save, exit 143, and the batch script does not requeue."""
+    run = Run(cluster_env, tmp_path, "term", LONG_STANDIN if STANDIN else LONG)
+    runs.append(run)
+    proc = sbatch(run, "launch/slurm/train.sbatch", ["--ntasks-per-node=1"], wait=False)
+    try:
+        deadline = time.monotonic() + 180
+        job = None
+        while job is None or len(run.metrics()) < 2:
+            assert proc.poll() is None, slurm_output(run)[-4000:]
+            assert time.monotonic() < deadline, slurm_output(run)[-4000:]
+            if job is None:
+                q = subprocess.run(
+                    ["squeue", "-h", "-n", f"t-{run.name}", "-o", "%i"], env=run.env, capture_output=True, text=True
+                )
+                job = q.stdout.split()[0] if q.stdout.split() else None
+            time.sleep(0.2)
+        subprocess.run(["scancel", job], env=run.env, check=True)
+        proc.wait(timeout=120)
+        time.sleep(1)  # the batch script's last lines
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = slurm_output(run)
+    m = re.search(r"checkpoint saved at step (\d+); exiting with 143", out)
+    assert m and int(m.group(1)) >= 2, out[-4000:]
+    assert "requeueing" not in out and "restart 1" not in out, out[-4000:]
+    assert (run.dir / "checkpoints" / "latest").exists()
+    info = subprocess.run(["scontrol", "show", "job", job], env=run.env, capture_output=True, text=True).stdout
+    assert "Restarts=1" not in info
