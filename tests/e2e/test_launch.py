@@ -549,3 +549,14 @@ def test_scancel_term_saves_and_does_not_requeue(cluster_env, tmp_path, runs):
     assert (run.dir / "checkpoints" / "latest").exists()
     info = subprocess.run(["scontrol", "show", "job", job], env=run.env, capture_output=True, text=True).stdout
     assert "Restarts=1" not in info
+
+
+def test_per_node_more_ranks_than_slurm_gpus_is_one_line_before_launching(cluster_env, tmp_path, runs):
+    run = Run(cluster_env, tmp_path, "toomany")
+    run.env["GPUS_PER_NODE"] = "3"
+    runs.append(run)
+    res = ["--ntasks-per-node=1", "--gpus-per-node=2", "--cpus-per-task=1"]
+    rc, out = sbatch_res(run, "launch/slurm/train_per_node.sbatch", res, timeout=60)
+    assert rc == 2, out[-3000:]
+    assert "GPUS_PER_NODE=3 but SLURM gave each node 2 GPUs; set GPUS_PER_NODE=2" in out
+    assert "[dsclip] rank" not in out
