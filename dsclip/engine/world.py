@@ -277,18 +277,21 @@ class DeviceBinding:
     the same rule runs on ``CUDA_VISIBLE_DEVICES``, so a launch can be checked without GPUs.
     """
 
-    index: int
+    index: int | None  # None: a CPU run whose CUDA_VISIBLE_DEVICES names no usable GPU (nothing to bind)
     count: int  # GPUs in the task's view
     visible: tuple[str, ...] | None
     on_gpu: bool
 
     @property
     def physical(self) -> str:
+        if self.index is None:
+            return "-"
         return self.visible[self.index] if self.visible is not None else str(self.index)
 
     def describe(self) -> str:
-        vis = ",".join(self.visible) if self.visible is not None else "all"
-        return f"device {'cuda' if self.on_gpu else 'cpu'} bind cuda:{self.index} gpu {self.physical} visible {vis}"
+        vis = (",".join(self.visible) or "none") if self.visible is not None else "all"
+        bind = "none" if self.index is None else f"cuda:{self.index}"
+        return f"device {'cuda' if self.on_gpu else 'cpu'} bind {bind} gpu {self.physical} visible {vis}"
 
 
 def _visible(env) -> tuple[str, ...] | None:
@@ -333,7 +336,8 @@ def resolve_device(info: WorldInfo, env=None, *, cuda_count: int | None = None) 
     is then counted from ``CUDA_VISIBLE_DEVICES``). Rule, with n GPUs visible and L ranks on the node:
     n == 1 → 0 (``--gpus-per-task=1``, ``--gpu-bind=single``, ``map_gpu``); n >= L → the local rank (each
     rank sees the whole node: deepspeed, torchrun, plain srun); n < L with L a multiple of n → local rank
-    mod n (``--gpu-bind=closest``: each socket's tasks see that socket's GPUs); anything else is an error.
+    mod n (``--gpu-bind=closest``: each socket's tasks see that socket's GPUs); anything else is an error
+    on a GPU run (on a CPU run: nothing to bind, ``index`` None).
     """
     env = os.environ if env is None else env
     visible = _visible(env)
@@ -346,8 +350,8 @@ def resolve_device(info: WorldInfo, env=None, *, cuda_count: int | None = None) 
     who = f"rank {info.rank} (local {local}/{lws}, host {socket.gethostname()})"
     cvd = "unset" if visible is None else repr(env.get("CUDA_VISIBLE_DEVICES"))
     if n == 0:
-        if not on_gpu and visible is None:
-            return DeviceBinding(local, 0, None, False)
+        if not on_gpu:  # CUDA_VISIBLE_DEVICES="" is the usual way to force a CPU run
+            return DeviceBinding(None, 0, visible, False)
         raise DeviceBindingError(
             f"{who}: no GPU visible to this task (CUDA_VISIBLE_DEVICES={cvd}); request GPUs for every task "
             "(--gpus-per-task=1 or --gpus-per-node) or unset CUDA_VISIBLE_DEVICES"
@@ -358,6 +362,8 @@ def resolve_device(info: WorldInfo, env=None, *, cuda_count: int | None = None) 
         index = local
     elif lws % n == 0:
         index = local % n
+    elif not on_gpu:
+        return DeviceBinding(None, n, visible, False)  # a CPU run: nothing is bound, nothing to refuse
     else:
         raise DeviceBindingError(
             f"{who}: sees {n} GPUs (CUDA_VISIBLE_DEVICES={cvd}) for {lws} ranks on this node, so ranks would share "

@@ -91,9 +91,13 @@ def test_unusable_view_is_one_line_naming_rank_and_fix(cvd, count, lws, needle):
     assert "\n" not in msg and ("--gpus-per-task=1" in msg)
 
 
-def test_cpu_run_without_gpus_binds_nothing_and_says_so():
+def test_cpu_run_reports_what_it_would_bind_and_never_refuses():
     b = resolve_device(info(1, 2), {}, cuda_count=None)
     assert not b.on_gpu and b.describe().startswith("device cpu bind cuda:1 ")
+    # CUDA_VISIBLE_DEVICES="" is how people force a CPU run; a view GPUs could not serve is no error here
+    for cvd, lws in (("", 2), ("0,1,2", 4)):
+        b = resolve_device(info(1, lws), {"CUDA_VISIBLE_DEVICES": cvd}, cuda_count=None)
+        assert b.index is None and " bind none gpu - " in b.describe()
 
 
 # ---- init_distributed and build_engine with CUDA mocked -------------------------------------------
@@ -224,3 +228,32 @@ def test_master_port_in_use_is_one_line_before_rendezvous():
         world.check_master_port(WorldInfo(1, 0, 2, 1, "node1", port, "slurm"), env={})  # only rank 0 listens
         world.check_master_port(WorldInfo(0, 0, 2, 1, "node1", port, "torchrun"), env={})  # agent's store
     world.check_master_port(taken, env={})  # free again
+
+
+def test_dsclip_train_with_master_port_taken_exits_with_one_line(tmp_path):
+    """Through the CLI: rank 0 of a 2-rank launch whose MASTER_PORT is held says so and exits 2 at once,
+    instead of rendezvousing with a stranger's store or waiting out the timeout."""
+    import subprocess
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC", "CUDA_VISIBLE"))}
+        env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        env.update(OMP_NUM_THREADS="1", DSCLIP_LOG_WORLD="1")
+        p = subprocess.run(
+            [sys.executable, "-m", "dsclip", "train", "--config", "tiny", "--logs", str(tmp_path), "--name", "x"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    assert p.returncode == 2, p.stderr[-3000:]
+    errors = [line for line in p.stderr.splitlines() if "error" in line.lower()]
+    want = (
+        f"dsclip train: error: rank 0 (host {socket.gethostname()}): MASTER_PORT {port} is already in use on "
+        "127.0.0.1 (another job?); set MASTER_PORT to a free port"
+    )
+    assert errors == [want], p.stderr[-3000:]
+    assert "Traceback" not in p.stderr and "[dsclip] rank" not in p.stderr
