@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import glob
 import os
+import shutil
+from pathlib import Path
 
 import pytest
+import torch
 
 SHM_PATTERN = "/dev/shm/deepspeed_allreduce_buffer_*"
 
@@ -37,3 +42,61 @@ def _remove_leaked_deepspeed_shm():
                 os.unlink(path)
             except OSError:
                 pass
+
+
+# ---- pytest-xdist (`make test` runs two workers) ---------------------------------------------------
+
+
+def pytest_collection_modifyitems(config, items):
+    """The launch tests share one SLURM cluster and its two node slots: one xdist worker runs all of them,
+    one after another (`--dist loadgroup`); everything else is spread over the workers."""
+    for item in items:
+        if item.get_closest_marker("launch"):
+            item.add_marker(pytest.mark.xdist_group("launch"))
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Say which CPU kernels the numbers above came from (also under -q, and in every .ci/run leg)."""
+    requested = os.environ.get("ATEN_CPU_CAPABILITY", "unset")
+    terminalreporter.write_line(
+        f"torch CPU kernels: {torch.backends.cpu.get_cpu_capability()} (ATEN_CPU_CAPABILITY={requested}), "
+        f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, torch threads {torch.get_num_threads()}"
+    )
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@pytest.fixture(scope="session")
+def shared_dir(tmp_path_factory):
+    """A folder shared by all xdist workers of this session (plain pytest: this session's temp root).
+
+    Session fixtures are per worker under xdist; a trained run that several tests only read is built
+    once into this folder under a file lock (``shared_build``), and the other worker reuses it."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # pytest-of-user/pytest-N/ is common to the workers; popen-gwK/ is per worker
+    d = root / "shared"
+    d.mkdir(exist_ok=True)
+    return d
+
+
+def shared_build(shared: Path, name: str, build) -> Path:
+    """``shared/name``, made by ``build(path)`` exactly once per session whichever worker asks first.
+
+    A marker file is written only after build returns, so a build that failed is retried (and fails
+    again, visibly) in the next test that needs it, rather than handing out a half-made run."""
+    target, done = shared / name, shared / f"{name}.done"
+    with _file_lock(shared / f"{name}.lock"):
+        if not done.exists():
+            shutil.rmtree(target, ignore_errors=True)  # leftovers of a build that failed
+            build(target)
+            done.touch()
+    return target
