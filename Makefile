@@ -14,11 +14,11 @@ PYTEST_ARGS ?=
 # (xdist_group "launch", tests/conftest.py) on one worker, one after another.
 PYTEST_WORKERS ?= 2
 # The fast numerical suites that .ci/run repeats under every CPU kernel family and 1 / 2 threads
-# (`make test-kernels`): tolerances that hold only for one kernel's summation order fail here.
-KERNEL_TESTS ?= tests/unit/test_losses.py tests/unit/test_gradcache_logic.py tests/unit/test_openclip_interop.py \
-	tests/dist/test_loss_dist.py tests/dist/test_gradcache.py::test_gradcache_equals_big_batch \
-	tests/dist/test_gradcache.py::test_check_catches_gradient_off_by_1e_4 \
-	tests/dist/test_gradcache.py::test_naive_multi_backward_is_wrong_under_zero2
+# (`make test-kernels`): tolerances that hold only for one kernel's summation order fail here. The two
+# gradient-cache cases (ids k-stage-world) are the ones that failed on CI's AVX2 machines before.
+KERNEL_TESTS ?= tests/unit/test_losses.py tests/unit/test_openclip_interop.py \
+	'tests/dist/test_gradcache.py::test_gradcache_equals_big_batch[1-3-2]' \
+	'tests/dist/test_gradcache.py::test_gradcache_equals_big_batch[2-3-1]'
 
 .PHONY: venv demo test test-all test-kernels lint clean
 

@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import glob
 import os
-import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -64,39 +60,15 @@ def pytest_terminal_summary(terminalreporter):
     )
 
 
-@contextlib.contextmanager
-def _file_lock(path: Path):
-    with open(path, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
 @pytest.fixture(scope="session")
 def shared_dir(tmp_path_factory):
     """A folder shared by all xdist workers of this session (plain pytest: this session's temp root).
 
     Session fixtures are per worker under xdist; a trained run that several tests only read is built
-    once into this folder under a file lock (``shared_build``), and the other worker reuses it."""
+    once into this folder under a file lock (tests/e2e/conftest.py ``shared_build``), and the other worker reuses it."""
     root = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         root = root.parent  # pytest-of-user/pytest-N/ is common to the workers; popen-gwK/ is per worker
     d = root / "shared"
     d.mkdir(exist_ok=True)
     return d
-
-
-def shared_build(shared: Path, name: str, build) -> Path:
-    """``shared/name``, made by ``build(path)`` exactly once per session whichever worker asks first.
-
-    A marker file is written only after build returns, so a build that failed is retried (and fails
-    again, visibly) in the next test that needs it, rather than handing out a half-made run."""
-    target, done = shared / name, shared / f"{name}.done"
-    with _file_lock(shared / f"{name}.lock"):
-        if not done.exists():
-            shutil.rmtree(target, ignore_errors=True)  # leftovers of a build that failed
-            build(target)
-            done.touch()
-    return target

@@ -72,3 +72,29 @@ def adam_first_step_sensitivity(g: torch.Tensor, gtol: torch.Tensor | float, lr:
     steepest point is the one nearest 0."""
     nearest_zero = (g.abs() - gtol).clamp(min=0)
     return lr * eps / (nearest_zero + eps) ** 2
+
+
+def tower_tokens(cfg: dict) -> dict[str, int]:
+    """Sequence lengths of an OpenCLIP-schema model config: patches + class token, and the text context."""
+    v, t = cfg["vision_cfg"], cfg["text_cfg"]
+    return {"vision_cfg": (v["image_size"] // v["patch_size"]) ** 2 + 1, "text_cfg": t["context_length"]}
+
+
+def forward_terms(cfg: dict) -> int:
+    """Chained sum lengths of one forward pass of a CLIP model (OpenCLIP-schema config dict).
+
+    Per transformer block of width W, MLP ratio r and T tokens: the contractions of qkv, q·k (head
+    dim <= W), attention·v (T), out-proj, fc1 and fc2 (r·W), the softmax's sum (T) and two LayerNorms'
+    mean and variance (4W): (8 + r)·W + 2T. Per tower add the final norm and projection (2W)."""
+    n = 0
+    for tower, tokens in tower_tokens(cfg).items():
+        c = cfg[tower]
+        w, r = c["width"], c.get("mlp_ratio", 4.0)
+        n += int(c["layers"] * ((8 + r) * w + 2 * tokens) + 2 * w)
+    return n
+
+
+def embedding_tol(cfg: dict, size: float = 1.0) -> float:
+    """Two implementations (or kernels) embedding the same inputs with the same fp32 weights: rounding over
+    forward_terms, terms of the embeddings' size (1 for L2-normalised ones, else their largest entry)."""
+    return rounding(forward_terms(cfg), size)

@@ -19,7 +19,15 @@ from dsclip.model import (
     get_model_config,
 )  # imported before zero.Init patches torch.Tensor (timm -> dynamo)
 from tests.distutil import run_world
-from tests.tolerances import adam_first_step_sensitivity, loss_size, loss_terms, rounding, worst_case
+from tests.tolerances import (
+    adam_first_step_sensitivity,
+    forward_terms,
+    loss_size,
+    loss_terms,
+    rounding,
+    tower_tokens,
+    worst_case,
+)
 
 B, SEED = 4, 1234
 # Adam's first step moves each weight by lr·g/(|g|+eps), sensitivity up to lr/eps to its gradient
@@ -181,22 +189,18 @@ def grad_terms(world, k) -> int:
 
     Gradient cache and reference compute the same sums in different orders: a weight's gradient sums
     over all N = W·K·B samples and T tokens (N·T terms, split into K chunks and 2 ranks by dsclip, one
-    matmul in the reference); each transformer block adds, forward and backward, the qkv / proj / fc1
-    contractions over the width, fc2 over 4·width and the attention's two over T tokens (7·width + 2·T);
-    the loss adds loss_terms(N, embed_dim). Relative errors of a chain add (tolerances.py)."""
+    matmul in the reference); the forward pass and the backward pass each chain the contractions of
+    tolerances.forward_terms; the loss adds loss_terms(N, embed_dim). Relative errors of a chain add."""
     cfg = get_model_config("tiny")
     n = world * k * B
-    v, t = cfg["vision_cfg"], cfg["text_cfg"]
-    tokens = {"vision": (v["image_size"] // v["patch_size"]) ** 2 + 1, "text": t["context_length"]}
-    chain = sum(2 * c["layers"] * (7 * c["width"] + 2 * tokens[tower]) for tower, c in (("vision", v), ("text", t)))
-    return n * max(tokens.values()) + chain + loss_terms(n, cfg["embed_dim"])
+    return n * max(tower_tokens(cfg).values()) + 2 * forward_terms(cfg) + loss_terms(n, cfg["embed_dim"])
 
 
 def assert_matches(results, ref, world, k, lr=LR, grad_slack=1.0):
     """Loss, gradients and AdamW-updated weights of every rank against the reference.
 
     - gradient of each tensor: tolerances.rounding(grad_terms, max|g| of that tensor), i.e. the terms'
-      size taken as the tensor's largest gradient. About 3e-5·max|g| for the sizes here, so a whole
+      size taken as the tensor's largest gradient. About 4.5e-5·max|g| for the sizes here, so a whole
       tensor off by a factor 1 + 1e-4 fails (test_check_catches_gradient_off_by_1e_4); ~1e-7·max|g|
       is what AVX2, AVX-512 and the default kernels were seen to differ by.
     - weight: the gradient tolerance times Adam's first-step sensitivity lr·eps/(|g|+eps)^2 at that
@@ -297,7 +301,8 @@ def test_torchcompile_inductor_matches_big_batch():
     code. Fused kernels do not only reorder sums: they keep intermediates in registers (no rounding to
     float32 in between) and use their own exp/tanh/erf approximations (a few ulp each, on every
     element of every activation), so the gradient tolerance gets a stated slack on top of the derived
-    reordering bound: 10x, still under the 1e-4 relative error the check must catch."""
+    reordering bound: 10x (4.4e-4·max|g|; the old hand-set 2e-5 + 1e-4·|g| was of the same size). The
+    1e-4 line is held by the eager tests above; this one catches errors of 5e-4 and more."""
     results = run_world(_rank_step, 1, 2, 2, "auto", 0.5, True, "inductor")
     assert results[0]["compiled_graphs"] > 0
     assert results[0]["same_embeddings"]
