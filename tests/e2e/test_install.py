@@ -53,7 +53,8 @@ def test_wheel_in_a_fresh_venv_trains_two_steps_from_an_empty_directory(tmp_path
 
     work = tmp_path / "empty"
     work.mkdir()
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    launch = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "MASTER_", "SLURM_", "TORCHELASTIC")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV") and not k.startswith(launch)}
     env.update(OMP_NUM_THREADS="1", PATH=f"{venv / 'bin'}:{env.get('PATH', '')}")
     where = subprocess.run(
         [str(vpy), "-c", "import dsclip; print(dsclip.__file__)"],

@@ -106,6 +106,7 @@ def test_cpu_run_reports_what_it_would_bind_and_never_refuses():
 @pytest.fixture
 def fresh_world(monkeypatch):
     saved = dict(world._state)
+    saved_env = dict(os.environ)  # init_distributed exports RANK, MASTER_* ... into os.environ itself
     world._state.update(info=None, binding=None, atexit=True)  # atexit=True: register no exit hook here
     monkeypatch.setattr(sys, "excepthook", sys.excepthook)
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT"):
@@ -117,6 +118,8 @@ def fresh_world(monkeypatch):
     yield
     world._state.clear()
     world._state.update(saved)
+    os.environ.clear()
+    os.environ.update(saved_env)
 
 
 def mock_cuda(monkeypatch, count: int) -> list[int]:
