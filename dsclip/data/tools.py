@@ -13,6 +13,7 @@ input row, so an interrupted run resumes after the last complete shard (same opt
 from __future__ import annotations
 
 import argparse
+import csv
 import io
 import json
 import logging
@@ -24,7 +25,12 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
-from .shards import BadData, captions_of, decode_image, expand_urls, image_bytes, iter_tar, split_key
+from PIL import Image
+from tqdm import tqdm
+
+from .csv_data import read_csv
+from .shards import BadData, captions_of, decode_image, expand_urls, image_bytes, iter_tar, parse_sources, split_key
+from .tokenizer import SentencePieceTokenizer, train_sentencepiece
 
 log = logging.getLogger("dsclip.data")
 
@@ -62,7 +68,6 @@ def _folder_samples(images: Path, captions_file: Path | None) -> list[tuple[str,
 
 
 def _csv_samples(path: Path, img_key: str, caption_key: str, sep: str) -> list[tuple[str, str]]:
-    from .csv_data import read_csv
 
     try:
         images, captions = read_csv(path, img_key, caption_key, sep)
@@ -78,8 +83,6 @@ def _encode(path: str, resize: int | None, verify: bool) -> tuple[bytes, str]:
         data = f.read()
     ext = _EXT_FOR_SUFFIX.get(Path(path).suffix.lower())
     if resize or ext is None:
-        from PIL import Image
-
         img = decode_image(data)
         if resize:
             scale = resize / min(img.size)
@@ -143,7 +146,6 @@ def write_shards(
     skipped = Counter(state["skipped"])
     if progress is None:
         progress = sys.stderr.isatty()
-    from tqdm import tqdm
 
     bar = tqdm(total=len(samples), initial=state["next_row"], unit="img", disable=not progress, desc="shards")
     row = state["next_row"]
@@ -343,8 +345,6 @@ def main_data(argv: list[str]) -> int:
 
 def _iter_captions(src: str, csv_caption_key: str, csv_separator: str) -> Iterator[str]:
     if src.lower().endswith((".csv", ".tsv")):
-        import csv
-
         with open(src, newline="", encoding="utf-8") as f:
             reader = csv.DictReader(f, delimiter=csv_separator)
             if csv_caption_key not in (reader.fieldnames or []):
@@ -353,8 +353,6 @@ def _iter_captions(src: str, csv_caption_key: str, csv_separator: str) -> Iterat
                 yield r[csv_caption_key] or ""
         return
     if src.lower().endswith(".tar") or "{" in src or "::" in src:
-        from .shards import parse_sources
-
         bad = BadData()
         for urls, _ in parse_sources(src):
             for url in urls:
@@ -390,7 +388,6 @@ def main_tokenizer(argv: list[str]) -> int:
     t.add_argument("--hard-vocab-limit", action="store_true", help="Fail if the corpus can't fill the vocab.")
     t.add_argument("--context-length", type=int, default=77, help="Only for the summary printed at the end.")
     a = p.parse_args(argv)
-    from .tokenizer import SentencePieceTokenizer, train_sentencepiece
 
     try:
 

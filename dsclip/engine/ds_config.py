@@ -18,9 +18,63 @@ import difflib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from dsclip.config import ConfigError, RunConfig
+import torch
+
+from dsclip.config_base import ConfigError, opt
+
+if TYPE_CHECKING:  # the run config assembles this module's TrainArgs: a runtime import would be circular
+    from dsclip.config import RunConfig
+
+PRECISIONS = ("auto", "fp32", "bf16", "fp16", "amp", "amp_bf16", "amp_bfloat16", "pure_bf16", "pure_fp16")
+
+
+@dataclass
+class TrainArgs:
+    """Run config section ``train``: the batch triad, precision, DeepSpeed JSON and step mechanics.
+
+    Defined here because the DeepSpeed config is its first consumer (batch triad, precision, JSON);
+    the loop reads epochs/max_steps/seed, the gradient cache keep_last_graph, the engine torchcompile*."""
+
+    epochs: int = opt(32, "Number of epochs.")
+    max_steps: int | None = opt(None, "Stop after this many optimizer steps (default: epochs × steps per epoch).")
+    batch_size: int = opt(64, "Micro-batch size per rank (OpenCLIP --batch-size).")
+    accum_freq: int = opt(
+        1,
+        "Micro-batches per optimizer step. dsclip's gradient cache makes the contrastive batch "
+        "batch_size × accum_freq × world with gradients equal to that big batch.",
+    )
+    precision: str = opt(
+        "auto",
+        "Numeric precision; 'auto' takes it from the DeepSpeed JSON (fp32 if that says auto too).",
+        choices=PRECISIONS,
+    )
+    seed: int = opt(0, "Random seed (model init, data order, dropout; derived per step and rank).")
+    deepspeed_config: str = opt(
+        "ds_configs/zero2.json", "DeepSpeed JSON; 'auto' values are filled from these settings."
+    )
+    keep_last_graph: bool = opt(
+        True, "Gradient cache: keep the last micro-batch's graph from the first pass instead of re-forwarding it."
+    )
+    torchcompile: bool = opt(
+        False, "torch.compile every transformer block (OpenCLIP --torchcompile); compiled on first use."
+    )
+    torchcompile_backend: str = opt("inductor", "torch.compile backend for --torchcompile (e.g. inductor, aot_eager).")
+    torchcompile_mode: str = opt(
+        "default",
+        "torch.compile mode for --torchcompile (CUDA-graph modes are not offered: the gradient cache re-forwards "
+        "with restored RNG and ZeRO hooks run between blocks).",
+        choices=("default", "max-autotune-no-cudagraphs"),
+    )
+
+    def check(self) -> None:
+        for key, v in (("batch_size", self.batch_size), ("accum_freq", self.accum_freq), ("epochs", self.epochs)):
+            if v < 1:
+                raise ConfigError(f"'{key}' must be >= 1, got {v}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ConfigError(f"'max_steps' must be >= 1, got {self.max_steps}")
+
 
 # Top-level keys DeepSpeed 0.19 reads (docs: deepspeed.ai/docs/config-json). Anything else is a typo.
 KNOWN_TOP_LEVEL = {
@@ -115,6 +169,7 @@ KNOWN_BF16 = {
 
 
 def _zero_keys() -> set[str]:
+    # lazy: the run config imports this module for TrainArgs; deepspeed loads only when a JSON is resolved
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
     names = set()
@@ -131,7 +186,6 @@ class Precision:
 
     @property
     def torch_dtype(self):
-        import torch
 
         return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.name]
 
@@ -256,8 +310,6 @@ def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, *, world_size: int, d
         fp16 = ds["fp16"]
         fp16.setdefault("loss_scale", 0)  # 0 = dynamic loss scaling
         fp16.setdefault("initial_scale_power", 16)
-    if precision == "bf16" and zero.get("stage", 0) == 0 and device_type == "cpu":
-        pass  # supported; noted because BF16_Optimizer disables coalesced reduction (handled in gradcache)
 
     # Optimizer: if the JSON has an optimizer block DeepSpeed builds it; fill its auto params.
     if "optimizer" in ds:
