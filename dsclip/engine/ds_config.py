@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dsclip.config_base import ConfigError, opt
+from dsclip.engine.optim import OptimArgs
 
 if TYPE_CHECKING:  # the run config assembles this module's TrainArgs: a runtime import would be circular
     from dsclip.config import RunConfig
@@ -241,6 +242,27 @@ def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, *, world_size: int, d
     where = f"DeepSpeed config {cfg.train.deepspeed_config}"
     if not isinstance(ds, dict):
         raise ConfigError(f"{where} must be a JSON object")
+    _check_structure(ds, where)
+    _fill_batch(ds, cfg.train, world_size, where)
+    clip = cfg.optim.grad_clip_norm if cfg.optim.grad_clip_norm is not None else 0.0
+    _fill(ds, "gradient_clipping", clip, where, what="--grad-clip-norm")
+    _fill_precision(ds, cfg.train, where, device_type)
+    _fill_optimizer(ds, cfg.optim, where)
+
+    ac = ds.get("activation_checkpointing", {})
+    if device_type == "cpu" and ac.get("cpu_checkpointing"):
+        # Activations already live in host memory; DeepSpeed 0.19's offload path then hands the
+        # recomputation an empty tensor ("expected input with shape [*, W], but got input of size[]").
+        print(f"dsclip: {where}: activation_checkpointing.cpu_checkpointing ignored on a CPU device", flush=True)
+        ac["cpu_checkpointing"] = False
+
+    ds.setdefault("steps_per_print", 10**9)  # dsclip prints its own, honest, line
+    ds.setdefault("wall_clock_breakdown", False)
+    return ds
+
+
+def _check_structure(ds: dict[str, Any], where: str) -> None:
+    """Unknown keys (DeepSpeed would ignore them) and blocks dsclip cannot honour are errors."""
     _check_keys(ds, KNOWN_TOP_LEVEL, where)
     zero = ds.setdefault("zero_optimization", {"stage": 0})
     _check_keys(zero, _zero_keys(), f"{where} zero_optimization")
@@ -262,8 +284,10 @@ def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, *, world_size: int, d
     if "scheduler" in ds:
         raise ConfigError(f"{where} has a 'scheduler' block; dsclip owns the schedule: use --lr-scheduler/--warmup")
 
+
+def _fill_batch(ds: dict[str, Any], train: TrainArgs, world_size: int, where: str) -> None:
     # Batch triad, in the user's terms: micro-batch × accum_freq × world = global batch.
-    b, k = cfg.train.batch_size, cfg.train.accum_freq
+    b, k = train.batch_size, train.accum_freq
     _fill(ds, "train_micro_batch_size_per_gpu", b, where, what="--batch-size, per rank")
     _fill(ds, "gradient_accumulation_steps", k, where, what="--accum-freq")
     _fill(
@@ -278,11 +302,10 @@ def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, *, world_size: int, d
     ds["gradient_accumulation_steps"] = 1
     ds["train_batch_size"] = b * k * world_size
 
-    clip = cfg.optim.grad_clip_norm if cfg.optim.grad_clip_norm is not None else 0.0
-    _fill(ds, "gradient_clipping", clip, where, what="--grad-clip-norm")
 
+def _fill_precision(ds: dict[str, Any], train: TrainArgs, where: str, device_type: str) -> None:
     # Precision: the JSON may fix it (zero2_bf16.json) or leave it "auto" for --precision.
-    run_p = normalize_precision(cfg.train.precision)
+    run_p = normalize_precision(train.precision)
     json_p = None
     for name in ("bf16", "fp16"):
         enabled = ds.get(name, {}).get("enabled", "auto")
@@ -295,7 +318,7 @@ def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, *, world_size: int, d
         json_p = "fp32"
     if json_p and run_p != "auto" and json_p != run_p:
         raise ConfigError(
-            f"{where} sets precision {json_p} but --precision is {cfg.train.precision}; "
+            f"{where} sets precision {json_p} but --precision is {train.precision}; "
             f"use a matching config (ds_configs/*_{run_p}.json) or --precision auto"
         )
     precision = json_p or (run_p if run_p != "auto" else "fp32")
@@ -311,10 +334,11 @@ def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, *, world_size: int, d
         fp16.setdefault("loss_scale", 0)  # 0 = dynamic loss scaling
         fp16.setdefault("initial_scale_power", 16)
 
+
+def _fill_optimizer(ds: dict[str, Any], o: OptimArgs, where: str) -> None:
     # Optimizer: if the JSON has an optimizer block DeepSpeed builds it; fill its auto params.
     if "optimizer" in ds:
         params = ds["optimizer"].setdefault("params", {})
-        o = cfg.optim
         _fill(params, "lr", o.lr, f"{where} optimizer.params", what="--lr")
         _fill(params, "weight_decay", o.wd, f"{where} optimizer.params", what="--wd")
         _fill(params, "betas", [o.beta1, o.beta2], f"{where} optimizer.params", what="--beta1/--beta2")
@@ -322,19 +346,8 @@ def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, *, world_size: int, d
     else:
         # We hand DeepSpeed a torch AdamW; ZeRO wants this acknowledged explicitly.
         ds.setdefault("zero_allow_untested_optimizer", True)
-        if zero.get("offload_optimizer", {}).get("device", "none") not in ("none", None):
+        if ds["zero_optimization"].get("offload_optimizer", {}).get("device", "none") not in ("none", None):
             ds.setdefault("zero_force_ds_cpu_optimizer", False)
-
-    ac = ds.get("activation_checkpointing", {})
-    if device_type == "cpu" and ac.get("cpu_checkpointing"):
-        # Activations already live in host memory; DeepSpeed 0.19's offload path then hands the
-        # recomputation an empty tensor ("expected input with shape [*, W], but got input of size[]").
-        print(f"dsclip: {where}: activation_checkpointing.cpu_checkpointing ignored on a CPU device", flush=True)
-        ac["cpu_checkpointing"] = False
-
-    ds.setdefault("steps_per_print", 10**9)  # dsclip prints its own, honest, line
-    ds.setdefault("wall_clock_breakdown", False)
-    return ds
 
 
 def zero_stage(ds: dict[str, Any]) -> int:

@@ -50,12 +50,17 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--val-data", help="Retrieval set: webdataset shards or CSV/TSV.")
     p.add_argument("--val-num-samples", type=int, help="Use at most this many images of --val-data.")
-    p.add_argument("--csv-img-key", default="filepath")
-    p.add_argument("--csv-caption-key", default="title")
-    p.add_argument("--csv-separator", default="\t")
-    p.add_argument("--demo-eval-samples", type=int, default=1000)
+    # The data settings eval shares with training take their defaults and help from DataConfig.
+    for name, tp in (
+        ("csv_img_key", str),
+        ("csv_caption_key", str),
+        ("csv_separator", str),
+        ("demo_eval_samples", int),
+    ):
+        f = DataConfig.__dataclass_fields__[name]
+        p.add_argument("--" + name.replace("_", "-"), type=tp, default=f.default, help=f.metadata["help"])
     p.add_argument("--batch-size", type=int, default=256)
-    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--workers", type=int, default=2, help="DataLoader workers (eval's own default).")
     p.add_argument("--device", default=None, help="Default: cuda if available, else cpu.")
     p.add_argument("--force-image-size", type=int)
     p.add_argument("--results", default="results.jsonl", help="Append one JSON record here.")
