@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from deepspeed.checkpoint import ds_to_universal
 
 from dsclip.checkpoint.layout import COMPLETE, STATE_FILE
 from dsclip.dist import barrier
@@ -52,6 +51,8 @@ def needs_universal(state: dict[str, Any], world_size: int) -> bool:
 
 def convert_to_universal(ckpt_dir: Path, tag: str) -> Path:
     """Write ``<ckpt_dir>/<tag>/universal`` (idempotent; single process). Returns that folder."""
+    # lazy: the run config imports this package (CheckpointArgs); deepspeed loads only for a conversion
+    from deepspeed.checkpoint import ds_to_universal
 
     tag_dir = Path(ckpt_dir) / tag
     out = tag_dir / UNIVERSAL

@@ -46,7 +46,6 @@ import sys
 from dataclasses import dataclass
 from datetime import timedelta
 
-import deepspeed
 import torch
 import torch.distributed as dist
 
@@ -300,6 +299,9 @@ def init_distributed(timeout_s: float | None = None, backend: str | None = None)
     if backend == "nccl":
         torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
     timeout = resolve_timeout(timeout_s)
+
+    # lazy: launchers' stand-ins and the CLI's error path import this module; deepspeed takes seconds to load
+    import deepspeed
 
     deepspeed.init_distributed(dist_backend=backend, timeout=timeout, auto_mpi_discovery=False, verbose=info.rank == 0)
     release_shm_workspace()
