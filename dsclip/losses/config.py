@@ -47,11 +47,11 @@ class LossConfig:
         if self.name not in LOSS_NAMES:
             raise ValueError(f"unknown loss {self.name!r}; choose one of {', '.join(LOSS_NAMES)}")
         if int(self.tile_size) < 1:
-            raise ValueError(f"tile_size must be >= 1, got {self.tile_size}")
+            raise ValueError(f"tile_size (--loss-tile-size) must be >= 1, got {self.tile_size}")
         if not 0.0 <= self.label_smoothing < 1.0:
-            raise ValueError(f"label_smoothing must be in [0, 1), got {self.label_smoothing}")
+            raise ValueError(f"label_smoothing (--label-smoothing) must be in [0, 1), got {self.label_smoothing}")
         if self.name == "siglip" and self.label_smoothing:
-            raise ValueError("label_smoothing applies to the InfoNCE losses, not siglip")
+            raise ValueError("label_smoothing (--label-smoothing) applies to the InfoNCE losses, not siglip")
 
 
 @dataclass
@@ -91,10 +91,10 @@ class LossArgs:
             )
         if self.siglip and (self.tiled_loss or self.local_loss):
             raise ConfigError("--siglip already uses a memory-bounded ring loss; drop --tiled-loss/--local-loss")
-        if self.loss_tile_size < 1:
-            raise ConfigError(f"'loss_tile_size' must be >= 1, got {self.loss_tile_size}")
-        if not 0.0 <= self.label_smoothing < 1.0:
-            raise ConfigError(f"'label_smoothing' must be in [0, 1), got {self.label_smoothing}")
+        try:  # the values themselves: LossConfig's checks are the only ones
+            self.loss_config()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
     def loss_config(self) -> LossConfig:
         return LossConfig(name=self.name, tile_size=self.loss_tile_size, label_smoothing=self.label_smoothing)
