@@ -20,6 +20,7 @@ from deepspeed.runtime.activation_checkpointing import checkpointing as ds_ckpt
 from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
+from dsclip.dist import rank_world
 from dsclip.engine import optim
 from dsclip.engine.compile import compile_towers
 from dsclip.engine.ds_config import precision_of, zero_stage
@@ -95,7 +96,7 @@ def build_engine(
         enable_activation_checkpointing(model, ds_config)
     if cfg.train.torchcompile:
         n = compile_towers(model, cfg.train.torchcompile_backend, cfg.train.torchcompile_mode, device_type())
-        if torch.distributed.get_rank() == 0:
+        if rank_world()[0] == 0:
             print(
                 f"dsclip: --torchcompile: {n} transformer blocks compiled in place with "
                 f"{cfg.train.torchcompile_backend} (the first steps include compilation)",
