@@ -48,6 +48,11 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 
+import torch
+import torch.distributed as dist
+
+from dsclip.dist import initialized, rank_world
+
 # Exit code of a run that stopped early on request (preemption signal) after saving a checkpoint:
 # the launch scripts requeue the job when they see it. 0 = finished, anything else = failure.
 EXIT_REQUEUE = 85
@@ -473,8 +478,6 @@ def init_distributed(timeout_s: float | None = None, backend: str | None = None)
     Backend: ``backend`` or ``DSCLIP_DIST_BACKEND``, else nccl on CUDA and gloo otherwise. Also
     called for a single process (DeepSpeed needs a process group either way). Idempotent.
     """
-    import torch
-    import torch.distributed as dist
 
     if _state["info"] is not None and dist.is_initialized():
         return _state["info"]
@@ -492,6 +495,7 @@ def init_distributed(timeout_s: float | None = None, backend: str | None = None)
     check_master_port(info)
     timeout = resolve_timeout(timeout_s)
 
+    # lazy: launchers' stand-ins and the CLI's error path import this module; deepspeed takes seconds to load
     import deepspeed
 
     deepspeed.init_distributed(dist_backend=backend, timeout=timeout, auto_mpi_discovery=False, verbose=info.rank == 0)
@@ -528,9 +532,8 @@ def release_shm_workspace() -> bool:
     Safe to call more than once and where the segment does not exist (GPU runs). Collective when
     the world has more than one rank: call it on every rank. Returns True if a segment was removed.
     """
-    import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()):
+    if not initialized():
         return False
     path = SHM_WORKSPACE.format(
         uid=os.getuid(),
@@ -560,9 +563,8 @@ def world_info() -> WorldInfo | None:
 
 def shutdown(barrier: bool = True) -> None:
     """End the process group: barrier (all ranks done) then destroy_process_group. Idempotent."""
-    import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()):
+    if not initialized():
         return
     try:
         if barrier and dist.get_world_size() > 1:
@@ -658,10 +660,7 @@ def preemption_requested(sync: bool = True) -> str | None:
     local = local_stop_flags()
     if not sync:
         return stop_reason(local)
-    import torch
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if rank_world()[1] == 1:
         return stop_reason(local)
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"
     flags = torch.tensor(local, dtype=torch.float32, device=device)
