@@ -38,6 +38,12 @@ def device_type() -> str:
     return get_accelerator().device_name()  # "cuda" | "cpu" | ...
 
 
+def optimizer_offloaded(ds_config: dict) -> bool:
+    """ZeRO-Offload of the optimizer: its states and step live in host memory."""
+    off = ds_config.get("zero_optimization", {}).get("offload_optimizer") or {}
+    return off.get("device", "none") not in ("none", None)
+
+
 def construction_context(ds_config: dict):
     """ZeRO-3: partition parameters as they are created, so no rank ever holds the full model."""
     if zero_stage(ds_config) == 3:
@@ -119,7 +125,9 @@ def build_engine(
     if "optimizer" in ds_config:
         kwargs["model_parameters"] = optim.param_groups(model, cfg.optim.wd)
     else:
-        kwargs["optimizer"] = optim.build_optimizer(model, cfg.optim, device_type())
+        kwargs["optimizer"] = optim.build_optimizer(
+            model, cfg.optim, device_type(), cpu_offload=optimizer_offloaded(ds_config)
+        )
     engine, _, _, _ = deepspeed.initialize(**kwargs)
     return EngineBundle(engine, ds_config, zero_stage(ds_config), precision_of(ds_config).name)
 
