@@ -95,7 +95,7 @@ def main(argv=None) -> int:
                     acc["first" if first else "rest"].append(rec["samples_per_s"])
                     acc["first_wait" if first else "rest_wait"].append(rec["data_wait_frac"])
                 print(
-                    f"round {r + 1} {variant}: first windows {[round(x, 1) for x in acc['first'][-(a.epochs - 1):]]}",
+                    f"round {r + 1} {variant}: first windows {[round(x, 1) for x in acc['first'][-(a.epochs - 1) :]]}",
                     flush=True,
                 )
     print(
