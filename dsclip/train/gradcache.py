@@ -36,6 +36,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from dsclip.engine.grad_hooks import hooks_removable, zero_grad_hooks_suspended
+
 Batch = tuple[torch.Tensor, torch.Tensor]  # images (B,3,H,W), tokens (B,L)
 
 
@@ -100,6 +102,8 @@ class GradCacheStep:
         if reduction not in ("coalesced", "boundary", "naive"):
             raise ValueError(f"unknown reduction {reduction!r}")
         self.reduction = reduction
+        # ZeRO-1/2 hooks do nothing useful inside a coalesced block (dsclip/engine/grad_hooks.py)
+        self.skip_zero_hooks = reduction == "coalesced" and hooks_removable(engine)
         self.last_cached: list[tuple[torch.Tensor, torch.Tensor]] = []  # pass-1 embeddings, for tests
         self.last_reforwarded: list[tuple[torch.Tensor, torch.Tensor]] = []
 
@@ -186,7 +190,8 @@ class GradCacheStep:
         order = list(range(k - 1)) + [k - 1]  # the kept chunk last: its graph is already there
         e = self.engine
         ctx = e.coalesce_grad_reduction() if self.reduction == "coalesced" else contextlib.nullcontext()
-        with ctx:
+        hooks = zero_grad_hooks_suspended(e) if self.skip_zero_hooks else contextlib.nullcontext()
+        with ctx, hooks:  # hooks re-registered before the coalesced reduction runs
             for n, i in enumerate(order):
                 final = n == len(order) - 1
                 if self.reduction != "naive":
