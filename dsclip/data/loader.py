@@ -45,7 +45,7 @@ class TrainData:
     """
 
     num_samples: int  # samples per epoch, all ranks together (= steps_per_epoch * batch_size * world_size)
-    steps_per_epoch: int
+    steps_per_epoch: int  # micro-batches per epoch on each rank (an optimizer step takes accum_freq of them)
     batch_size: int
     # A requested position at most this many batches ahead of the open stream is reached by reading
     # (the loop leaves steps_per_epoch % accum_freq batches of an epoch unused); further: reopen.

@@ -40,7 +40,7 @@ def test_epoch_eval_time_logged_and_left_out_of_throughput(tmp_path):
         device=torch.device("cpu"),
     )
     ev = TrainingEvaluator(
-        cfg, tokenizer=tok, image_size=32, device=torch.device("cpu"), run_dir=tmp_path, metrics=metrics
+        cfg.log, cfg.data, tokenizer=tok, image_size=32, device=torch.device("cpu"), run_dir=tmp_path, metrics=metrics
     )
     start = metrics.window_start
     ev.epoch_end(_Engine(model), step=7, epoch=0)
