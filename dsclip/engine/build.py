@@ -46,6 +46,12 @@ def device_type() -> str:
     return get_accelerator().device_name()  # "cuda" | "cpu" | ...
 
 
+def optimizer_offloaded(ds_config: dict) -> bool:
+    """ZeRO-Offload of the optimizer: its states and step live in host memory."""
+    off = ds_config.get("zero_optimization", {}).get("offload_optimizer") or {}
+    return off.get("device", "none") not in ("none", None)
+
+
 def construction_context(ds_config: dict):
     """ZeRO-3: partition parameters as they are created, so no rank ever holds the full model."""
     if zero_stage(ds_config) == 3:
@@ -111,7 +117,9 @@ def build_engine(
     if "optimizer" in ds_config:
         kwargs["model_parameters"] = optim.param_groups(model, cfg.optim.wd)
     else:
-        kwargs["optimizer"] = optim.build_optimizer(model, cfg.optim, device_type())
+        kwargs["optimizer"] = optim.build_optimizer(
+            model, cfg.optim, device_type(), cpu_offload=optimizer_offloaded(ds_config)
+        )
     # DeepSpeed binds set_device(LOCAL_RANK) unless told otherwise: with one GPU per task
     # (--gpus-per-task=1) local rank 3 would ask for device 3 of 1. Hand it the index world.py bound.
     dev = world.device_rank()

@@ -360,10 +360,9 @@ def _fill_optimizer(ds: dict[str, Any], o: OptimArgs, where: str) -> None:
         _fill(params, "betas", [o.beta1, o.beta2], f"{where} optimizer.params", what="--beta1/--beta2")
         _fill(params, "eps", o.eps, f"{where} optimizer.params", what="--eps")
     else:
-        # We hand DeepSpeed a torch AdamW; ZeRO wants this acknowledged explicitly.
+        # We hand DeepSpeed our own AdamW (engine/optim.py: torch's, or DeepSpeedCPUAdam under
+        # offload_optimizer, which ZeRO-Offload then accepts as its own); ZeRO wants this acknowledged.
         ds.setdefault("zero_allow_untested_optimizer", True)
-        if ds["zero_optimization"].get("offload_optimizer", {}).get("device", "none") not in ("none", None):
-            ds.setdefault("zero_force_ds_cpu_optimizer", False)
 
 
 def zero_stage(ds: dict[str, Any]) -> int:

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from dsclip.dist import rank_world
+from dsclip.engine.grad_hooks import hooks_removable, zero_grad_hooks_suspended
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # images (B,3,H,W), tokens (B,L)
 
@@ -106,6 +107,8 @@ class GradCacheStep:
         if reduction not in ("coalesced", "boundary"):
             raise ValueError(f"unknown reduction {reduction!r}")
         self.reduction = reduction
+        # ZeRO-1/2 hooks do nothing useful inside a coalesced block (dsclip/engine/grad_hooks.py)
+        self.skip_zero_hooks = reduction == "coalesced" and hooks_removable(engine)
 
     def _coalescing_supported(self) -> bool:
         e = self.engine
@@ -148,7 +151,8 @@ class GradCacheStep:
         k = len(micro_batches)
         e = self.engine
         ctx = e.coalesce_grad_reduction() if self.reduction == "coalesced" else contextlib.nullcontext()
-        with ctx:
+        hooks = zero_grad_hooks_suspended(e) if self.skip_zero_hooks else contextlib.nullcontext()
+        with ctx, hooks:  # hooks re-registered before the coalesced reduction runs
             for i in range(k):
                 final = i == k - 1
                 e.set_gradient_accumulation_boundary(final)
