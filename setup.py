@@ -5,8 +5,10 @@ setup(
     version="0.1.0",
     description="CLIP-style contrastive image-text training on DeepSpeed (ZeRO-2/3, gradient cache, sharded losses)",
     python_requires=">=3.10",
-    packages=find_packages(include=["dsclip", "dsclip.*"]),
-    package_data={"dsclip": ["model/configs/*.json", "recipes/*.yaml", "data/*.txt", "ds_configs/*.json"]},
+    # ds_configs/ stays a top-level folder of the repository; wheels carry it as the package data dsclip/ds_configs.
+    packages=find_packages(include=["dsclip", "dsclip.*"]) + ["dsclip.ds_configs"],
+    package_dir={"dsclip.ds_configs": "ds_configs"},
+    package_data={"dsclip": ["model/configs/*.json", "recipes/*.yaml", "data/*.txt"], "dsclip.ds_configs": ["*.json"]},
     install_requires=[
         "torch>=2.4",
         "torchvision",

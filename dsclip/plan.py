@@ -32,13 +32,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from dsclip.config_base import ConfigError
+from dsclip.engine.ds_config import SHIPPED_DS_CONFIGS
 from dsclip.losses.config import LOSS_FLAGS, TRAIN_TILE_SIZE
 from dsclip.losses.config import LOSS_NAMES as LOSS_MODES
 from dsclip.model import create_model, get_model_config, resolve_model_config
 
 GiB = 2**30
 ROOT = Path(__file__).resolve().parents[1]
-SHIPPED_DS_CONFIGS = Path(__file__).resolve().parent / "ds_configs"  # package data (as engine/ds_config.py)
 
 
 # ---------------------------------------------------------------------------------------------------

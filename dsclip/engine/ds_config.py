@@ -200,7 +200,17 @@ def normalize_precision(p: str) -> str:
 
 
 # Shipped inside the package (package data), so an installed dsclip has them from any directory.
-SHIPPED_DS_CONFIGS = Path(__file__).resolve().parents[1] / "ds_configs"
+
+
+def _shipped_ds_configs() -> Path:
+    """The shipped JSONs: the top-level ds_configs/ of a source checkout (the folder users read and copy), or
+    dsclip/ds_configs inside an installed wheel (setup.py maps the one onto the other as package data)."""
+    package = Path(__file__).resolve().parents[1]
+    installed = package / "ds_configs"
+    return installed if installed.is_dir() else package.parent / "ds_configs"
+
+
+SHIPPED_DS_CONFIGS = _shipped_ds_configs()
 
 
 def shipped_ds_config_path(name: str | Path) -> Path | None:

@@ -20,7 +20,7 @@ def resolve(raw, world=2, device="cpu", **kw):
     return resolve_ds_config(raw, cfg(**kw), world_size=world, device_type=device)
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "dsclip" / "ds_configs").glob("*.json")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", sorted((ROOT / "ds_configs").glob("*.json")), ids=lambda p: p.name)
 def test_shipped_configs_resolve(path):
     raw = load_ds_json(path)
     precision = "auto"
@@ -93,7 +93,7 @@ def test_invalid_json_and_missing_file(tmp_path):
 def test_shipped_configs_by_name_from_any_directory(tmp_path, monkeypatch):
     """`--deepspeed-config zero3_bf16` (and the ds_configs/... spelling) from a directory that is not
     the checkout: the JSONs are package data next to the code."""
-    shipped = json.loads((ROOT / "dsclip" / "ds_configs" / "zero3_bf16.json").read_text())
+    shipped = json.loads((ROOT / "ds_configs" / "zero3_bf16.json").read_text())
     monkeypatch.chdir(tmp_path)
     assert load_ds_json("zero3_bf16") == shipped
     assert load_ds_json("zero3_bf16.json") == shipped
