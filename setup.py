@@ -6,7 +6,7 @@ setup(
     description="CLIP-style contrastive image-text training on DeepSpeed (ZeRO-2/3, gradient cache, sharded losses)",
     python_requires=">=3.10",
     packages=find_packages(include=["dsclip", "dsclip.*"]),
-    package_data={"dsclip": ["model/configs/*.json", "recipes/*.yaml", "data/*.txt"]},
+    package_data={"dsclip": ["model/configs/*.json", "recipes/*.yaml", "data/*.txt", "eval/*.tsv"]},
     install_requires=[
         "torch>=2.4",
         "torchvision",
@@ -21,8 +21,8 @@ setup(
     ],
     extras_require={
         # open_clip_torch is only a test dependency: interop tests load our exports with OpenCLIP itself.
-        "dev": ["pytest", "pytest-timeout", "ruff", "open_clip_torch"],
-        "openclip": ["open_clip_torch"],
+        "dev": ["pytest", "pytest-timeout", "ruff", "open_clip_torch", "transformers", "tokenizers"],
+        "openclip": ["open_clip_torch", "tokenizers"],
     },
     entry_points={"console_scripts": ["dsclip=dsclip.cli:main"]},
 )

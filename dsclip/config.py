@@ -24,6 +24,7 @@ from typing import Any, get_args, get_origin, get_type_hints
 import yaml
 
 from dsclip.data.config import DataConfig
+from dsclip.model.lock import LockConfig
 
 
 class ConfigError(ValueError):
@@ -46,7 +47,12 @@ PRECISIONS = ("auto", "fp32", "bf16", "fp16", "amp", "amp_bf16", "amp_bfloat16",
 @dataclass
 class ModelArgs:
     model: str = opt("demo", "Architecture name (dsclip/model/configs/*.json, OpenCLIP schema) or a JSON path.")
-    pretrained: str | None = opt(None, "Initial weights: a dsclip or OpenCLIP checkpoint (.safetensors/.pt/.bin).")
+    pretrained: str | None = opt(
+        None,
+        "Initial weights: a dsclip or OpenCLIP checkpoint (.safetensors/.pt/.bin or a folder), an OpenCLIP "
+        "pretrained tag of --model (laion2b_s34b_b79k), open_clip:MODEL/TAG, or hf-hub:ORG/NAME.",
+    )
+    cache_dir: str | None = opt(None, "Where --pretrained downloads are cached (OpenCLIP's --cache-dir).")
     siglip: bool = opt(False, "Use the sigmoid (SigLIP) loss with a learnable logit_bias.")
     force_patch_dropout: float | None = opt(
         None, "Override the architecture's patch-dropout rate (FLIP), as OpenCLIP's flag: training only."
@@ -152,6 +158,7 @@ SECTIONS: dict[str, type] = {
     "optim": OptimArgs,
     "train": TrainArgs,
     "data": DataConfig,
+    "lock": LockConfig,
     "log": LogArgs,
     "checkpoint": CheckpointArgs,
 }
@@ -164,6 +171,7 @@ class RunConfig:
     optim: OptimArgs = field(default_factory=OptimArgs)
     train: TrainArgs = field(default_factory=TrainArgs)
     data: DataConfig = field(default_factory=DataConfig)
+    lock: LockConfig = field(default_factory=LockConfig)
     log: LogArgs = field(default_factory=LogArgs)
     checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
 
@@ -362,6 +370,11 @@ def validate(cfg: RunConfig, *, world_size: int | None = None) -> None:
         raise ConfigError(f"'label_smoothing' must be in [0, 1), got {lo.label_smoothing}")
     if cfg.model.force_patch_dropout is not None and not 0.0 <= cfg.model.force_patch_dropout < 1.0:
         raise ConfigError(f"'force_patch_dropout' must be in [0, 1), got {cfg.model.force_patch_dropout}")
+    d = cfg.data
+    if d.imagenet_val:  # OpenCLIP's name for a zero-shot class folder laid out by WordNet id
+        if d.zeroshot_data and d.zeroshot_data != d.imagenet_val:
+            raise ConfigError("give either --imagenet-val or --zeroshot-data, not both")
+        d.zeroshot_data = d.imagenet_val
     if cfg.log.log_every_n_steps < 1:
         raise ConfigError("'log_every_n_steps' must be >= 1")
     for r in filter(None, cfg.log.report_to.split(",")):

@@ -56,6 +56,13 @@ class DataConfig:
         default=None,
         metadata={"help": "Zero-shot class-folder dataset (DIR/<class>/*.jpg), or 'demo' for the demo's held-out set."},
     )
+    imagenet_val: str | None = field(
+        default=None,
+        metadata={
+            "help": "ImageNet validation folder (DIR/<wnid>/*.JPEG) for zero-shot: built-in ImageNet-1k class "
+            "names and OpenCLIP's prompts (OpenCLIP's flag; the same as --zeroshot-data DIR)."
+        },
+    )
     zeroshot_templates: str | None = field(
         default=None,
         metadata={
@@ -63,7 +70,11 @@ class DataConfig:
         },
     )
     force_image_size: int | None = field(
-        default=None, metadata={"help": "Override the model's image size for the data transforms."}
+        default=None,
+        metadata={
+            "help": "Train at this image size (OpenCLIP's flag): the ViT is built at this size and --pretrained "
+            "position embeddings of another size are resampled."
+        },
     )
     tokenizer: str | None = field(
         default=None,

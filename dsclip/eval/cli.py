@@ -32,6 +32,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", help="SentencePiece model (default: tokenizer.model beside the weights, or demo).")
     p.add_argument("--zeroshot-data", help="Class-folder dataset DIR/<class>/*.jpg, or 'demo'.")
     p.add_argument(
+        "--imagenet-val",
+        help="ImageNet validation folder DIR/<wnid>/*.JPEG (OpenCLIP's flag): built-in class names, OpenCLIP prompts.",
+    )
+    p.add_argument(
         "--zeroshot-templates",
         help="Prompt templates file, one per line with {c} (default: OpenCLIP "
         "ImageNet templates; demo: the demo prompts).",
@@ -64,8 +68,12 @@ def _load_openclip_pretrained(name: str, path: str, device):
 def main_eval(argv: list[str]) -> int:
     """Entry point of ``dsclip eval``; returns the exit code."""
     a = _parser().parse_args(argv)
+    if a.imagenet_val and a.zeroshot_data and a.imagenet_val != a.zeroshot_data:
+        print("dsclip eval: error: give either --imagenet-val or --zeroshot-data, not both", file=sys.stderr)
+        return 2
+    a.zeroshot_data = a.zeroshot_data or a.imagenet_val
     if not a.zeroshot_data and not a.val_data:
-        print("dsclip eval: error: give --zeroshot-data and/or --val-data", file=sys.stderr)
+        print("dsclip eval: error: give --zeroshot-data (or --imagenet-val) and/or --val-data", file=sys.stderr)
         return 2
     import torch
 

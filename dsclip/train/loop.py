@@ -22,7 +22,8 @@ from dsclip.engine import world
 from dsclip.engine.build import autocast_dtype, build_engine, device_type
 from dsclip.engine.ds_config import load_ds_json, resolve_ds_config
 from dsclip.losses import build_loss
-from dsclip.model import create_model, get_model_config
+from dsclip.model import create_model
+from dsclip.train import finetune
 from dsclip.train.evaluation import TrainingEvaluator
 from dsclip.train.gradcache import GradCacheStep
 from dsclip.train.metrics import MetricsLogger
@@ -147,7 +148,8 @@ def build_run(cfg: RunConfig) -> Run:
     run_dir = cfg.run_dir
 
     # --- config: everything checked before any expensive work ---
-    model_cfg = get_model_config(cfg.model.model)
+    ft = finetune.prepare(cfg, rank=rank)  # --pretrained by name, --force-image-size, locking flags
+    model_cfg = ft.model_cfg
     ds_config = resolve_ds_config(
         load_ds_json(cfg.train.deepspeed_config), cfg, world_size=world_size, device_type=device_type()
     )
@@ -197,22 +199,19 @@ def build_run(cfg: RunConfig) -> Run:
     if cfg.train.max_steps is not None:
         total_steps = min(total_steps, cfg.train.max_steps)
 
+    model_kwargs = dict(
+        force_patch_dropout=cfg.model.force_patch_dropout,
+        vocab_size=tokenizer.vocab_size,
+        context_length=context_length,
+        eos_id=tokenizer.eos_id,
+        pad_id=tokenizer.pad_id,
+        init_logit_bias=SIGLIP_INIT_LOGIT_BIAS if cfg.model.siglip else None,
+    )
+    ft.check_weights(create_model(model_cfg, device="meta", **model_kwargs).config)  # one-line error, nothing built
+
     def model_factory():
         torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
-        return create_model(
-            model_cfg,
-            force_patch_dropout=cfg.model.force_patch_dropout,
-            vocab_size=tokenizer.vocab_size,
-            context_length=context_length,
-            eos_id=tokenizer.eos_id,
-            pad_id=tokenizer.pad_id,
-            init_logit_bias=SIGLIP_INIT_LOGIT_BIAS if cfg.model.siglip else None,
-        )
-
-    def load_pretrained(model):
-        from dsclip.checkpoint.pretrained import load_pretrained_into
-
-        load_pretrained_into(model, cfg.model.pretrained)
+        return create_model(model_cfg, **model_kwargs)
 
     # --- engine and the components that own their cadence ---
     bundle = build_engine(
@@ -221,7 +220,7 @@ def build_run(cfg: RunConfig) -> Run:
         model_factory,
         total_steps=total_steps,
         steps_per_epoch=steps_per_epoch,
-        after_construction=load_pretrained if cfg.model.pretrained else None,
+        after_construction=ft.after_construction,  # pretrained weights, then locking
     )
     engine = bundle.engine
     loss_fn = build_loss(cfg.loss_name, tile_size=cfg.loss.loss_tile_size, label_smoothing=cfg.loss.label_smoothing)
@@ -279,4 +278,5 @@ def build_run(cfg: RunConfig) -> Run:
             f"{samples_per_step} | {steps_per_epoch} steps/epoch | {total_steps} steps | run {run_dir}",
             flush=True,
         )
+        print(f"dsclip: {ft.summary(bundle.precision, bundle.zero_stage, world_size)}", flush=True)
     return run
