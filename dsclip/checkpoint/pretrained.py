@@ -263,13 +263,26 @@ def _first_line(e: BaseException) -> str:
 def resolve_pretrained(model: str, pretrained: str, cache_dir: str | None = None) -> ResolvedPretrained:
     """``--pretrained`` -> a local weights file, the architecture and the tokenizer that go with it.
 
-    - an existing file or folder: used as is (architecture = ``--model``, tokenizer = ``--tokenizer``);
+    - an existing file: used as is (architecture = ``--model``, tokenizer = ``--tokenizer``);
+    - an export folder (``open_clip_config.json`` or dsclip's ``config.json``): its architecture, and its
+      ``tokenizer.model`` (else OpenCLIP's tokenizer for that folder);
     - ``hf-hub:ORG/NAME``: the repo's ``open_clip_config.json`` and weights through open_clip's own
       ``download_pretrained_from_hf`` (Hugging Face cache; ``HF_HUB_OFFLINE=1`` works from a filled cache);
     - ``open_clip:MODEL/TAG`` or a bare ``TAG`` of ``--model``: ``open_clip.get_pretrained_cfg`` +
       ``open_clip.download_pretrained`` (``cache_dir`` = OpenCLIP's ``--cache-dir``).
     Every failure is a one-line ``ConfigError`` (an unknown tag lists the tags of that architecture)."""
-    if Path(pretrained).exists():
+    p = Path(pretrained)
+    if p.is_dir() and any((p / n).is_file() for n in ("open_clip_config.json", "config.json")):
+        # an export folder (dsclip convert, OpenCLIP local-dir): its architecture and tokenizer come with it
+        cfg_file = p / "open_clip_config.json" if (p / "open_clip_config.json").is_file() else p / "config.json"
+        cfg = json.loads(cfg_file.read_text())
+        tokenizer = None
+        if (p / "tokenizer.model").is_file():
+            tokenizer = str(p / "tokenizer.model")
+        elif cfg_file.name == "open_clip_config.json":
+            tokenizer = f"{OPEN_CLIP}local-dir:{p}"
+        return ResolvedPretrained(str(p), str(p), cfg.get("model_cfg", cfg), tokenizer)
+    if p.exists():
         return ResolvedPretrained(pretrained, model, None, None)
     if pretrained.startswith(HF_HUB):
         repo = pretrained[len(HF_HUB) :].strip("/")

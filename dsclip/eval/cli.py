@@ -99,8 +99,12 @@ def main_eval(argv: list[str]) -> int:
             folder = mp if mp.is_dir() else mp.parent
             if (folder / "tokenizer.model").is_file():
                 tok_path = str(folder / "tokenizer.model")
-            elif (folder / "tokenizer.json").is_file():  # {"tokenizer": "open_clip:NAME"} written by convert
-                tok_path = json.loads((folder / "tokenizer.json").read_text())["tokenizer"]
+            elif (folder / "tokenizer.json").is_file():
+                note = json.loads((folder / "tokenizer.json").read_text())
+                if "tokenizer" in note:  # {"tokenizer": "open_clip:NAME"} written by convert
+                    tok_path = note["tokenizer"]
+                elif (folder / "open_clip_config.json").is_file():  # a Hugging Face tokenizer of an OpenCLIP export
+                    tok_path = f"open_clip:local-dir:{folder}"
         if tok_path is None:
             from ..data.demo import ensure_demo_tokenizer
 

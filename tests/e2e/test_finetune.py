@@ -1,0 +1,284 @@
+"""Fine-tuning from OpenCLIP models through the CLI, offline: a local Hugging Face cache written here
+stands in for the hub (``HF_HUB_OFFLINE=1``).
+
+- the README's "Fine-tune an OpenCLIP model" commands, run as written (paths substituted): LiT from an
+  ``hf-hub:`` model on webdataset shards at a new resolution (32 -> 48 px), export, OpenCLIP loads the
+  export and gives dsclip's embeddings, ImageNet-style zero-shot with built-in class names;
+- a sentencepiece-trained run (the demo's BPE tokenizer, and a ``dsclip tokenizer train`` unigram one)
+  exported with ``--format open_clip``: OpenCLIP's own ``get_tokenizer("local-dir:EXPORT")`` gives
+  dsclip's ids and the embeddings match;
+- bad input: one-line errors before training, exit code non-zero, no checkpoint in the run folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.e2e.test_train_cli import ROOT, env
+
+open_clip = pytest.importorskip("open_clip")
+pytest.importorskip("transformers")
+
+PY = sys.executable
+HUB_REPO = "dsclip-test/tiny-clip"
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+ABSENT = ("config.json", "added_tokens.json", "chat_template.json", "chat_template.jinja", "processor_config.json")
+CAPTIONS = ["a small red star on the left", "a big blue circle", "two green triangles at the top right"]
+# real ImageNet-1k WordNet ids (tench, goldfish, great white shark) and their OpenCLIP names
+WNIDS = {"n01440764": "tench", "n01443537": "goldfish", "n01484850": "great white shark"}
+
+
+def hf_repo_dir(cache: Path, repo: str) -> Path:
+    """The snapshot folder of ``repo`` in a Hugging Face hub cache (what huggingface_hub reads offline)."""
+    d = cache / ("models--" + repo.replace("/", "--"))
+    (d / "refs").mkdir(parents=True, exist_ok=True)
+    (d / "refs" / "main").write_text(COMMIT)
+    snap = d / "snapshots" / COMMIT
+    snap.mkdir(parents=True, exist_ok=True)
+    # files the hub is known not to have (what huggingface_hub records after a 404): transformers probes them
+    absent = d / ".no_exist" / COMMIT
+    absent.mkdir(parents=True, exist_ok=True)
+    for name in ABSENT:
+        (absent / name).touch()
+    return snap
+
+
+def demo_tokenizer_path() -> str:
+    from dsclip.data.demo import ensure_demo_tokenizer
+
+    return ensure_demo_tokenizer(Path(os.environ.get("DSCLIP_CACHE", Path.home() / ".cache" / "dsclip")))
+
+
+def write_hub_model(cache: Path, seed: int = 0):
+    """A tiny 32 px CLIP with the demo tokenizer, published the way OpenCLIP hub models are:
+    open_clip_config.json (text_cfg.hf_tokenizer_name = the repo) + open_clip_model.safetensors +
+    Hugging Face tokenizer files."""
+    from dsclip.data.hf_tokenizer import write_hf_tokenizer
+    from dsclip.data.tokenizer import SentencePieceTokenizer
+    from dsclip.model import create_model, export_openclip
+
+    tok = SentencePieceTokenizer(demo_tokenizer_path(), 32)
+    torch.manual_seed(seed)
+    model = create_model(
+        "tiny", vocab_size=tok.vocab_size, eos_id=tok.eos_id, pad_id=tok.pad_id, context_length=32
+    ).eval()
+    snap = hf_repo_dir(cache, HUB_REPO)
+    export_openclip(model.state_dict(), model.config, snap)
+    write_hf_tokenizer(tok.model_path, snap, 32)
+    cfg = json.loads((snap / "open_clip_config.json").read_text())
+    cfg["model_cfg"]["text_cfg"]["hf_tokenizer_name"] = HUB_REPO
+    (snap / "open_clip_config.json").write_text(json.dumps(cfg))
+    return model, tok
+
+
+def write_demo_shards(out: Path, n: int = 64, image_size: int = 48) -> str:
+    from PIL import Image
+
+    from dsclip.data.demo import DemoDataset
+    from dsclip.data.tools import write_shards
+
+    ds = DemoDataset(n, image_size=image_size, seed=3)
+    (out / "img").mkdir(parents=True)
+    samples = []
+    for i in range(n):
+        p = out / "img" / f"{i}.png"
+        Image.fromarray(ds.render(i)).save(p)
+        samples.append((str(p), ds.caption(i)))
+    write_shards(samples, out / "shards", shard_size=32, progress=False)
+    return str(out / "shards" / "shard-{00000..00001}.tar")
+
+
+def write_imagenet_val(root: Path, image_size: int = 48) -> Path:
+    from PIL import Image
+
+    from dsclip.data.demo import DemoDataset
+
+    ds = DemoDataset(6, image_size=image_size, seed=5)
+    for i, wnid in enumerate(sorted(WNIDS) * 2):
+        (root / wnid).mkdir(parents=True, exist_ok=True)
+        Image.fromarray(ds.render(i)).save(root / wnid / f"ILSVRC2012_val_{i:08d}.JPEG", format="JPEG")
+    return root
+
+
+def hub_env(cache: Path) -> dict:
+    e = env()
+    e.update(HF_HUB_CACHE=str(cache), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1")
+    return e
+
+
+def sh(cmd: str, e: dict, cwd: Path, check: bool = True, timeout: int = 900) -> subprocess.CompletedProcess:
+    """One README command line, run as a user would type it (``dsclip`` = this checkout's CLI)."""
+    argv = shlex.split(cmd)
+    if argv[0] == "dsclip":
+        argv = [PY, "-m", "dsclip", *argv[1:]]
+    elif argv[0] == "python":
+        argv[0] = PY
+    p = subprocess.run(argv, cwd=cwd, env=e, capture_output=True, text=True, timeout=timeout)
+    if check and p.returncode != 0:
+        raise AssertionError(f"{cmd} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+    return p
+
+
+def readme_section_commands() -> list[str]:
+    """The shell commands of the README's "Fine-tune an OpenCLIP model" section, continuation lines joined."""
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## Fine-tune an OpenCLIP model", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```bash\n(.*?)```", section, re.S)
+    commands = []
+    for block in blocks:
+        joined = block.replace("\\\n", " ")
+        for line in joined.splitlines():
+            line = line.split(" #", 1)[0].strip() if not line.strip().startswith("python -c") else line.strip()
+            if line and not line.startswith("#"):
+                commands.append(" ".join(line.split()) if not line.startswith("python -c") else line)
+    return commands
+
+
+def test_readme_finetune_section_runs_offline(tmp_path):
+    """LiT from an hf-hub model, 32 -> 48 px, webdataset shards; export; OpenCLIP loads it; zero-shot."""
+    cache = tmp_path / "hf"
+    hub_model, hub_tok = write_hub_model(cache)
+    shards = write_demo_shards(tmp_path)
+    imagenet = write_imagenet_val(tmp_path / "imagenet" / "val")
+    subst = {
+        "/data/shards/{00000..00099}.tar": shards,
+        "--train-num-samples 1000000": "--train-num-samples 64",
+        "hf-hub:laion/CLIP-ViT-B-32-laion2B-s34B-b79K": f"hf-hub:{HUB_REPO}",
+        "--force-image-size 288": "--force-image-size 48",
+        "/data/imagenet/val": str(imagenet),
+        "--cache-dir ~/.cache/open_clip": f"--cache-dir {cache}",
+        "--batch-size 256": "--batch-size 8",
+        "--workers 8": "--workers 0",
+        "--epochs 5": "--epochs 1",
+        "--deepspeed-config ds_configs/zero2_bf16.json": "--deepspeed-config ds_configs/zero2_fp32.json",
+        "--logs ./logs": f"--logs {tmp_path / 'logs'}",
+        "logs/lit-b32": str(tmp_path / "logs" / "lit-b32"),
+        "lit-b32-openclip": str(tmp_path / "lit-b32-openclip"),
+    }
+    commands = readme_section_commands()
+    assert len(commands) >= 4, commands
+    e = hub_env(cache)
+    outputs = []
+    for cmd in commands:
+        for a, b in subst.items():
+            cmd = cmd.replace(a, b)
+        if "--pretrained laion2b" in cmd or "open_clip:ViT-B-32/" in cmd:
+            continue  # the pretrained-tag variants need the real ViT-B-32 download (resolution: see below)
+        outputs.append((cmd, sh(cmd, e, tmp_path)))
+    train_out = next(p.stdout for c, p in outputs if " train " in f" {c} ")
+    assert f"tokenizer open_clip:hf-hub:{HUB_REPO}" in train_out  # chosen automatically
+    assert re.search(r"trainable [\d,]+ of [\d,]+ params \([\d,]+ locked", train_out), train_out
+    export = tmp_path / "lit-b32-openclip"
+
+    # the export: 48 px, the image tower the hub's (locked; positions resampled by timm), the text tower trained
+    from timm.layers import resample_abs_pos_embed
+
+    from dsclip.model import load_model
+
+    ds = load_model(export)
+    assert ds.image_size == 48 and ds.visual.pos_embed.shape[1] == 1 + 36
+    ref = hub_model.state_dict()
+    got = ds.state_dict()
+    for n, v in ref.items():
+        if n == "visual.pos_embed":
+            want = resample_abs_pos_embed(v, new_size=[6, 6], num_prefix_tokens=1)
+            torch.testing.assert_close(got[n], want, atol=1e-6, rtol=0)
+        elif n.startswith("visual."):
+            assert torch.equal(got[n], v), n
+    assert not torch.equal(got["text.text_projection"], ref["text.text_projection"])
+
+    # OpenCLIP loads it at 48 px with its own tokenizer: same ids as the demo sentencepiece model, same embeddings
+    oc, _, preprocess = open_clip.create_model_and_transforms(f"local-dir:{export}")
+    oc_tok = open_clip.get_tokenizer(f"local-dir:{export}")
+    assert torch.equal(oc_tok(CAPTIONS), hub_tok(CAPTIONS))
+    images = torch.randn(3, 3, 48, 48, generator=torch.Generator().manual_seed(0))
+    oc.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(oc.encode_image(images), ds.encode_image(images, normalize=False), atol=1e-5, rtol=0)
+        toks = hub_tok(CAPTIONS)
+        torch.testing.assert_close(oc.encode_text(toks), ds.encode_text(toks, normalize=False), atol=1e-5, rtol=0)
+    eval_out = next(p.stdout for c, p in outputs if c.startswith("dsclip eval"))
+    assert "zeroshot-top1" in eval_out
+
+
+def _train_convert_compare(tmp_path, extra: list[str], tokenizer_path: str | None):
+    from dsclip.data.tokenizer import SentencePieceTokenizer
+    from dsclip.model import load_model
+
+    logs, export = tmp_path / "logs", tmp_path / "export"
+    args = ["train", "--config", "tiny", "--max-steps", "2", "--logs", str(logs), "--name", "r", *extra]
+    sh(shlex.join(["dsclip", *args]), env(), ROOT)
+    sh(shlex.join(["dsclip", "convert", str(logs / "r"), "--format", "open_clip", "-o", str(export)]), env(), ROOT)
+    cfg = json.loads((export / "open_clip_config.json").read_text())
+    assert cfg["model_cfg"]["text_cfg"]["hf_tokenizer_name"]
+    tok = SentencePieceTokenizer(tokenizer_path or str(export / "tokenizer.model"), 32)
+    oc, _, _ = open_clip.create_model_and_transforms(f"local-dir:{export}")
+    oc_tok = open_clip.get_tokenizer(f"local-dir:{export}")
+    texts = CAPTIONS + ["  Extra   spaces and UPPER case  ", "a " + "long " * 60 + "caption", "café ☃ 漢字"]
+    ids = tok(texts)
+    assert torch.equal(oc_tok(texts), ids)
+    assert ids.max() < tok.vocab_size <= 1000  # the sentencepiece vocabulary, not OpenCLIP's BPE (49407)
+    ds = load_model(export)
+    oc.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(
+            oc.encode_text(oc_tok(texts)), ds.encode_text(ids, normalize=False), atol=1e-5, rtol=0
+        )
+
+
+def test_demo_run_export_tokenizes_and_embeds_like_dsclip_in_openclip(tmp_path):
+    _train_convert_compare(tmp_path, [], demo_tokenizer_path())
+
+
+def test_trained_tokenizer_run_export_tokenizes_and_embeds_like_dsclip_in_openclip(tmp_path):
+    from dsclip.data.demo import DemoDataset
+
+    ds = DemoDataset(600, image_size=32, seed=1)
+    (tmp_path / "captions.txt").write_text("\n".join(ds.caption(i) for i in range(600)) + "\n")
+    prefix = tmp_path / "spm" / "clip"
+    sh(f"dsclip tokenizer train --input {tmp_path / 'captions.txt'} --out {prefix} --vocab-size 120", env(), ROOT)
+    _train_convert_compare(tmp_path, ["--tokenizer", f"{prefix}.model"], f"{prefix}.model")
+
+
+# --- bad input ------------------------------------------------------------------------------------------
+def _bad(tmp_path, args: list[str], e: dict | None = None) -> str:
+    run = tmp_path / "logs" / "bad"
+    cmd = ["dsclip", "train", "--config", "tiny", "--logs", str(tmp_path / "logs"), "--name", "bad", *args]
+    p = sh(shlex.join(cmd), e or env(), ROOT, check=False)
+    assert p.returncode != 0, p.stdout
+    errors = [ln for ln in p.stderr.splitlines() if "error:" in ln]
+    assert len(errors) == 1 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert not (run / "checkpoints").exists() and not list(run.rglob("*model_states.pt"))
+    return errors[0]
+
+
+def test_bad_input_is_one_line_before_training(tmp_path):
+    cache = tmp_path / "hf"
+    write_hub_model(cache)
+    e = hub_env(cache)
+    msg = _bad(tmp_path, ["--model", "ViT-B-32", "--pretrained", "laion2b_no_such_tag"], e)
+    assert "neither a file nor an OpenCLIP tag of ViT-B-32" in msg and "laion2b_s34b_b79k" in msg and "openai" in msg
+    msg = _bad(tmp_path, ["--pretrained", "hf-hub:dsclip-test/no-such-model"], e)
+    assert "hf-hub:dsclip-test/no-such-model" in msg
+    msg = _bad(tmp_path, ["--lock-image", "--lock-image-unlocked-groups", "5"])
+    assert "--lock-image-unlocked-groups 5 is out of range: the image tower has 4 groups" in msg
+    msg = _bad(tmp_path, ["--lock-image", "--lock-text", "--lock-text-freeze-layer-norm"])
+    assert "nothing is left to train" in msg
+    # a tag resolved through OpenCLIP's registry to the (offline) cache, whose weights are another architecture:
+    # the tiny hub model placed where open_clip.download_pretrained looks for ViT-B-32/laion2b_s34b_b79k
+    snap = hf_repo_dir(cache, "laion/CLIP-ViT-B-32-laion2B-s34B-b79K")
+    (snap / "open_clip_model.safetensors").symlink_to(hf_repo_dir(cache, HUB_REPO) / "open_clip_model.safetensors")
+    msg = _bad(tmp_path, ["--model", "ViT-B-32", "--pretrained", "laion2b_s34b_b79k", "--cache-dir", str(cache)], e)
+    assert re.search(
+        r"do not fit --model ViT-B-32: first mismatch visual\.\S+: file \(64,?\) vs model \(768,?\)", msg
+    ), msg
+    assert str(snap) in msg  # resolved by OpenCLIP's registry + hub download, offline
