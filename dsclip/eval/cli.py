@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+OPENCLIP_BPE_VOCAB = 49408  # OpenCLIP's SimpleTokenizer (OpenAI BPE)
+
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dsclip eval", description="Zero-shot classification and retrieval.")
@@ -27,7 +29,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--pretrained",
         help="OpenCLIP checkpoint (.pt/.bin/.safetensors, `module.` prefixes and {'state_dict': ...} accepted) "
-        "to load into the --model architecture; use with --tokenizer open_clip:NAME.",
+        "to load into the --model architecture (with OpenCLIP's 49408-token vocabulary the tokenizer defaults "
+        "to open_clip:MODEL).",
     )
     p.add_argument("--tokenizer", help="SentencePiece model (default: tokenizer.model beside the weights, or demo).")
     p.add_argument("--zeroshot-data", help="Class-folder dataset DIR/<class>/*.jpg, or 'demo'.")
@@ -105,6 +108,8 @@ def main_eval(argv: list[str]) -> int:
                     tok_path = note["tokenizer"]
                 elif (folder / "open_clip_config.json").is_file():  # a Hugging Face tokenizer of an OpenCLIP export
                     tok_path = f"open_clip:local-dir:{folder}"
+        if tok_path is None and a.pretrained and int(cfg["text_cfg"]["vocab_size"]) == OPENCLIP_BPE_VOCAB:
+            tok_path = f"open_clip:{a.model}"  # OpenCLIP weights with OpenCLIP's vocabulary: its BPE tokenizer
         if tok_path is None:
             from ..data.demo import ensure_demo_tokenizer
 
