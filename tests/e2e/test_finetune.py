@@ -282,3 +282,63 @@ def test_bad_input_is_one_line_before_training(tmp_path):
         r"do not fit --model ViT-B-32: first mismatch visual\.\S+: file \(64,?\) vs model \(768,?\)", msg
     ), msg
     assert str(snap) in msg  # resolved by OpenCLIP's registry + hub download, offline
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("ds_config", ["zero2_fp32", "zero3_fp32"])
+def test_locked_run_checkpoints_resumes_and_converts_every_weight(tmp_path, ds_config):
+    """2 ranks, LiT with a partly unlocked text tower: the ZeRO checkpoint (frozen parameters included)
+    converts to every weight, the locked ones bit-identical across steps and resume; resume reproduces
+    the uninterrupted losses."""
+    from safetensors.torch import load_file
+
+    from tests.e2e.test_train_cli import losses, run_cli
+
+    common = [
+        "train",
+        "--config",
+        "tiny",
+        "--logs",
+        str(tmp_path),
+        "--deepspeed-config",
+        f"ds_configs/{ds_config}.json",
+    ]
+    common += ["--max-steps", "4", "--save-every-n-steps", "2", "--batch-size", "8", "--accum-freq", "2"]
+    common += ["--lock-image", "--lock-text", "--lock-text-unlocked-layers", "1", "--warmup", "1"]
+    full = run_cli(common + ["--name", "full"], world=2)
+    assert re.search(r"trainable [\d,]+ of [\d,]+ params", full.stdout)
+    curve = losses(tmp_path / "full")
+    run_cli(
+        common + ["--name", "resumed", "--resume", str(tmp_path / "full" / "checkpoints" / "step_000000002")], world=2
+    )
+    resumed = losses(tmp_path / "resumed")
+    assert sorted(resumed) == [3, 4]
+    for step, value in resumed.items():
+        assert value == pytest.approx(curve[step], abs=1e-5), (step, value, curve[step])
+    weights = {}
+    for tag in ("step_000000002", "step_000000004"):
+        out = tmp_path / f"export-{tag}"
+        sh(shlex.join(["dsclip", "convert", str(tmp_path / "full"), "--tag", tag, "-o", str(out)]), env(), ROOT)
+        weights[tag] = load_file(str(out / "model.safetensors"))
+    sh(
+        shlex.join(["dsclip", "convert", str(tmp_path / "resumed"), "-o", str(tmp_path / "export-resumed")]),
+        env(),
+        ROOT,
+    )
+    resumed_w = load_file(str(tmp_path / "export-resumed" / "model.safetensors"))
+    a, b = weights["step_000000002"], weights["step_000000004"]
+    from dsclip.model import create_model
+
+    assert set(a) == set(create_model("tiny", device="meta").state_dict())  # every weight, locked or not
+    from dsclip.model.lock import LockConfig, apply_locking
+
+    meta = create_model("tiny", device="meta")  # which names the flags lock (groups: tests/unit/test_lock.py)
+    apply_locking(meta, LockConfig(lock_image=True, lock_text=True, lock_text_unlocked_layers=1))
+    unlocked = {n for n, p in meta.named_parameters() if p.requires_grad}
+    assert "text.text_projection" in unlocked and "text.ln_final.weight" in unlocked  # LNs: no freeze flag
+    for n in a:
+        trainable = n in unlocked
+        assert torch.equal(a[n], b[n]) != trainable, n
+        torch.testing.assert_close(resumed_w[n], b[n], atol=1e-5, rtol=0)
+        if not trainable:
+            assert torch.equal(resumed_w[n], b[n]), n
