@@ -233,6 +233,7 @@ def load_pretrained_model(path: str | os.PathLike, model: str | dict | None = No
 # --- --pretrained by name: OpenCLIP tags and hf-hub models, through open_clip's own registry -------------
 HF_HUB = "hf-hub:"
 OPEN_CLIP = "open_clip:"
+OPENCLIP_BPE_VOCAB = 49408  # OpenCLIP's SimpleTokenizer (OpenAI BPE)
 _WEIGHT_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin", ".ckpt")
 
 
@@ -263,7 +264,8 @@ def _first_line(e: BaseException) -> str:
 def resolve_pretrained(model: str, pretrained: str, cache_dir: str | None = None) -> ResolvedPretrained:
     """``--pretrained`` -> a local weights file, the architecture and the tokenizer that go with it.
 
-    - an existing file: used as is (architecture = ``--model``, tokenizer = ``--tokenizer``);
+    - an existing file: used as is (architecture = ``--model``; tokenizer: ``open_clip:MODEL`` for an
+      OpenCLIP file with OpenCLIP's 49408-token vocabulary, else ``--tokenizer``);
     - an export folder (``open_clip_config.json`` or dsclip's ``config.json``): its architecture, and its
       ``tokenizer.model`` (else OpenCLIP's tokenizer for that folder);
     - ``hf-hub:ORG/NAME``: the repo's ``open_clip_config.json`` and weights through open_clip's own
@@ -283,7 +285,12 @@ def resolve_pretrained(model: str, pretrained: str, cache_dir: str | None = None
             tokenizer = f"{OPEN_CLIP}local-dir:{p}"
         return ResolvedPretrained(str(p), str(p), cfg.get("model_cfg", cfg), tokenizer)
     if p.exists():
-        return ResolvedPretrained(pretrained, model, None, None)
+        # an OpenCLIP file with OpenCLIP's BPE vocabulary was trained with OpenCLIP's tokenizer
+        src = WeightSource(p)
+        vocab = src.shapes.get("token_embedding.weight", (0,))[0] if src.is_openclip() else 0
+        return ResolvedPretrained(
+            pretrained, model, None, f"{OPEN_CLIP}{model}" if vocab == OPENCLIP_BPE_VOCAB else None
+        )
     if pretrained.startswith(HF_HUB):
         repo = pretrained[len(HF_HUB) :].strip("/")
         _open_clip(pretrained)

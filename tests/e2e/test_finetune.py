@@ -282,6 +282,8 @@ def test_bad_input_is_one_line_before_training(tmp_path):
         r"do not fit --model ViT-B-32: first mismatch visual\.\S+: file \(64,?\) vs model \(768,?\)", msg
     ), msg
     assert str(snap) in msg  # resolved by OpenCLIP's registry + hub download, offline
+    spec = "open_clip:ViT-B-32/laion2b_s34b_b79k"  # the architecture named by the spec, not by --model
+    assert "first mismatch visual." in _bad(tmp_path, ["--pretrained", spec, "--cache-dir", str(cache)], e)
 
 
 @pytest.mark.dist

@@ -106,3 +106,14 @@ def test_imagenet_val_flag_is_zeroshot_data():
 def test_lock_flags_are_run_settings():
     cfg = make_run_config({"lock_image": True, "lock_text_unlocked_layers": 2, "lock_text": True, "name": "x"})
     assert cfg.lock.lock_image and cfg.lock.lock_text_unlocked_layers == 2
+
+
+def test_openclip_file_with_openclip_vocabulary_gets_openclip_tokenizer(tmp_path):
+    bpe = create_model("tiny", vocab_size=49408)
+    export_openclip(bpe.state_dict(), bpe.config, tmp_path / "bpe")
+    assert (
+        resolve_pretrained("tiny", str(tmp_path / "bpe" / "open_clip_model.safetensors")).tokenizer == "open_clip:tiny"
+    )
+    own = create_model("tiny", vocab_size=300)
+    export_openclip(own.state_dict(), own.config, tmp_path / "own")
+    assert resolve_pretrained("tiny", str(tmp_path / "own" / "open_clip_model.safetensors")).tokenizer is None
