@@ -92,16 +92,10 @@ def _params(items) -> list[nn.Parameter]:
     return out
 
 
-def _lock_tower(groups: list[list], unlocked: int, what: str, flag: str) -> list[nn.Parameter]:
-    if unlocked < 0 or unlocked > len(groups):
-        raise LockError(
-            f"{flag} {unlocked} is out of range: the {what} tower has {len(groups)} groups "
-            f"(use 0..{len(groups)}; {len(groups)} unlocks the whole tower)"
-        )
-    locked = _params([x for g in groups[: len(groups) - unlocked] for x in g])
-    for p in locked:
+def _lock_tower(groups: list[list], unlocked: int) -> None:
+    """Lock all but the last ``unlocked`` groups (range checked by check_lock_config)."""
+    for p in _params([x for g in groups[: len(groups) - unlocked] for x in g]):
         p.requires_grad_(False)
-    return locked
 
 
 def check_lock_config(cfg: LockConfig, model_config: dict) -> None:
@@ -140,10 +134,9 @@ def apply_locking(model: nn.Module, cfg: LockConfig) -> dict[str, int]:
     ``{"total", "trainable", "locked"}``. Works on ZeRO-3 partitioned parameters (``ds_numel``)."""
     check_lock_config(cfg, model.config)
     if cfg.lock_image:
-        _lock_tower(image_groups(model), cfg.lock_image_unlocked_groups, "image", "--lock-image-unlocked-groups")
+        _lock_tower(image_groups(model), cfg.lock_image_unlocked_groups)
     if cfg.lock_text:
-        groups = text_groups(model)
-        _lock_tower(groups, cfg.lock_text_unlocked_layers, "text", "--lock-text-unlocked-layers")
+        _lock_tower(text_groups(model), cfg.lock_text_unlocked_layers)
         if not cfg.lock_text_freeze_layer_norm:  # OpenCLIP's HF towers: LayerNorms of locked layers still train
             for m in model.text.modules():
                 if isinstance(m, nn.LayerNorm):
