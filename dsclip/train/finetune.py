@@ -58,7 +58,7 @@ def prepare(cfg: RunConfig, *, rank: int = 0) -> Finetune:
     if cfg.model.pretrained:
         r = resolve_pretrained(cfg.model.model, cfg.model.pretrained, cfg.model.cache_dir)
         weights, model_cfg, quick_gelu = r.path, r.model_cfg, r.quick_gelu
-        if model_cfg is None and r.model != cfg.model.model:  # open_clip:MODEL/TAG names the architecture
+        if r.model != cfg.model.model:  # open_clip:MODEL/TAG, hf-hub:ORG/NAME, a folder: the weights' architecture
             cfg.model.model = r.model
         if r.tokenizer and not cfg.data.tokenizer:
             cfg.data.tokenizer = r.tokenizer  # what the weights were trained with; --tokenizer overrides
