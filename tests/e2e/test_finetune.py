@@ -366,3 +366,34 @@ def test_locked_run_resumes_on_another_world_size_with_locked_weights_intact(tmp
     a, b = w["step_000000002"], w["step_000000006"]
     assert all(torch.equal(a[k], b[k]) for k in a if k.startswith("visual."))
     assert all(not torch.equal(a[k], b[k]) for k in a if k.startswith("text.") and "blocks" in k)
+
+
+@pytest.mark.dist
+def test_zero3_two_ranks_loads_resamples_and_locks_pretrained(tmp_path):
+    """ZeRO-3 (parameters partitioned at construction, loaded module by module on rank 0): an hf-hub model
+    at 48 px with the image tower locked; the export has the hub's image tower, positions resampled."""
+    from timm.layers import resample_abs_pos_embed
+
+    from dsclip.model import load_model
+    from tests.distutil import free_port
+    from tests.e2e.test_train_cli import DEEPSPEED
+
+    cache = tmp_path / "hf"
+    hub_model, _ = write_hub_model(cache)
+    e = hub_env(cache)
+    args = ["--pretrained", f"hf-hub:{HUB_REPO}", "--force-image-size", "48", "--lock-image", "--max-steps", "3"]
+    args += ["--deepspeed-config", "ds_configs/zero3_fp32.json", "--logs", str(tmp_path), "--name", "z3"]
+    args += ["--batch-size", "8", "--warmup", "1", "--demo-num-samples", "256", "--workers", "0"]
+    cmd = [DEEPSPEED, "--num_gpus", "2", "--master_port", str(free_port()), "--module", "dsclip", "train", *args]
+    p = subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    sh(
+        shlex.join(["dsclip", "convert", str(tmp_path / "z3"), "--format", "open_clip", "-o", str(tmp_path / "oc")]),
+        e,
+        ROOT,
+    )
+    ref, got = hub_model.state_dict(), load_model(tmp_path / "oc").state_dict()
+    want_pos = resample_abs_pos_embed(ref["visual.pos_embed"], new_size=[6, 6], num_prefix_tokens=1)
+    torch.testing.assert_close(got["visual.pos_embed"], want_pos, atol=1e-6, rtol=0)
+    assert all(torch.equal(got[k], v) for k, v in ref.items() if k.startswith("visual.") and k != "visual.pos_embed")
+    assert not torch.equal(got["text.text_projection"], ref["text.text_projection"])
