@@ -9,8 +9,18 @@ TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
 # Per checkout (= per venv): two ninja binaries alternating on one cache rebuild the op every time.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 PYTEST_ARGS ?=
+# pytest-xdist workers for `make test`: one per core of a 2-core CI machine. The gloo tests start their
+# own rank processes, so more workers than cores only adds contention. loadgroup keeps the launch tests
+# (xdist_group "launch", tests/conftest.py) on one worker, one after another.
+PYTEST_WORKERS ?= 2
+# The fast numerical suites that .ci/run repeats under every CPU kernel family and 1 / 2 threads
+# (`make test-kernels`): tolerances that hold only for one kernel's summation order fail here. The two
+# gradient-cache cases (ids k-stage-world) are the ones that failed on CI's AVX2 machines before.
+KERNEL_TESTS ?= tests/unit/test_losses.py tests/unit/test_openclip_interop.py \
+	'tests/dist/test_gradcache.py::test_gradcache_equals_big_batch[1-3-2]' \
+	'tests/dist/test_gradcache.py::test_gradcache_equals_big_batch[2-3-1]'
 
-.PHONY: venv demo test test-all lint clean
+.PHONY: venv demo test test-all test-kernels lint clean
 
 $(VENV)/.installed: setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,11 +36,16 @@ demo: venv
 
 test: venv
 	$(PY) -m ruff check dsclip tests bench
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not slow" -n $(PYTEST_WORKERS) --dist loadgroup --durations=15 $(PYTEST_ARGS)
 
 # Also the scale smoke tests (ViT-H-14 / ViT-bigG-14 under ZeRO-3 on 2 CPU ranks, ~10 min, ~15 GB RAM).
 test-all: venv
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup --durations=15 $(PYTEST_ARGS)
+
+# KERNEL_TESTS under ATEN_CPU_CAPABILITY=default, avx2 and (where the CPU has it) avx512, each with 1 and 2
+# threads per process; every leg prints the capability torch really used (tests/conftest.py summary).
+test-kernels: venv
+	$(PY) tests/kernel_legs.py $(KERNEL_TESTS)
 
 lint: venv
 	$(PY) -m ruff check dsclip tests bench

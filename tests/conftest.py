@@ -6,6 +6,7 @@ import glob
 import os
 
 import pytest
+import torch
 
 SHM_PATTERN = "/dev/shm/deepspeed_allreduce_buffer_*"
 
@@ -21,19 +22,83 @@ def _mapped_files() -> set[str]:
     return mapped
 
 
+def _listening_ports() -> set[int]:
+    """TCP ports some process on this machine listens on (/proc/net/tcp{,6}: state 0A = LISTEN)."""
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                next(f)
+                for line in f:
+                    fields = line.split()
+                    if fields[3] == "0A":
+                        ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+        except (OSError, StopIteration, IndexError, ValueError):
+            continue
+    return ports
+
+
+def _job_port(path: str) -> int | None:
+    """deepspeed_allreduce_buffer_<uid>_<addr>_<MASTER_PORT>_<rank> (DeepSpeed's shm.cpp) -> MASTER_PORT."""
+    try:
+        return int(os.path.basename(path).rsplit("_", 2)[1])
+    except (IndexError, ValueError):
+        return None
+
+
 @pytest.fixture(autouse=True)
 def _remove_leaked_deepspeed_shm():
     """DeepSpeed's CPU shared-memory all-reduce (0.19) never unlinks its ~69 MB segment per rank, and
     /dev/shm is RAM: hundreds of multi-rank runs in one suite would exhaust the machine. After each
-    test, delete the segments no live process maps any more (a running job's stay untouched)."""
+    test, delete the segments of jobs that are over. A job is live while its rank 0 serves the
+    TCPStore on MASTER_PORT (part of the segment's name); "no process maps it" alone is not enough:
+    a rank creates its segment, fills it with write() (69 MB: seconds on a loaded machine) and maps it
+    only then, and the other ranks open it by name in a loop. Deleting it in that window (another xdist
+    worker's test just ended) left a 2-rank job spinning forever (seen here under -n 2)."""
     yield
     leaked = glob.glob(SHM_PATTERN)
     if not leaked:
         return
     in_use = _mapped_files()
+    listening = _listening_ports()
     for path in leaked:
-        if path not in in_use:
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
+        if path in in_use or _job_port(path) in listening:
+            continue
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+# ---- pytest-xdist (`make test` runs two workers) ---------------------------------------------------
+
+
+def pytest_collection_modifyitems(config, items):
+    """The launch tests share one SLURM cluster and its two node slots: one xdist worker runs all of them,
+    one after another (`--dist loadgroup`); everything else is spread over the workers."""
+    for item in items:
+        if item.get_closest_marker("launch"):
+            item.add_marker(pytest.mark.xdist_group("launch"))
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Say which CPU kernels the numbers above came from (also under -q, and in every .ci/run leg)."""
+    requested = os.environ.get("ATEN_CPU_CAPABILITY", "unset")
+    terminalreporter.write_line(
+        f"torch CPU kernels: {torch.backends.cpu.get_cpu_capability()} (ATEN_CPU_CAPABILITY={requested}), "
+        f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, torch threads {torch.get_num_threads()}"
+    )
+
+
+@pytest.fixture(scope="session")
+def shared_dir(tmp_path_factory):
+    """A folder shared by all xdist workers of this session (plain pytest: this session's temp root).
+
+    Session fixtures are per worker under xdist; a trained run that several tests only read is built
+    once into this folder under a file lock (tests/e2e/conftest.py ``shared_build``), and the other worker reuses it."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # pytest-of-user/pytest-N/ is common to the workers; popen-gwK/ is per worker
+    d = root / "shared"
+    d.mkdir(exist_ok=True)
+    return d

@@ -9,16 +9,52 @@ from __future__ import annotations
 import os
 import pickle
 import queue as queue_mod
+import random
 import socket
 import traceback
 
 import torch.multiprocessing as mp
 
 
+def _port_slice() -> range:
+    """This pytest-xdist worker's share of the ports below the kernel's ephemeral range.
+
+    Ports from bind(("", 0)) come from the ephemeral range, which the kernel also hands to every outgoing
+    connection (gloo opens many): a port probed free can be taken before MASTER_PORT binds it. Ports
+    below that range are only ever taken by an explicit bind, and giving each xdist worker its own
+    slice means two workers of one session never pick the same one. Other sessions on the machine
+    (other checkouts) pick at random inside the same slices; the bind check below catches the rest.
+    """
+    lo = 10000
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            hi = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        hi = 32768  # Linux's default lower bound
+    workers = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").lstrip("gw") or 0) % workers
+    size = (hi - lo) // workers
+    return range(lo + worker * size, lo + (worker + 1) * size)
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port nobody has bound, from this xdist worker's slice (see _port_slice)."""
+    ports = _port_slice()
+    for _ in range(200):
+        port = random.choice(ports)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("", port))  # all interfaces: what a TCPStore / the deepspeed launcher binds
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free TCP port in {ports.start}-{ports.stop - 1} after 200 tries")
+
+
+def rank_threads() -> int:
+    """Threads per rank: OMP_NUM_THREADS of the test run (the kernel legs of .ci/run set 1 and 2), else 1.
+    Unset means torch would take every core per rank, oversubscribing the machine."""
+    return max(1, int(os.environ.get("OMP_NUM_THREADS") or 1))
 
 
 def _rank_main(rank, world_size, port, fn, args, queue):
@@ -29,12 +65,12 @@ def _rank_main(rank, world_size, port, fn, args, queue):
         LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world_size),
         LOCAL_SIZE=str(world_size),
-        OMP_NUM_THREADS="1",
+        OMP_NUM_THREADS=str(rank_threads()),
     )
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(rank_threads())
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)

@@ -18,7 +18,7 @@ from tests.distutil import free_port
 from tests.e2e.test_train_cli import DEEPSPEED, ROOT, env, losses, run_cli
 
 pytestmark = [pytest.mark.dist]
-STEPS = 6
+STEPS = 8  # the shared reference run's length (test_checkpoint_resume.zero2_world2_run)
 
 
 def _args(tmp_path, name, *extra):
@@ -83,10 +83,10 @@ def _latest(run: Path) -> str | None:
     return p.read_text().strip() if p.exists() else None
 
 
-def test_sigkill_mid_training_and_during_save_then_resume_latest(tmp_path):
-    run_cli(_args(tmp_path, "ref"), world=2)
-    ref = _final_weights(tmp_path / "ref")
-    ref_curve = losses(tmp_path / "ref")
+def test_sigkill_mid_training_and_during_save_then_resume_latest(tmp_path, zero2_world2_run):
+    # The uninterrupted reference: the same arguments but --keep-last, which changes no number.
+    ref = _final_weights(zero2_world2_run)
+    ref_curve = losses(zero2_world2_run)
 
     # 1. killed between checkpoints: after step 3 was logged (step 2 saved, step 4 not yet)
     run = tmp_path / "mid"

@@ -51,17 +51,21 @@ def _assert_continues(resumed: dict, reference: dict, first: int, tol=TOL):
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_resume_on_other_world_size_continues_loss_curve(tmp_path, stage):
+def test_resume_on_other_world_size_continues_loss_curve(tmp_path, stage, request):
     ds = f"zero{stage}_fp32"
-    run_cli(_train_args(tmp_path, "w2", ds, 2), world=2)
-    ref = losses(tmp_path / "w2")
+    if stage == 2:  # trained once per session, also the reference of test_checkpoint_crash.py
+        w2 = request.getfixturevalue("zero2_world2_run")
+    else:
+        w2 = tmp_path / "w2"
+        run_cli(_train_args(tmp_path, "w2", ds, 2), world=2)
+    ref = losses(w2)
     assert sorted(ref) == list(range(1, 9))
 
     # 2 ranks -> 1 rank
-    p = run_cli(_train_args(tmp_path, "w1", ds, 1, "--resume", str(tmp_path / "w2/checkpoints/step_000000002")))
+    p = run_cli(_train_args(tmp_path, "w1", ds, 1, "--resume", str(w2 / "checkpoints/step_000000002")))
     assert "resumed from" in p.stdout and "universal" in p.stdout
     _assert_continues(losses(tmp_path / "w1"), ref, 3)
-    assert (tmp_path / "w2/checkpoints/step_000000002/universal/COMPLETE").exists()
+    assert (w2 / "checkpoints/step_000000002/universal/COMPLETE").exists()
 
     # 1 rank -> 2 ranks, from a checkpoint the 1-rank run wrote
     run_cli(

@@ -6,6 +6,7 @@ share no code with dsclip.losses; tests/dist/test_loss_dist.py reuses them for t
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dsclip.losses import LOSS_NAMES, LossConfig, LossInputError, build_loss
+from tests.tolerances import loss_tol, rounding, unit_roundoff
 
 # ---------------------------------------------------------------- references (full batch, N x N)
 
@@ -65,7 +67,14 @@ def reference(name, x, y, s, b, label_smoothing=0.0):
     return loss_and_grads(lambda *a: ref_infonce(*a, label_smoothing=label_smoothing), x, y, s, b)
 
 
-def assert_close(a, b, tol=1e-10):
+# float64 comparisons of a loss (value or gradient) with the reference or OpenCLIP. Worst case over every
+# batch these files build (tests/tolerances.loss_tol): at most 16 pairs (the gloo tests' 7+6 and 4+4+4),
+# at most 8 dims, logit scale 7, bias up to 5: 304 chained float64 sums of terms up to 15.8, 1.1e-12.
+# A real loss error is larger than 1e-6.
+LOSS_TOL = loss_tol(16, 8, scale=7.0, bias=5.0)
+
+
+def assert_close(a, b, tol=LOSS_TOL):
     torch.testing.assert_close(a, b, atol=tol, rtol=0)
 
 
@@ -113,21 +122,21 @@ def test_openclip_world1_exact():
         oc = open_clip_loss.ClipLoss(local_loss=local, gather_with_grad=True)
         want, w = loss_and_grads(oc, x, y, s, None)
         got, g = loss_and_grads(build_loss("infonce_local" if local else "infonce"), x, y, s, None)
-        assert_close(got, want, 1e-14)
+        assert_close(got, want)
         for a, c in zip(g[:3], w[:3]):
-            assert_close(a, c, 1e-14)
+            assert_close(a, c)
     for tile in (3, 100):
         want, w = loss_and_grads(open_clip_loss.SigLipLoss(), x, y, s, b)
         got, g = loss_and_grads(build_loss("siglip", tile_size=tile), x, y, s, b)
-        assert_close(got, want, 1e-13)
+        assert_close(got, want)
         for a, c in zip(g, w):
-            assert_close(a, c, 1e-13)
+            assert_close(a, c)
     # the tiled loss equals OpenCLIP's InfoNCE too
     want, w = loss_and_grads(open_clip_loss.ClipLoss(), x, y, s, None)
     got, g = loss_and_grads(build_loss("infonce_tiled", tile_size=4), x, y, s, None)
-    assert_close(got, want, 1e-13)
+    assert_close(got, want)
     for a, c in zip(g[:3], w[:3]):
-        assert_close(a, c, 1e-13)
+        assert_close(a, c)
 
 
 @pytest.mark.parametrize("name", LOSS_NAMES)
@@ -135,6 +144,13 @@ def test_bf16_inputs_within_tolerance(name):
     """bf16 features: losses accumulate in fp32 (upcast), so the loss is within fp32 rounding of the
     fp64 reference evaluated on the same bf16-rounded values; gradients come back in bf16, so they
     are within bf16 rounding (relative 2^-8) of the reference gradient."""
+    # loss value: d-term logits, n-term log-sum-exp, n-term mean, ~8 roundings in exp/log: d + 2n + 8 = 104
+    # chained fp32 sums of terms up to loss_size = 7 + 3 + log 40 + 1 (tolerances.rounding): 6.8e-5.
+    loss_tol_fp32 = rounding(16 + 2 * 40 + 8, 7.0 + 3.0 + math.log(40) + 1.0)
+    # feature gradients: computed in fp32 (same chain, n*n terms for nothing here) then rounded to bf16 once:
+    # relative u_bf16 = 2^-9 of the largest entry, plus the fp32 part (negligible); 1e-2 = 5 u_bf16 also
+    # covers the bf16 rounding of the inputs propagated through softmax (|d p / d z| <= 1/4 per logit).
+    grad_rel = 5 * 2 * unit_roundoff(torch.bfloat16)
     x, y, s, b = make_batch(40, 16, seed=7, dtype=torch.bfloat16)
     s32, b32 = s.float(), b.float()
     bias = b32 if name == "siglip" else None
@@ -142,17 +158,20 @@ def test_bf16_inputs_within_tolerance(name):
     want, w = reference(name, x.double(), y.double(), s.double(), None if bias is None else b)
     assert got.dtype == torch.float32
     assert g[0].dtype == torch.bfloat16 and g[1].dtype == torch.bfloat16
-    torch.testing.assert_close(got.double(), want, rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=loss_tol_fp32)
     for a, c in zip(g[:2], w[:2]):
-        torch.testing.assert_close(a.double(), c, rtol=1e-2, atol=1e-2 * float(c.abs().max()))
-    torch.testing.assert_close(g[2].double(), w[2], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a.double(), c, rtol=grad_rel, atol=grad_rel * float(c.abs().max()))
+    # the logit-scale gradient stays fp32: n*n + 2n + d + 8 = 1704 chained terms (tolerances.loss_terms)
+    torch.testing.assert_close(g[2].double(), w[2], rtol=0, atol=rounding(1704, 7.0 + 3.0 + math.log(40) + 1.0))
 
 
 def test_bf16_tiled_equals_fp32_tiled_closely():
     x, y, s, _ = make_batch(33, 8, seed=9, dtype=torch.bfloat16)
     lb = build_loss("infonce_tiled", tile_size=5)(x, y, s.float())
     lf = build_loss("infonce_tiled", tile_size=5)(x.float(), y.float(), s.float())
-    torch.testing.assert_close(lb, lf, rtol=1e-6, atol=1e-6)
+    # both accumulate in fp32 over the same bf16 values, in different tile/upcast orders: the loss
+    # value's chain d + 2n + 8 = 82 terms of size <= 7 + log 33 + 1 (tolerances.rounding): 3.6e-5
+    torch.testing.assert_close(lb, lf, rtol=0, atol=rounding(8 + 2 * 33 + 8, 7.0 + math.log(33) + 1.0))
 
 
 # ---------------------------------------------------------------- memory: no big matrix, ever
