@@ -11,6 +11,7 @@ load the weights (position embeddings resampled to the new size), then lock.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from dsclip.checkpoint.pretrained import WeightSource, load_pretrained_into, plan_pretrained, resolve_pretrained
@@ -54,14 +55,16 @@ class Finetune:
 
 
 def prepare(cfg: RunConfig, *, rank: int = 0) -> Finetune:
+    """The set-up for ``cfg``; ``Finetune.cfg`` is ``cfg`` with what the pretrained weights decide filled in
+    (their architecture's name, their tokenizer unless ``--tokenizer``); ``cfg`` itself is not changed."""
     model_cfg, weights, quick_gelu = None, None, False
     if cfg.model.pretrained:
         r = resolve_pretrained(cfg.model.model, cfg.model.pretrained, cfg.model.cache_dir)
         weights, model_cfg, quick_gelu = r.path, r.model_cfg, r.quick_gelu
-        if r.model != cfg.model.model:  # open_clip:MODEL/TAG, hf-hub:ORG/NAME, a folder: the weights' architecture
-            cfg.model.model = r.model
-        if r.tokenizer and not cfg.data.tokenizer:
-            cfg.data.tokenizer = r.tokenizer  # what the weights were trained with; --tokenizer overrides
+        # open_clip:MODEL/TAG, hf-hub:ORG/NAME, a folder: the weights' architecture names the run's model
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, model=r.model))
+        if r.tokenizer and not cfg.data.tokenizer:  # what the weights were trained with; --tokenizer overrides
+            cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=r.tokenizer))
             if rank == 0:
                 print(f"dsclip: --pretrained {cfg.model.pretrained}: tokenizer {r.tokenizer}", flush=True)
     if model_cfg is None:

@@ -149,6 +149,7 @@ def build_run(cfg: RunConfig) -> Run:
 
     # --- config: everything checked before any expensive work ---
     ft = finetune.prepare(cfg, rank=rank)  # --pretrained by name, --force-image-size, locking flags
+    cfg = ft.cfg  # + the pretrained weights' architecture name and tokenizer
     model_cfg = ft.model_cfg
     ds_config = resolve_ds_config(
         load_ds_json(cfg.train.deepspeed_config), cfg, world_size=world_size, device_type=device_type()
