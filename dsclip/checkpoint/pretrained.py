@@ -23,11 +23,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import deepspeed
 import torch
+from safetensors import safe_open
 from torch import nn
 
-from dsclip.config import ConfigError
-from dsclip.model import StateDictMismatchError
+from dsclip.config_base import ConfigError
+from dsclip.dist import rank_world
+from dsclip.model import (
+    StateDictMismatchError,
+    create_model,
+    load_model,
+    to_openclip_state_dict,
+)
+from dsclip.model.openclip import expected_shapes, unwrap_state_dict
 
 WEIGHT_CANDIDATES = (
     "model.safetensors",
@@ -53,8 +62,6 @@ class WeightSource:
         self.resample = {}
         self._get: Callable[[str], torch.Tensor]
         if p.suffix == ".safetensors":
-            from safetensors import safe_open
-
             self._file = safe_open(str(p), framework="pt", device="cpu")
             raw = {k: k for k in self._file.keys()}  # noqa: SIM118 (safe_open is not a dict)
             self.shapes = {}
@@ -63,8 +70,6 @@ class WeightSource:
             names = {_strip(k): k for k in raw}
             self._get = lambda name: self._file.get_tensor(names[name])
         else:
-            from dsclip.model.openclip import unwrap_state_dict
-
             try:  # memory-mapped: tensors are read when touched
                 obj = torch.load(p, map_location="cpu", mmap=True, weights_only=True)
             except RuntimeError:  # legacy (non-zip) torch.save format cannot be mapped
@@ -112,8 +117,6 @@ def plan_pretrained(source: WeightSource, model_config: dict, model_name: str | 
     A mismatch raises a one-line ``PretrainedMismatchError`` naming the first mismatching tensor with
     both shapes (and how many others differ). Image position embeddings of another grid are allowed:
     ``load_pretrained_into`` resamples them (``--force-image-size``)."""
-    from dsclip.model import to_openclip_state_dict
-    from dsclip.model.openclip import expected_shapes
 
     expected = expected_shapes(model_config)
     plan, want_shapes = {}, {}  # dsclip name -> source name / source-layout shape
@@ -166,12 +169,6 @@ def resample_pos_embed(value: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     return out.reshape(shape).to(value.dtype)
 
 
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
 def _is_partitioned(p: torch.Tensor) -> bool:
     return hasattr(p, "ds_id")  # a ZeRO-3 (zero.Init) parameter
 
@@ -185,7 +182,7 @@ def load_pretrained_into(model: nn.Module, path: str | os.PathLike) -> None:
     for n in plan:  # position embeddings of another image size: resampled (timm) while copying
         if n == "visual.pos_embed":
             source.resample[plan[n]] = model.config["vision_cfg"]
-    rank = _rank()
+    rank, _ = rank_world()
     copied = 0
     for mod_name, module in model.named_modules():
         prefix = f"{mod_name}." if mod_name else ""
@@ -195,8 +192,6 @@ def load_pretrained_into(model: nn.Module, path: str | os.PathLike) -> None:
             continue
         partitioned = [p for p in params.values() if _is_partitioned(p)]
         if partitioned:
-            import deepspeed
-
             with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=0):
                 if rank == 0:
                     copied += _copy(source, plan, prefix, params)
@@ -221,7 +216,6 @@ def load_pretrained_model(path: str | os.PathLike, model: str | dict | None = No
     """A plain (non-distributed) ``CLIP`` from ``path``: with ``model`` (an architecture name or config),
     that architecture loaded with ``load_pretrained_into`` (bare OpenCLIP checkpoints have no config);
     else ``dsclip.model.load_model`` (a config.json / open_clip_config.json beside the weights)."""
-    from dsclip.model import create_model, load_model
 
     if model is None:
         return load_model(path, device=device)

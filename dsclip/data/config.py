@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from dsclip.config_base import ConfigError
+
 DATASET_TYPES = ("auto", "demo", "webdataset", "csv")
 
 
@@ -82,6 +84,15 @@ class DataConfig:
     )
     demo_num_samples: int = field(default=20000, metadata={"help": "Size of the built-in demo training set."})
     demo_eval_samples: int = field(default=1000, metadata={"help": "Held-out demo images for zero-shot eval."})
+
+    def __post_init__(self):
+        # OpenCLIP's name for a zero-shot class folder laid out by WordNet id
+        if self.imagenet_val and not self.zeroshot_data:
+            self.zeroshot_data = self.imagenet_val
+
+    def check(self) -> None:
+        if self.imagenet_val and self.zeroshot_data != self.imagenet_val:
+            raise ConfigError("give either --imagenet-val or --zeroshot-data, not both")
 
     def resolved_dataset_type(self) -> str:
         if self.dataset_type not in DATASET_TYPES:

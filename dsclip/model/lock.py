@@ -26,8 +26,10 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from dsclip.config_base import ConfigError
 
-class LockError(ValueError):
+
+class LockError(ConfigError):
     """A locking request that cannot be honoured (printed as one line by the CLI)."""
 
 
@@ -58,6 +60,13 @@ class LockConfig:
         default=False,
         metadata={"help": "With --lock-text: also lock the LayerNorms of locked layers (else they stay trainable)."},
     )
+
+    def check(self) -> None:
+        """What needs no architecture; group ranges are checked against the model in check_lock_config."""
+        if self.lock_image_unlocked_groups and not self.lock_image:
+            raise LockError("--lock-image-unlocked-groups needs --lock-image")
+        if self.lock_text_unlocked_layers and not self.lock_text:
+            raise LockError("--lock-text-unlocked-layers needs --lock-text")
 
 
 def image_groups(model: nn.Module) -> list[list]:

@@ -11,9 +11,36 @@ import json
 import resource
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
+
+from dsclip.config_base import ConfigError, opt
+
+REPORTERS = ("tensorboard",)
+
+
+@dataclass
+class LogArgs:
+    """Run config section ``log``: where the run folder is, what is logged, how often it evaluates."""
+
+    logs: str = opt("./logs", "Folder that holds run folders.")
+    name: str | None = opt(None, "Run folder name (default: date-model-lr-batch).")
+    log_every_n_steps: int = opt(100, "Console/TensorBoard/jsonl logging interval in optimizer steps.")
+    report_to: str = opt("", "Comma-separated extra loggers: 'tensorboard'. metrics.jsonl is always written.")
+    zeroshot_frequency: int = opt(1, "Zero-shot evaluation every N epochs (0: only at the end for the demo).")
+    val_frequency: int = opt(1, "Retrieval evaluation on --val-data every N epochs.")
+
+    def check(self) -> None:
+        if self.log_every_n_steps < 1:
+            raise ConfigError("'log_every_n_steps' must be >= 1")
+        for r in filter(None, self.report_to.split(",")):
+            if r.strip() not in REPORTERS:
+                raise ConfigError(f"--report-to {r!r} is not supported (supported: {', '.join(REPORTERS)})")
+        if self.name is not None and "/" in self.name:
+            raise ConfigError(f"--name must be a folder name, not a path: {self.name!r}")
 
 
 def peak_memory_gb(device: torch.device) -> float:
@@ -24,6 +51,20 @@ def peak_memory_gb(device: torch.device) -> float:
 
 
 class MetricsLogger:
+    @classmethod
+    def from_args(cls, args: LogArgs, run_dir: Path, *, rank: int, world_size: int, plan, device) -> MetricsLogger:
+        """``plan``: the run's dsclip.train.build.StepPlan (samples per step, total steps)."""
+        return cls(
+            run_dir,
+            rank=rank,
+            world_size=world_size,
+            every_n_steps=args.log_every_n_steps,
+            report_to=args.report_to,
+            samples_per_step=plan.samples_per_step,
+            total_steps=plan.total_steps,
+            device=device,
+        )
+
     def __init__(
         self,
         run_dir: Path,
@@ -48,12 +89,11 @@ class MetricsLogger:
         if rank == 0:
             self.jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
             if "tensorboard" in {r.strip() for r in report_to.split(",")}:
+                # lazy: only with --report-to tensorboard; loading the tensorboard writer takes seconds
                 from torch.utils.tensorboard import SummaryWriter
 
                 self.tb = SummaryWriter(str(run_dir / "tensorboard"))
             if sys.stderr.isatty():
-                from tqdm import tqdm
-
                 self.bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True, leave=False)
         self._reset_window()
 
