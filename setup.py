@@ -8,7 +8,10 @@ setup(
     # ds_configs/ stays a top-level folder of the repository; wheels carry it as the package data dsclip/ds_configs.
     packages=find_packages(include=["dsclip", "dsclip.*"]) + ["dsclip.ds_configs"],
     package_dir={"dsclip.ds_configs": "ds_configs"},
-    package_data={"dsclip": ["model/configs/*.json", "recipes/*.yaml", "data/*.txt"], "dsclip.ds_configs": ["*.json"]},
+    package_data={
+        "dsclip": ["model/configs/*.json", "recipes/*.yaml", "data/*.txt", "eval/*.tsv"],
+        "dsclip.ds_configs": ["*.json"],
+    },
     install_requires=[
         "torch>=2.4",
         "torchvision",
@@ -23,8 +26,8 @@ setup(
     ],
     extras_require={
         # open_clip_torch is only a test dependency: interop tests load our exports with OpenCLIP itself.
-        "dev": ["pytest", "pytest-timeout", "pytest-xdist", "ruff", "open_clip_torch"],
-        "openclip": ["open_clip_torch"],
+        "dev": ["pytest", "pytest-timeout", "pytest-xdist", "ruff", "open_clip_torch", "transformers", "tokenizers"],
+        "openclip": ["open_clip_torch", "tokenizers"],
     },
     entry_points={"console_scripts": ["dsclip=dsclip.cli:main"]},
 )

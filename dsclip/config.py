@@ -14,6 +14,7 @@ loss        dsclip.losses.config.LossArgs    build_loss (+ SigLIP's initial bias
 optim       dsclip.engine.optim.OptimArgs    optimizer, schedule, DeepSpeed JSON
 train       dsclip.engine.ds_config.TrainArgs DeepSpeed JSON, engine, loop, step
 data        dsclip.data.config.DataConfig    data loaders, evaluator
+lock        dsclip.model.lock.LockConfig     fine-tuning set-up (train/finetune.py)
 log         dsclip.train.metrics.LogArgs     run folder, metrics, evaluation cadence
 checkpoint  dsclip.checkpoint.ds_checkpoint  Checkpointer (save cadence, resume)
 =========== ================================ =====================================
@@ -47,6 +48,7 @@ from dsclip.engine.ds_config import TrainArgs
 from dsclip.engine.optim import OptimArgs
 from dsclip.losses.config import LossArgs
 from dsclip.model.factory import ModelArgs
+from dsclip.model.lock import LockConfig
 from dsclip.train.metrics import LogArgs
 
 __all__ = ["ConfigError", "RunConfig", "make_run_config", "opt", "parse_run_config", "validate"]
@@ -58,6 +60,7 @@ SECTIONS: dict[str, type] = {
     "optim": OptimArgs,
     "train": TrainArgs,
     "data": DataConfig,
+    "lock": LockConfig,
     "log": LogArgs,
     "checkpoint": CheckpointArgs,
 }
@@ -70,6 +73,7 @@ class RunConfig:
     optim: OptimArgs = field(default_factory=OptimArgs)
     train: TrainArgs = field(default_factory=TrainArgs)
     data: DataConfig = field(default_factory=DataConfig)
+    lock: LockConfig = field(default_factory=LockConfig)
     log: LogArgs = field(default_factory=LogArgs)
     checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
 
@@ -242,7 +246,7 @@ def make_run_config(values: dict[str, Any], *, world_size: int | None = None, wh
 
 def validate(cfg: RunConfig) -> None:
     """Check every section (in section order); raises ConfigError naming the first problem. Changes nothing."""
-    for name in ("train", "optim", "loss", "model", "log", "checkpoint"):
+    for name in ("train", "optim", "loss", "model", "data", "lock", "log", "checkpoint"):
         getattr(cfg, name).check()
 
 

@@ -26,6 +26,7 @@ measurements:
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 from dataclasses import asdict, dataclass, field
@@ -36,6 +37,7 @@ from dsclip.engine.ds_config import SHIPPED_DS_CONFIGS
 from dsclip.losses.config import LOSS_FLAGS, TRAIN_TILE_SIZE
 from dsclip.losses.config import LOSS_NAMES as LOSS_MODES
 from dsclip.model import create_model, get_model_config, resolve_model_config
+from dsclip.model.lock import LockConfig, apply_locking, check_lock_config
 
 GiB = 2**30
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,6 +68,7 @@ class Arch:
     vision_params: int = 0
     text_params: int = 0
     largest_layer_params: int = 0
+    trainable_params: int = 0  # after --lock-image / --lock-text
     patch_dropout: float = 0.0
 
     @property
@@ -78,9 +81,18 @@ def kept_patches(patches: int, patch_dropout: float) -> int:
     return patches if patch_dropout <= 0 else max(1, int(patches * (1.0 - patch_dropout)))
 
 
-def load_arch(model: str | dict, patch_dropout: float = 0.0, count_params: bool = True) -> Arch:
-    """Shapes of a registered name / JSON path / config dict; parameters counted on the meta device."""
-    raw = model if isinstance(model, dict) else get_model_config(model)
+def load_arch(
+    model: str | dict,
+    patch_dropout: float = 0.0,
+    count_params: bool = True,
+    image_size: int | None = None,
+    lock: LockConfig | None = None,
+) -> Arch:
+    """Shapes of a registered name / JSON path / config dict; parameters counted on the meta device.
+    ``image_size``: ``--force-image-size``; ``lock``: the locking flags (trainable parameters counted)."""
+    raw = copy.deepcopy(model) if isinstance(model, dict) else get_model_config(model)
+    if image_size:
+        raw.setdefault("vision_cfg", {})["image_size"] = int(image_size)
     cfg = resolve_model_config(raw)
     v, t = cfg["vision_cfg"], cfg["text_cfg"]
     n = (v["image_size"] // v["patch_size"]) ** 2
@@ -112,6 +124,7 @@ def load_arch(model: str | dict, patch_dropout: float = 0.0, count_params: bool 
     if count_params:
         m = create_model(cfg, device="meta")
         arch.params = sum(p.numel() for p in m.parameters())
+        arch.trainable_params = apply_locking(m, lock)["trainable"] if lock is not None else arch.params
         arch.vision_params = sum(p.numel() for p in m.visual.parameters())
         arch.text_params = sum(p.numel() for p in m.text.parameters())
         # As DeepSpeed's model_to_params: the most parameters any single module owns directly.
@@ -122,7 +135,12 @@ def load_arch(model: str | dict, patch_dropout: float = 0.0, count_params: bool 
 # ---------------------------------------------------------------------------------------------------
 # model states
 def model_state_bytes(
-    params: int, world: int, zero: int, precision: str = "bf16", largest_layer_params: int = 0
+    params: int,
+    world: int,
+    zero: int,
+    precision: str = "bf16",
+    largest_layer_params: int = 0,
+    trainable_params: int | None = None,
 ) -> dict[str, float]:
     """Per-GPU bytes of parameters, gradients and Adam states under ZeRO-``zero`` (DeepSpeed's accounting).
 
@@ -130,17 +148,19 @@ def model_state_bytes(
     gradient partition (4 B), fp32 master weights (4 B) and Adam m, v (8 B). fp32: 4 B parameters,
     4 B gradients, 8 B Adam, no master copy. ZeRO-1 partitions the optimizer (master + Adam), ZeRO-2 also
     the gradients, ZeRO-3 also the parameters, which are then gathered a layer or two at a time
-    (DeepSpeed's estimate: 4 B x the largest layer).
+    (DeepSpeed's estimate: 4 B x the largest layer). Locked parameters (``trainable_params`` < ``params``)
+    have parameters only: no gradient, master copy or Adam state.
     """
     p, n = float(params), float(world)
+    t = p if trainable_params is None else float(trainable_params)
     mixed = precision in ("bf16", "fp16")
     w_b = 2 if mixed else 4
     g_b = (2 + 4) if mixed else 4
     master_b = 4 if mixed else 0
     out = {
         "params": p * w_b / (n if zero >= 3 else 1),
-        "grads": p * g_b / (n if zero >= 2 else 1),
-        "optimizer": p * (master_b + 8) / (n if zero >= 1 else 1),
+        "grads": t * g_b / (n if zero >= 2 else 1),
+        "optimizer": t * (master_b + 8) / (n if zero >= 1 else 1),
     }
     if zero >= 3:
         out["gathered_layers"] = 4.0 * largest_layer_params
@@ -295,6 +315,10 @@ class Plan:
     mfu: float
     peak_tflops: float
     params: int = 0
+    trainable_params: int = 0
+    locked_saving_gb: float = 0.0  # per GPU: gradients + optimizer state the locked parameters don't need
+    image_size: int | None = None
+    lock: dict = field(default_factory=dict)
     local_batch: int = 0
     micro_batch: int = 0
     accum_freq: int = 0
@@ -361,9 +385,16 @@ def make_plan(
     gpus_per_node: int = 8,
     reserve_gb: float = 2.0,
     keep_last_graph: bool = True,
+    image_size: int | None = None,
+    lock: LockConfig | None = None,
 ) -> Plan:
     _check_plan_args(loss, zero, precision, gpus, batch_size, gpu_memory_gb, patch_dropout, mfu)
-    arch = load_arch(model, patch_dropout)
+    if lock is not None:
+        shape = load_arch(model, count_params=False, image_size=image_size)
+        check_lock_config(
+            lock, {"vision_cfg": {"layers": shape.vision.layers}, "text_cfg": {"layers": shape.text.layers}}
+        )
+    arch = load_arch(model, patch_dropout, image_size=image_size, lock=lock)
     plan = Plan(
         model,
         gpus,
@@ -377,6 +408,9 @@ def make_plan(
         mfu,
         peak_tflops,
         params=arch.params,
+        trainable_params=arch.trainable_params,
+        image_size=image_size,
+        lock={k: v for k, v in asdict(lock).items() if v} if lock is not None else {},
     )
     plan.local_batch = batch_size // gpus
     ds_name, ds_cfg = shipped_ds_config(zero, precision)
@@ -390,7 +424,11 @@ def make_plan(
 def _plan_memory(plan: Plan, arch: Arch, ds_cfg: dict, tile: int, reserve_gb: float) -> dict[str, float]:
     """Fill the memory budget, the largest micro-batch that fits and the accumulation; returns loss bytes per mode."""
     local, loss, precision = plan.local_batch, plan.loss, plan.precision
-    states = model_state_bytes(arch.params, plan.gpus, plan.zero, precision, arch.largest_layer_params)
+    states = model_state_bytes(
+        arch.params, plan.gpus, plan.zero, precision, arch.largest_layer_params, arch.trainable_params
+    )
+    unlocked = model_state_bytes(arch.params, plan.gpus, plan.zero, precision, arch.largest_layer_params)
+    plan.locked_saving_gb = round((sum(unlocked.values()) - sum(states.values())) / GiB, 3)
     buckets = bucket_bytes(ds_cfg, precision)
     cache = embedding_cache_bytes(local, arch.embed_dim)
     losses = {m: loss_bytes(m, local, plan.batch_size, arch.embed_dim, tile) for m in LOSS_MODES}
@@ -449,6 +487,11 @@ def _train_command(plan: Plan, ds_name: str, tile: int, gpus_per_node: int) -> s
     ]
     if plan.grad_checkpointing:
         args.append("--grad-checkpointing")
+    if plan.image_size:
+        args.append(f"--force-image-size {plan.image_size}")
+    for key, value in plan.lock.items():
+        flag = "--" + key.replace("_", "-")
+        args.append(flag if value is True else f"{flag} {value}")
     if plan.patch_dropout:
         args.append(f"--force-patch-dropout {plan.patch_dropout:g}")
     args += LOSS_FLAGS[plan.loss]
@@ -582,16 +625,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--peak-tflops", type=float, default=790.0, help="dense bf16 peak per GPU (H200 measured: 790)")
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--reserve", type=float, default=2.0, help="GiB kept for the CUDA context and fragmentation")
+    p.add_argument("--force-image-size", type=int, help="train at this image size (as dsclip train)")
+    p.add_argument("--lock-image", action="store_true", help="LiT: lock the image tower (as dsclip train)")
+    p.add_argument("--lock-image-unlocked-groups", type=int, default=0, help="image groups left trainable")
+    p.add_argument("--lock-text", action="store_true", help="lock the text tower (as dsclip train)")
+    p.add_argument("--lock-text-unlocked-layers", type=int, default=0, help="text groups left trainable")
+    p.add_argument("--lock-text-freeze-layer-norm", action="store_true", help="also lock locked layers' LayerNorms")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     return p
 
 
 def format_plan(p: Plan) -> str:
     lines = [
-        f"dsclip plan: {p.model} ({p.params / 1e9:.3f} B params) | {p.gpus} GPUs x {p.gpu_memory_gb:g} GiB | "
+        f"dsclip plan: {p.model} ({p.params / 1e9:.3f} B params, {p.trainable_params / 1e9:.3f} B trainable) | "
+        f"{p.gpus} GPUs x {p.gpu_memory_gb:g} GiB | "
         f"ZeRO-{p.zero} {p.precision} | batch {p.batch_size} ({p.local_batch}/GPU) | loss {p.loss}"
         + (" | grad-checkpointing" if p.grad_checkpointing else "")
-        + (f" | patch-dropout {p.patch_dropout:g}" if p.patch_dropout else ""),
+        + (f" | patch-dropout {p.patch_dropout:g}" if p.patch_dropout else "")
+        + (f" | image size {p.image_size}" if p.image_size else ""),
+        *(
+            [
+                f"locked: {p.params - p.trainable_params:,} parameters ({', '.join(p.lock)}): "
+                f"{p.locked_saving_gb:.3f} GiB/GPU of gradients + optimizer state not allocated"
+            ]
+            if p.params != p.trainable_params
+            else []
+        ),
         "",
         "per-GPU memory (GiB):",
     ]
@@ -671,6 +730,14 @@ def main_plan(argv: list[str]) -> int:
         tile=a.loss_tile_size,
         gpus_per_node=a.gpus_per_node,
         reserve_gb=a.reserve,
+        image_size=a.force_image_size,
+        lock=LockConfig(
+            lock_image=a.lock_image,
+            lock_image_unlocked_groups=a.lock_image_unlocked_groups,
+            lock_text=a.lock_text,
+            lock_text_unlocked_layers=a.lock_text_unlocked_layers,
+            lock_text_freeze_layer_norm=a.lock_text_freeze_layer_norm,
+        ),
     )
     print(json.dumps(asdict(plan), indent=2) if a.json else format_plan(plan))
     return 0 if plan.fits else 1

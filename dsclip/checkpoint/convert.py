@@ -11,7 +11,9 @@
   ``open_clip.create_model_and_transforms("local-dir:OUT")``, or for a standard architecture
   ``open_clip.create_model_and_transforms("ViT-B-32", pretrained="OUT/open_clip_model.safetensors")``.
 - The run's tokenizer (``<run>/tokenizer.model``, recorded by the training loop) is copied to
-  ``OUT/tokenizer.model`` (``dsclip eval`` picks it up from there).
+  ``OUT/tokenizer.model`` (``dsclip eval`` picks it up from there). With ``--format open_clip`` it is also
+  written as Hugging Face ``tokenizer.json`` (+ config) and ``text_cfg.hf_tokenizer_name`` is set, so
+  ``open_clip.get_tokenizer("local-dir:OUT")`` tokenizes exactly as dsclip (``dsclip.data.hf_tokenizer``).
 
 The weights are the fp32 master copies the optimizer holds (not the bf16/fp16 compute copies),
 consolidated by DeepSpeed's own ``zero_to_fp32`` in its lazy mode and streamed into the output one
@@ -194,6 +196,7 @@ def convert_checkpoint(
     dtype: str = "fp32",
     fmt: str = "dsclip",
     model_config: str | None = None,
+    hf_tokenizer_name: str | None = None,
 ) -> Path:
     """Consolidate one complete tag into ``out`` (see the module docstring); returns the weights path."""
 
@@ -219,9 +222,37 @@ def convert_checkpoint(
     else:
         write_safetensors_streaming(weights, [_to_openclip(k, t) for k, t in items], {"format": "pt"})
         config_file, config = weights.parent / "open_clip_config.json", openclip_model_config(cfg)
-    config_file.write_text(json.dumps(config, indent=2))
     _copy_tokenizer(ckpt_dir, weights.parent)
+    spm, spec = weights.parent / TOKENIZER_FILE, weights.parent / TOKENIZER_SPEC_FILE
+    text_cfg = config.get("model_cfg", {}).get("text_cfg", {})
+    if fmt == "open_clip" and not spm.is_file() and spec.is_file() and text_cfg.get("hf_tokenizer_name"):
+        # a model fine-tuned from an OpenCLIP model with a Hugging Face tokenizer (hf-hub:...): ship those
+        # tokenizer files (they replace the {"tokenizer": spec} note, which OpenCLIP would misread)
+        _save_hf_tokenizer(json.loads(spec.read_text())["tokenizer"], weights.parent, text_cfg["context_length"])
+        if hf_tokenizer_name:
+            text_cfg["hf_tokenizer_name"] = hf_tokenizer_name
+    if fmt == "open_clip" and spm.is_file():
+        # OpenCLIP's own get_tokenizer("local-dir:OUT") must give dsclip's ids: a Hugging Face tokenizer.json
+        # built from the sentencepiece model, announced by text_cfg.hf_tokenizer_name (OpenCLIP's mechanism).
+        from dsclip.data.hf_tokenizer import write_hf_tokenizer
+
+        try:
+            write_hf_tokenizer(spm, weights.parent, cfg["text_cfg"]["context_length"])
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        text_cfg = config["model_cfg"]["text_cfg"]
+        text_cfg["hf_tokenizer_name"] = hf_tokenizer_name or str(weights.parent.resolve())
+    config_file.write_text(json.dumps(config, indent=2))
     return weights
+
+
+def _save_hf_tokenizer(spec: str, out_dir: Path, context_length: int) -> None:
+    from dsclip.data.openclip_tokenizer import OpenCLIPTokenizer
+
+    hf = getattr(OpenCLIPTokenizer(spec, context_length).tok, "tokenizer", None)
+    if hf is None:
+        raise ConfigError(f"the run's tokenizer {spec} is not a Hugging Face tokenizer, but its text_cfg names one")
+    hf.save_pretrained(str(out_dir))
 
 
 def _read_state(tag_dir: Path) -> dict:
@@ -257,6 +288,11 @@ def _parser() -> argparse.ArgumentParser:
         help="dsclip: model.safetensors + config.json; open_clip: OpenCLIP's layout + open_clip_config.json.",
     )
     p.add_argument(
+        "--hf-tokenizer-name",
+        help="open_clip format, sentencepiece runs: text_cfg.hf_tokenizer_name written to open_clip_config.json "
+        "(default: the output folder; set ORG/NAME when you upload the folder to the Hugging Face hub).",
+    )
+    p.add_argument(
         "--model-config",
         help="Model config (JSON file or architecture name) for checkpoints that lack model_config.json.",
     )
@@ -268,7 +304,15 @@ def main_convert(argv: list[str]) -> int:
 
     ckpt_dir, tag = find_checkpoint(a.path, a.tag)
     try:
-        weights = convert_checkpoint(ckpt_dir, tag, a.output, dtype=a.dtype, fmt=a.format, model_config=a.model_config)
+        weights = convert_checkpoint(
+            ckpt_dir,
+            tag,
+            a.output,
+            dtype=a.dtype,
+            fmt=a.format,
+            model_config=a.model_config,
+            hf_tokenizer_name=a.hf_tokenizer_name,
+        )
     except StateDictMismatchError as e:  # a --model-config that doesn't fit: say which keys, no traceback
         raise ConfigError(str(e).replace("\n", "; ")) from e
     size = weights.stat().st_size

@@ -16,8 +16,11 @@ no rank ever holds more than one module's full weights, and only rank 0 reads th
 
 from __future__ import annotations
 
+import json
+import math
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import deepspeed
@@ -30,11 +33,10 @@ from dsclip.dist import rank_world
 from dsclip.model import (
     StateDictMismatchError,
     create_model,
-    from_openclip_state_dict,
     load_model,
     to_openclip_state_dict,
 )
-from dsclip.model.openclip import check_state_dict, expected_shapes, unwrap_state_dict
+from dsclip.model.openclip import expected_shapes, unwrap_state_dict
 
 WEIGHT_CANDIDATES = (
     "model.safetensors",
@@ -57,6 +59,7 @@ class WeightSource:
         if not p.is_file():
             raise FileNotFoundError(f"pretrained weights not found: {p}")
         self.path = p
+        self.resample = {}
         self._get: Callable[[str], torch.Tensor]
         if p.suffix == ".safetensors":
             self._file = safe_open(str(p), framework="pt", device="cpu")
@@ -78,6 +81,8 @@ class WeightSource:
     def get(self, name: str) -> torch.Tensor:
         return self._get(name)
 
+    resample: dict  # names whose tensors may be resampled to the model's grid (set by load_pretrained_into)
+
     def is_openclip(self) -> bool:
         return "visual.conv1.weight" in self.shapes or "visual.class_embedding" in self.shapes
 
@@ -94,32 +99,74 @@ class PretrainedMismatchError(StateDictMismatchError, ConfigError):
     """The ``--pretrained`` file doesn't fit the model (a user error: printed without a traceback)."""
 
 
-def plan_pretrained(source: WeightSource, model_config: dict) -> dict[str, str]:
-    """dsclip state-dict name -> name in ``source``, after checking keys and shapes in full."""
-    try:
-        return _plan(source, model_config)
-    except StateDictMismatchError as e:
-        msg = str(e)
-        if "token_embedding" in msg:
-            msg += (
-                "\n  hint: the text vocabulary differs; train/evaluate with the tokenizer these weights were "
-                "trained with (OpenCLIP weights: --tokenizer open_clip:<model name>)"
-            )
-        raise PretrainedMismatchError(msg) from None
+POS_EMBED = {"visual.pos_embed", "visual.positional_embedding"}  # dsclip (1+N, W) / OpenCLIP (1+N, W)
 
 
-def _plan(source: WeightSource, model_config: dict) -> dict[str, str]:
+def _resamplable(got: torch.Size, want: torch.Size) -> bool:
+    """Image position embeddings of another square grid (another image size): resampled on load."""
+    got, want = tuple(got), tuple(want)
+    if len(got) != len(want) or got[-1] != want[-1] or len(got) not in (2, 3):
+        return False
+    g, w = got[-2] - 1, want[-2] - 1
+    return g > 0 and w > 0 and math.isqrt(g) ** 2 == g and math.isqrt(w) ** 2 == w
+
+
+def plan_pretrained(source: WeightSource, model_config: dict, model_name: str | None = None) -> dict[str, str]:
+    """dsclip state-dict name -> name in ``source``, after checking keys and shapes in full.
+
+    A mismatch raises a one-line ``PretrainedMismatchError`` naming the first mismatching tensor with
+    both shapes (and how many others differ). Image position embeddings of another grid are allowed:
+    ``load_pretrained_into`` resamples them (``--force-image-size``)."""
 
     expected = expected_shapes(model_config)
+    plan, want_shapes = {}, {}  # dsclip name -> source name / source-layout shape
+    for name, shape in expected.items():
+        if source.is_openclip():
+            ((oc_name, oc_meta),) = to_openclip_state_dict({name: torch.empty(shape, device="meta")}).items()
+            plan[name], want_shapes[name] = oc_name, oc_meta.shape
+        else:
+            plan[name], want_shapes[name] = name, shape
+    have = {k: tuple(v) for k, v in source.shapes.items()}
     if source.is_openclip():
-        from_openclip_state_dict(_meta(source.shapes), model_config)  # raises with OpenCLIP's names
-        plan = {}
-        for name, shape in expected.items():
-            ((oc_name, _),) = to_openclip_state_dict({name: torch.empty(shape, device="meta")}).items()
-            plan[name] = oc_name
-        return plan
-    check_state_dict(_meta(source.shapes), expected, f"pretrained weights {source.path}")
-    return {name: name for name in expected}
+        for key in ("logit_scale", "logit_bias"):  # OpenCLIP stores 0-dim or (1,)
+            if key in have and math.prod(have[key]) == 1:
+                have[key] = ()
+    want = {plan[n]: tuple(want_shapes[n]) for n in plan}
+    missing = [k for k in want if k not in have]
+    unexpected = sorted(k for k in have if k not in want)
+    shape_bad = [
+        k for k in want if k in have and have[k] != want[k] and not (k in POS_EMBED and _resamplable(have[k], want[k]))
+    ]
+    if missing or unexpected or shape_bad:
+        arch = f"--model {model_name}" if model_name else "the model"
+        if shape_bad:
+            k = shape_bad[0]
+            first = f"first mismatch {k}: file {have[k]} vs model {want[k]}"
+        elif missing:
+            first = f"first missing tensor {missing[0]} {want[missing[0]]}"
+        else:
+            first = f"first unexpected tensor {unexpected[0]} {have[unexpected[0]]}"
+        counts = f"{len(shape_bad)} shape mismatch(es), {len(missing)} missing, {len(unexpected)} unexpected"
+        msg = f"pretrained weights {source.path} do not fit {arch}: {first} ({counts})"
+        if any("token_embedding" in k for k in shape_bad):
+            msg += (
+                "; the text vocabulary differs: use the tokenizer the weights were trained with "
+                "(OpenCLIP weights: --tokenizer open_clip:<model name>)"
+            )
+        raise PretrainedMismatchError(msg)
+    return plan
+
+
+def resample_pos_embed(value: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """(1+N, W) or (1, 1+N, W) class token + square grid -> ``shape``'s grid, with timm's
+    ``resample_abs_pos_embed`` (bicubic, antialiased; the class token is kept)."""
+    from timm.layers import resample_abs_pos_embed
+
+    v = value.reshape(1, -1, value.shape[-1]).float()
+    n_new = shape[-2] - 1
+    side = math.isqrt(n_new)
+    out = resample_abs_pos_embed(v, new_size=[side, side], num_prefix_tokens=1)
+    return out.reshape(shape).to(value.dtype)
 
 
 def _is_partitioned(p: torch.Tensor) -> bool:
@@ -132,6 +179,9 @@ def load_pretrained_into(model: nn.Module, path: str | os.PathLike) -> None:
     Collective under ZeRO-3 (every rank must call it); otherwise each rank loads on its own."""
     source = WeightSource(path)
     plan = plan_pretrained(source, model.config)
+    for n in plan:  # position embeddings of another image size: resampled (timm) while copying
+        if n == "visual.pos_embed":
+            source.resample[plan[n]] = model.config["vision_cfg"]
     rank, _ = rank_world()
     copied = 0
     for mod_name, module in model.named_modules():
@@ -156,6 +206,8 @@ def load_pretrained_into(model: nn.Module, path: str | os.PathLike) -> None:
 def _copy(source: WeightSource, plan: dict[str, str], prefix: str, tensors: dict[str, torch.Tensor]) -> int:
     for name, t in tensors.items():
         value = source.get(plan[prefix + name])
+        if value.numel() != t.numel() and plan[prefix + name] in source.resample:
+            value = resample_pos_embed(value, t.shape)
         t.copy_(value.reshape(t.shape))  # OpenCLIP's 0-dim logit_scale / (1,1,W) class token -> dsclip shapes
     return len(tensors)
 
@@ -170,3 +222,112 @@ def load_pretrained_model(path: str | os.PathLike, model: str | dict | None = No
     m = create_model(model, device=device)
     load_pretrained_into(m, path)
     return m.eval()
+
+
+# --- --pretrained by name: OpenCLIP tags and hf-hub models, through open_clip's own registry -------------
+HF_HUB = "hf-hub:"
+OPEN_CLIP = "open_clip:"
+OPENCLIP_BPE_VOCAB = 49408  # OpenCLIP's SimpleTokenizer (OpenAI BPE)
+_WEIGHT_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin", ".ckpt")
+
+
+@dataclass
+class ResolvedPretrained:
+    path: str  # a local weights file
+    model: str  # the architecture name the weights belong to (for messages and run names)
+    model_cfg: dict | None  # the weights' own architecture (hf-hub: the repo's open_clip_config.json)
+    tokenizer: str | None  # the dsclip tokenizer spec those weights were trained with
+    quick_gelu: bool = False  # OpenCLIP's pretrained cfg asks for QuickGELU (OpenAI weights)
+
+
+def _open_clip(what: str):
+    try:
+        import open_clip
+    except ImportError:
+        raise ConfigError(
+            f"--pretrained {what} needs OpenCLIP's registry: pip install 'dsclip[openclip]' (or open_clip_torch)"
+        ) from None
+    return open_clip
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"
+
+
+def resolve_pretrained(model: str, pretrained: str, cache_dir: str | None = None) -> ResolvedPretrained:
+    """``--pretrained`` -> a local weights file, the architecture and the tokenizer that go with it.
+
+    - an existing file: used as is (architecture = ``--model``; tokenizer: ``open_clip:MODEL`` for an
+      OpenCLIP file with OpenCLIP's 49408-token vocabulary, else ``--tokenizer``);
+    - an export folder (``open_clip_config.json`` or dsclip's ``config.json``): its architecture, and its
+      ``tokenizer.model`` (else OpenCLIP's tokenizer for that folder);
+    - ``hf-hub:ORG/NAME``: the repo's ``open_clip_config.json`` and weights through open_clip's own
+      ``download_pretrained_from_hf`` (Hugging Face cache; ``HF_HUB_OFFLINE=1`` works from a filled cache);
+    - ``open_clip:MODEL/TAG`` or a bare ``TAG`` of ``--model``: ``open_clip.get_pretrained_cfg`` +
+      ``open_clip.download_pretrained`` (``cache_dir`` = OpenCLIP's ``--cache-dir``).
+    Every failure is a one-line ``ConfigError`` (an unknown tag lists the tags of that architecture)."""
+    p = Path(pretrained)
+    if p.is_dir() and any((p / n).is_file() for n in ("open_clip_config.json", "config.json")):
+        # an export folder (dsclip convert, OpenCLIP local-dir): its architecture and tokenizer come with it
+        cfg_file = p / "open_clip_config.json" if (p / "open_clip_config.json").is_file() else p / "config.json"
+        cfg = json.loads(cfg_file.read_text())
+        tokenizer = None
+        if (p / "tokenizer.model").is_file():
+            tokenizer = str(p / "tokenizer.model")
+        elif cfg_file.name == "open_clip_config.json":
+            tokenizer = f"{OPEN_CLIP}local-dir:{p}"
+        return ResolvedPretrained(str(p), str(p), cfg.get("model_cfg", cfg), tokenizer)
+    if p.exists():
+        # an OpenCLIP file with OpenCLIP's BPE vocabulary was trained with OpenCLIP's tokenizer
+        src = WeightSource(p)
+        vocab = src.shapes.get("token_embedding.weight", (0,))[0] if src.is_openclip() else 0
+        return ResolvedPretrained(
+            pretrained, model, None, f"{OPEN_CLIP}{model}" if vocab == OPENCLIP_BPE_VOCAB else None
+        )
+    if pretrained.startswith(HF_HUB):
+        repo = pretrained[len(HF_HUB) :].strip("/")
+        _open_clip(pretrained)
+        from open_clip.pretrained import download_pretrained_from_hf
+
+        try:
+            cfg_path = download_pretrained_from_hf(repo, filename="open_clip_config.json", cache_dir=cache_dir)
+            weights = download_pretrained_from_hf(repo, cache_dir=cache_dir)
+        except Exception as e:  # huggingface_hub raises many types (offline, 404, gated, ...)
+            raise ConfigError(
+                f"--pretrained {pretrained}: no OpenCLIP model found on the Hugging Face hub or in its cache "
+                f"({_first_line(e)})"
+            ) from None
+        cfg = json.loads(Path(cfg_path).read_text())
+        model_cfg = cfg.get("model_cfg", cfg)
+        return ResolvedPretrained(weights, pretrained, model_cfg, OPEN_CLIP + pretrained)
+    if pretrained.startswith(OPEN_CLIP):
+        rest = pretrained[len(OPEN_CLIP) :]
+        if "/" not in rest:
+            raise ConfigError(
+                f"--pretrained {pretrained}: expected open_clip:MODEL/TAG (e.g. open_clip:ViT-B-32/openai)"
+            )
+        model, tag = rest.rsplit("/", 1)
+    else:
+        if pretrained.endswith(_WEIGHT_SUFFIXES) or "/" in pretrained or os.sep in pretrained:
+            raise FileNotFoundError(f"pretrained weights not found: {pretrained}")
+        tag = pretrained
+    oc = _open_clip(pretrained)
+    pcfg = oc.get_pretrained_cfg(model, tag)
+    if not pcfg:
+        tags = oc.list_pretrained_tags_by_model(model)
+        if tags:
+            raise ConfigError(
+                f"--pretrained {tag!r} is neither a file nor an OpenCLIP tag of {model}; its tags: {', '.join(tags)}"
+            )
+        raise ConfigError(
+            f"--pretrained {tag!r} is neither a file nor an OpenCLIP tag: OpenCLIP has no pretrained weights for "
+            f"{model!r} (open_clip.list_pretrained() lists them)"
+        )
+    try:
+        weights = oc.download_pretrained(pcfg, cache_dir=cache_dir)
+    except Exception as e:
+        raise ConfigError(f"--pretrained {model}/{tag}: download failed ({_first_line(e)})") from None
+    if not weights:
+        raise ConfigError(f"--pretrained {model}/{tag}: OpenCLIP's registry gives no download location")
+    return ResolvedPretrained(weights, model, None, OPEN_CLIP + model, bool(pcfg.get("quick_gelu", False)))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from dsclip.config_base import ConfigError
+
 DATASET_TYPES = ("auto", "demo", "webdataset", "csv")
 
 
@@ -56,6 +58,13 @@ class DataConfig:
         default=None,
         metadata={"help": "Zero-shot class-folder dataset (DIR/<class>/*.jpg), or 'demo' for the demo's held-out set."},
     )
+    imagenet_val: str | None = field(
+        default=None,
+        metadata={
+            "help": "ImageNet validation folder (DIR/<wnid>/*.JPEG) for zero-shot: built-in ImageNet-1k class "
+            "names and OpenCLIP's prompts (OpenCLIP's flag; the same as --zeroshot-data DIR)."
+        },
+    )
     zeroshot_templates: str | None = field(
         default=None,
         metadata={
@@ -63,7 +72,11 @@ class DataConfig:
         },
     )
     force_image_size: int | None = field(
-        default=None, metadata={"help": "Override the model's image size for the data transforms."}
+        default=None,
+        metadata={
+            "help": "Train at this image size (OpenCLIP's flag): the ViT is built at this size and --pretrained "
+            "position embeddings of another size are resampled."
+        },
     )
     tokenizer: str | None = field(
         default=None,
@@ -71,6 +84,15 @@ class DataConfig:
     )
     demo_num_samples: int = field(default=20000, metadata={"help": "Size of the built-in demo training set."})
     demo_eval_samples: int = field(default=1000, metadata={"help": "Held-out demo images for zero-shot eval."})
+
+    def __post_init__(self):
+        # OpenCLIP's name for a zero-shot class folder laid out by WordNet id
+        if self.imagenet_val and not self.zeroshot_data:
+            self.zeroshot_data = self.imagenet_val
+
+    def check(self) -> None:
+        if self.imagenet_val and self.zeroshot_data != self.imagenet_val:
+            raise ConfigError("give either --imagenet-val or --zeroshot-data, not both")
 
     def resolved_dataset_type(self) -> str:
         if self.dataset_type not in DATASET_TYPES:

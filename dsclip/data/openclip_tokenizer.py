@@ -3,6 +3,8 @@
 ``--tokenizer open_clip:ViT-B-32`` trains/evaluates with the tokenizer an imported OpenCLIP text tower
 was trained with (BPE, 49408 tokens, ``<start_of_text> ... <end_of_text>`` then zeros; the text tower
 pools at the end-of-text token, the largest id, so configs use ``pool_type: argmax``).
+``open_clip:hf-hub:ORG/NAME`` and ``open_clip:local-dir:DIR`` give whatever ``open_clip.get_tokenizer``
+gives for that model (its Hugging Face tokenizer when the config names one).
 Same interface as ``SentencePieceTokenizer``: ``tok(list[str]) -> LongTensor (N, context_length)`` and
 ``vocab_size``, ``eos_id``, ``pad_id``; picklable (rebuilt from its name in DataLoader workers).
 """
@@ -26,9 +28,15 @@ class OpenCLIPTokenizer:
         self.spec = PREFIX + name  # recorded in the run folder (dsclip.checkpoint.ds_checkpoint.record_tokenizer)
         self.context_length = int(context_length)
         self.tok = open_clip.get_tokenizer(name, context_length=self.context_length)
-        self.vocab_size = int(getattr(self.tok, "vocab_size", 0) or len(self.tok.encoder))
-        self.eos_id = int(self.tok.eot_token_id)
-        self.pad_id = 0  # OpenCLIP pads with zeros
+        hf = getattr(self.tok, "tokenizer", None)  # open_clip.tokenizer.HFTokenizer (hf_tokenizer_name models)
+        if hf is not None:
+            self.vocab_size = len(hf)
+            self.eos_id = int(hf.eos_token_id if hf.eos_token_id is not None else hf.sep_token_id)
+            self.pad_id = int(hf.pad_token_id or 0)
+        else:  # OpenCLIP's BPE SimpleTokenizer
+            self.vocab_size = int(getattr(self.tok, "vocab_size", 0) or len(self.tok.encoder))
+            self.eos_id = int(self.tok.eot_token_id)
+            self.pad_id = 0  # OpenCLIP pads with zeros
 
     def __getstate__(self):
         return {"name": self.name, "context_length": self.context_length}

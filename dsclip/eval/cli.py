@@ -28,6 +28,8 @@ from ..model import create_model, from_openclip_state_dict, load_openclip_checkp
 from ..model.weights import load_model
 from .evaluator import Evaluator, append_results
 
+OPENCLIP_BPE_VOCAB = 49408  # OpenCLIP's SimpleTokenizer (OpenAI BPE)
+
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dsclip eval", description="Zero-shot classification and retrieval.")
@@ -39,10 +41,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--pretrained",
         help="OpenCLIP checkpoint (.pt/.bin/.safetensors, `module.` prefixes and {'state_dict': ...} accepted) "
-        "to load into the --model architecture; use with --tokenizer open_clip:NAME.",
+        "to load into the --model architecture (with OpenCLIP's 49408-token vocabulary the tokenizer defaults "
+        "to open_clip:MODEL).",
     )
     p.add_argument("--tokenizer", help="SentencePiece model (default: tokenizer.model beside the weights, or demo).")
     p.add_argument("--zeroshot-data", help="Class-folder dataset DIR/<class>/*.jpg, or 'demo'.")
+    p.add_argument(
+        "--imagenet-val",
+        help="ImageNet validation folder DIR/<wnid>/*.JPEG (OpenCLIP's flag): built-in class names, OpenCLIP prompts.",
+    )
     p.add_argument(
         "--zeroshot-templates",
         help="Prompt templates file, one per line with {c} (default: OpenCLIP "
@@ -80,8 +87,12 @@ def _load_openclip_pretrained(name: str, path: str, device):
 def main_eval(argv: list[str]) -> int:
     """Entry point of ``dsclip eval``; returns the exit code."""
     a = _parser().parse_args(argv)
+    if a.imagenet_val and a.zeroshot_data and a.imagenet_val != a.zeroshot_data:
+        print("dsclip eval: error: give either --imagenet-val or --zeroshot-data, not both", file=sys.stderr)
+        return 2
+    a.zeroshot_data = a.zeroshot_data or a.imagenet_val
     if not a.zeroshot_data and not a.val_data:
-        print("dsclip eval: error: give --zeroshot-data and/or --val-data", file=sys.stderr)
+        print("dsclip eval: error: give --zeroshot-data (or --imagenet-val) and/or --val-data", file=sys.stderr)
         return 2
 
     try:
@@ -100,8 +111,14 @@ def main_eval(argv: list[str]) -> int:
             folder = mp if mp.is_dir() else mp.parent
             if (folder / "tokenizer.model").is_file():
                 tok_path = str(folder / "tokenizer.model")
-            elif (folder / "tokenizer.json").is_file():  # {"tokenizer": "open_clip:NAME"} written by convert
-                tok_path = json.loads((folder / "tokenizer.json").read_text())["tokenizer"]
+            elif (folder / "tokenizer.json").is_file():
+                note = json.loads((folder / "tokenizer.json").read_text())
+                if "tokenizer" in note:  # {"tokenizer": "open_clip:NAME"} written by convert
+                    tok_path = note["tokenizer"]
+                elif (folder / "open_clip_config.json").is_file():  # a Hugging Face tokenizer of an OpenCLIP export
+                    tok_path = f"open_clip:local-dir:{folder}"
+        if tok_path is None and a.pretrained and int(cfg["text_cfg"]["vocab_size"]) == OPENCLIP_BPE_VOCAB:
+            tok_path = f"open_clip:{a.model}"  # OpenCLIP weights with OpenCLIP's vocabulary: its BPE tokenizer
         if tok_path is None:
             tok_path = ensure_demo_tokenizer(Path.home() / ".cache" / "dsclip")
         if tok_path.startswith("open_clip:"):

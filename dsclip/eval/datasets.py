@@ -2,7 +2,8 @@
 
 Both are map-style so every rank can take an interleaved shard of the same ordering:
 - ``ClassFolderDataset(root)``: ``root/<class>/*.{jpg,png,...}``; display names from
-  ``root/classnames.txt`` (one per line, in sorted-folder order) or the folder names ('_' -> ' ').
+  ``root/classnames.txt`` (one per line, in sorted-folder order), the built-in ImageNet-1k names when
+  the folders are ImageNet WordNet ids (an ImageNet val folder), or the folder names ('_' -> ' ').
 - ``TarImageDataset`` indexes local webdataset shards (header scan, no decoding) and reads members
   by offset; captions are kept in memory for the text side.
 - ``load_retrieval_set(spec, ...)`` gives (image dataset, captions, text_to_image) for shards or a CSV
@@ -11,8 +12,10 @@ Both are map-style so every rank can take an interleaved shard of the same order
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import re
 import tarfile
 from pathlib import Path
 
@@ -23,6 +26,35 @@ from ..data.shards import IMAGE_EXTS, captions_of, decode_image, parse_sources, 
 
 log = logging.getLogger("dsclip.eval")
 _IMG_SUFFIXES = {"." + e for e in IMAGE_EXTS} | {".bmp", ".gif", ".tif", ".tiff"}
+
+
+WNID = re.compile(r"n\d{8}")
+
+
+@functools.cache
+def imagenet_classnames() -> dict[str, str]:
+    """WordNet id -> OpenCLIP's ImageNet-1k class name, in WordNet-id order (the ImageNet label order).
+
+    ``imagenet_classes.tsv`` = timm's ``imagenet_synsets.txt`` beside OpenCLIP's ``IMAGENET_CLASSNAMES``
+    (copied here because open_clip is optional)."""
+    rows = (Path(__file__).with_name("imagenet_classes.tsv")).read_text(encoding="utf-8").splitlines()
+    return dict(r.split("\t", 1) for r in rows if r)
+
+
+def folder_classnames(root: Path, folders: list[str]) -> list[str]:
+    """Display names for class folders without a classnames.txt: ImageNet WordNet ids -> built-in names,
+    readable folder names -> themselves ('_' -> ' '); anything else is an error asking for classnames.txt."""
+    known = imagenet_classnames()
+    if all(f in known for f in folders):
+        return [known[f] for f in folders]
+    bad = next((f for f in folders if WNID.fullmatch(f) or not any(c.isalpha() for c in f)), None)
+    if bad is not None:
+        what = "a WordNet id that is not an ImageNet-1k class" if WNID.fullmatch(bad) else "not a readable name"
+        raise ValueError(
+            f"{root}: class folder {bad!r} is {what}; write {root / 'classnames.txt'} with one class name per "
+            f"line in sorted-folder order ({len(folders)} lines)"
+        )
+    return [f.replace("_", " ") for f in folders]
 
 
 class ClassFolderDataset(Dataset):
@@ -41,7 +73,7 @@ class ClassFolderDataset(Dataset):
             if len(names) != len(folders):
                 raise ValueError(f"{names_file} has {len(names)} names for {len(folders)} class folders")
         else:
-            names = [f.replace("_", " ") for f in folders]
+            names = folder_classnames(root, folders)
         self.classnames = names
         self.samples: list[tuple[str, int]] = []
         for label, f in enumerate(folders):

@@ -27,7 +27,12 @@ class ModelArgs:
     """Run config section ``model``: which architecture, its overrides and initial weights."""
 
     model: str = opt("demo", "Architecture name (dsclip/model/configs/*.json, OpenCLIP schema) or a JSON path.")
-    pretrained: str | None = opt(None, "Initial weights: a dsclip or OpenCLIP checkpoint (.safetensors/.pt/.bin).")
+    pretrained: str | None = opt(
+        None,
+        "Initial weights: a dsclip or OpenCLIP checkpoint (.safetensors/.pt/.bin or a folder), an OpenCLIP "
+        "pretrained tag of --model (laion2b_s34b_b79k), open_clip:MODEL/TAG, or hf-hub:ORG/NAME.",
+    )
+    cache_dir: str | None = opt(None, "Where --pretrained downloads are cached (OpenCLIP's --cache-dir).")
     force_patch_dropout: float | None = opt(
         None, "Override the architecture's patch-dropout rate (FLIP), as OpenCLIP's flag: training only."
     )

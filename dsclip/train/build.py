@@ -13,7 +13,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dsclip.checkpoint.pretrained import load_pretrained_into
 from dsclip.config import ConfigError, RunConfig, dumps, save_run_config
 from dsclip.data import DataConfig, TrainData, build_tokenizer, build_train_data
 from dsclip.engine import world
@@ -104,32 +103,29 @@ class StepPlan:
         return cls(steps_per_epoch, total_steps, train.batch_size * k * world_size)
 
 
+def model_kwargs(model: ModelArgs, loss: LossArgs, model_cfg: dict, tokenizer) -> dict:
+    """``create_model`` overrides of this run: the tokenizer's vocabulary, context, SigLIP bias, patch dropout."""
+    return dict(
+        force_patch_dropout=model.force_patch_dropout,
+        vocab_size=tokenizer.vocab_size,
+        context_length=model.context_length or model_cfg["text_cfg"].get("context_length", 77),
+        eos_id=tokenizer.eos_id,
+        pad_id=tokenizer.pad_id,
+        init_logit_bias=SIGLIP_INIT_LOGIT_BIAS if loss.siglip else None,  # OpenCLIP --siglip: bias -10
+    )
+
+
 def model_factory(
     model: ModelArgs, loss: LossArgs, model_cfg: dict, tokenizer, *, seed: int
 ) -> Callable[[], nn.Module]:
     """What the engine calls (inside zero.Init under ZeRO-3) to build the model."""
-    context_length = model.context_length or model_cfg["text_cfg"].get("context_length", 77)
+    kwargs = model_kwargs(model, loss, model_cfg, tokenizer)
 
     def build() -> nn.Module:
         torch.manual_seed(seed)  # identical initial weights on every rank
-        return create_model(
-            model_cfg,
-            force_patch_dropout=model.force_patch_dropout,
-            vocab_size=tokenizer.vocab_size,
-            context_length=context_length,
-            eos_id=tokenizer.eos_id,
-            pad_id=tokenizer.pad_id,
-            init_logit_bias=SIGLIP_INIT_LOGIT_BIAS if loss.siglip else None,  # OpenCLIP --siglip: bias -10
-        )
+        return create_model(model_cfg, **kwargs)
 
     return build
-
-
-def pretrained_loader(model: ModelArgs) -> Callable[[nn.Module], None] | None:
-    """--pretrained: load the weights into the constructed (possibly partitioned) model."""
-    if not model.pretrained:
-        return None
-    return lambda m: load_pretrained_into(m, model.pretrained)
 
 
 def build_step(bundle: EngineBundle, loss: LossArgs, train: TrainArgs) -> GradCacheStep:

@@ -19,7 +19,8 @@ from dsclip.config import RunConfig, settle_run_name, validate
 from dsclip.data import TrainData
 from dsclip.engine import world
 from dsclip.engine.build import build_engine, device_type
-from dsclip.model import get_model_config
+from dsclip.model import create_model
+from dsclip.train import finetune
 from dsclip.train.build import (
     StepPlan,
     announce,
@@ -31,7 +32,7 @@ from dsclip.train.build import (
     check_torchcompile,
     merge_ds_config,
     model_factory,
-    pretrained_loader,
+    model_kwargs,
     write_run_files,
 )
 from dsclip.train.evaluation import TrainingEvaluator
@@ -157,7 +158,9 @@ def build_run(cfg: RunConfig) -> Run:
     cfg = settle_run_name(cfg)  # the clock's default, decided on rank 0 (collective)
     validate(cfg)
     world.check_workers(cfg.data.workers)
-    model_cfg = get_model_config(cfg.model.model)
+    ft = finetune.prepare(cfg, rank=rank)  # --pretrained by name, --force-image-size, locking flags
+    cfg = ft.cfg  # + the pretrained weights' architecture name and tokenizer
+    model_cfg = ft.model_cfg
     check_torchcompile(cfg.train, device_type())
     ds_config = build_ds_config(cfg, world_size)
     checkpointer = Checkpointer.from_args(cfg.checkpoint, cfg.run_dir, rank=rank)
@@ -167,6 +170,9 @@ def build_run(cfg: RunConfig) -> Run:
     tokenizer, data = build_data(cfg.data, model_cfg, cfg.model, cfg.train, rank=rank, world_size=world_size)
     if rank == 0:
         record_tokenizer(cfg.run_dir, tokenizer)  # `dsclip convert` ships it with the weights
+    ft.check_weights(
+        create_model(model_cfg, device="meta", **model_kwargs(cfg.model, cfg.loss, model_cfg, tokenizer)).config
+    )
     plan = StepPlan.of(cfg.train, data, world_size)
     bundle = build_engine(
         cfg,
@@ -174,7 +180,7 @@ def build_run(cfg: RunConfig) -> Run:
         model_factory(cfg.model, cfg.loss, model_cfg, tokenizer, seed=cfg.train.seed),
         total_steps=plan.total_steps,
         steps_per_epoch=plan.steps_per_epoch,
-        after_construction=pretrained_loader(cfg.model),
+        after_construction=ft.after_construction,  # pretrained weights, then locking
     )
     step_fn = build_step(bundle, cfg.loss, cfg.train)
     device = bundle.engine.device
@@ -185,4 +191,5 @@ def build_run(cfg: RunConfig) -> Run:
     )
     if rank == 0:
         announce(cfg, bundle, plan, world_size)
+        print(f"dsclip: {ft.summary(bundle.precision, bundle.zero_stage, world_size)}", flush=True)
     return Run(cfg, rank, world_size, bundle.engine, data, step_fn, checkpointer, metrics, evaluator, plan, start_step)
