@@ -90,10 +90,17 @@ def _rank(rank, world, old_source, steps):
             return func(*args, **(kwargs or {}))
 
     cfg = make_cfg(2, 2)
-    ds = resolve_ds_config(load_ds_json(cfg.train.deepspeed_config), cfg, world_size=world, device_type="cpu")
+    ds = resolve_ds_config(
+        load_ds_json(cfg.train.deepspeed_config), cfg.train, cfg.optim, world_size=world, device_type="cpu"
+    )
     mcfg = get_model_config("tiny")
     engine = build_engine(
-        cfg, ds, lambda: create_model(mcfg, vocab_size=256, eos_id=2, pad_id=0), total_steps=100, steps_per_epoch=100
+        ds,
+        cfg.train,
+        cfg.optim,
+        lambda: create_model(mcfg, vocab_size=256, eos_id=2, pad_id=0),
+        total_steps=100,
+        steps_per_epoch=100,
     ).engine
     images, tokens = make_batches(world, 2)
     chunks = rank_chunks(images, tokens, rank, world, 2)

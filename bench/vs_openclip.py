@@ -217,8 +217,10 @@ def dsclip_engine(
         "grad_checkpointing": grad_checkpointing,
     }
     values.update(extra or {})
-    rc = make_run_config(values, world_size=world)
-    ds = resolve_ds_config(load_ds_json(rc.train.deepspeed_config), rc, world_size=world, device_type="cpu")
+    rc = make_run_config(values)
+    ds = resolve_ds_config(
+        load_ds_json(rc.train.deepspeed_config), rc.train, rc.optim, world_size=world, device_type="cpu"
+    )
     for k, v in (ds_overrides or {}).items():
         if isinstance(v, dict):
             ds.setdefault(k, {}).update(v)
@@ -229,7 +231,7 @@ def dsclip_engine(
         torch.manual_seed(0)
         return create_model(cfg, **(model_kwargs or {}))
 
-    bundle = build_engine(rc, ds, factory, total_steps=10**6, steps_per_epoch=10**6)
+    bundle = build_engine(ds, rc.train, rc.optim, factory, total_steps=10**6, steps_per_epoch=10**6)
     return bundle.engine, bundle, rc
 
 

@@ -202,9 +202,8 @@ def build_arg_parser(prog: str = "dsclip train") -> argparse.ArgumentParser:
     return parser
 
 
-def parse_run_config(argv: list[str], *, world_size: int | None = None) -> RunConfig:
-    """Recipe + flags -> validated RunConfig. Raises ConfigError with a one-line message.
-    ``world_size`` is accepted and ignored, as in :func:`make_run_config`."""
+def parse_run_config(argv: list[str]) -> RunConfig:
+    """Recipe + flags -> validated RunConfig. Raises ConfigError with a one-line message."""
     parser = build_arg_parser()
     try:
         ns, unknown = parser.parse_known_args(argv)
@@ -225,10 +224,9 @@ def parse_run_config(argv: list[str], *, world_size: int | None = None) -> RunCo
     return make_run_config(values, where=f"recipe {ns.config}" if ns.config else "settings")
 
 
-def make_run_config(values: dict[str, Any], *, world_size: int | None = None, where: str = "settings") -> RunConfig:
-    """Flat settings -> validated RunConfig. ``world_size`` is accepted and ignored (older callers pass
-    it): nothing in the run config depends on the world; DeepSpeed's batch triad is checked where the
-    world is known (dsclip.engine.ds_config)."""
+def make_run_config(values: dict[str, Any], *, where: str = "settings") -> RunConfig:
+    """Flat settings -> validated RunConfig. Nothing in the run config depends on the world; DeepSpeed's
+    batch triad is checked where the world is known (dsclip.engine.ds_config)."""
     index = _field_index()
     sections: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
     for key, value in values.items():

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import deepspeed
 import torch
@@ -24,11 +24,9 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from dsclip.dist import rank_world
 from dsclip.engine import optim, world
 from dsclip.engine.compile import compile_towers
-from dsclip.engine.ds_config import precision_of, zero_stage
+from dsclip.engine.ds_config import TrainArgs, precision_of, zero_stage
+from dsclip.engine.optim import OptimArgs
 from dsclip.engine.world import release_shm_workspace
-
-if TYPE_CHECKING:  # the run config assembles sections defined in dsclip.engine: a runtime import would be circular
-    from dsclip.config import RunConfig
 
 
 @dataclass
@@ -78,10 +76,12 @@ def enable_activation_checkpointing(model: nn.Module, ds_config: dict) -> None:
 
 
 def build_engine(
-    cfg: RunConfig,
     ds_config: dict,
+    train: TrainArgs,
+    optim_args: OptimArgs,
     model_factory: Callable[[], nn.Module],
     *,
+    grad_checkpointing: bool = False,
     total_steps: int,
     steps_per_epoch: int,
     after_construction: Callable[[nn.Module], None] | None = None,
@@ -99,26 +99,26 @@ def build_engine(
         model.init_weights(gather=lambda ps: deepspeed.zero.GatheredParameters(ps, modifier_rank=0))
     if after_construction is not None:
         after_construction(model)
-    if cfg.model.grad_checkpointing:
+    if grad_checkpointing:
         enable_activation_checkpointing(model, ds_config)
-    if cfg.train.torchcompile:
-        n = compile_towers(model, cfg.train.torchcompile_backend, cfg.train.torchcompile_mode, device_type())
+    if train.torchcompile:
+        n = compile_towers(model, train.torchcompile_backend, train.torchcompile_mode, device_type())
         if rank_world()[0] == 0:
             print(
                 f"dsclip: --torchcompile: {n} transformer blocks compiled in place with "
-                f"{cfg.train.torchcompile_backend} (the first steps include compilation)",
+                f"{train.torchcompile_backend} (the first steps include compilation)",
                 flush=True,
             )
 
     def scheduler(opt):
-        return optim.build_scheduler(opt, cfg.optim, total_steps, steps_per_epoch)
+        return optim.build_scheduler(opt, optim_args, total_steps, steps_per_epoch)
 
     kwargs: dict[str, Any] = {"model": model, "config": ds_config, "lr_scheduler": scheduler}
     if "optimizer" in ds_config:
-        kwargs["model_parameters"] = optim.param_groups(model, cfg.optim.wd)
+        kwargs["model_parameters"] = optim.param_groups(model, optim_args.wd)
     else:
         kwargs["optimizer"] = optim.build_optimizer(
-            model, cfg.optim, device_type(), cpu_offload=optimizer_offloaded(ds_config)
+            model, optim_args, device_type(), cpu_offload=optimizer_offloaded(ds_config)
         )
     # DeepSpeed binds set_device(LOCAL_RANK) unless told otherwise: with one GPU per task
     # (--gpus-per-task=1) local rank 3 would ask for device 3 of 1. Hand it the index world.py bound.

@@ -18,15 +18,12 @@ import difflib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from dsclip.config_base import ConfigError, opt
 from dsclip.engine.optim import OptimArgs
-
-if TYPE_CHECKING:  # the run config assembles this module's TrainArgs: a runtime import would be circular
-    from dsclip.config import RunConfig
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16", "amp", "amp_bf16", "amp_bfloat16", "pure_bf16", "pure_fp16")
 
@@ -262,18 +259,20 @@ def _fill(section: dict, key: str, value: Any, where: str, *, what: str) -> None
         )
 
 
-def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, *, world_size: int, device_type: str) -> dict[str, Any]:
+def resolve_ds_config(
+    raw: dict[str, Any], train: TrainArgs, optim: OptimArgs, *, world_size: int, device_type: str
+) -> dict[str, Any]:
     """Return the final DeepSpeed dict for this run (also written into the run folder)."""
     ds = copy.deepcopy(raw)
-    where = f"DeepSpeed config {cfg.train.deepspeed_config}"
+    where = f"DeepSpeed config {train.deepspeed_config}"
     if not isinstance(ds, dict):
         raise ConfigError(f"{where} must be a JSON object")
     _check_structure(ds, where)
-    _fill_batch(ds, cfg.train, world_size, where)
-    clip = cfg.optim.grad_clip_norm if cfg.optim.grad_clip_norm is not None else 0.0
+    _fill_batch(ds, train, world_size, where)
+    clip = optim.grad_clip_norm if optim.grad_clip_norm is not None else 0.0
     _fill(ds, "gradient_clipping", clip, where, what="--grad-clip-norm")
-    _fill_precision(ds, cfg.train, where, device_type)
-    _fill_optimizer(ds, cfg.optim, where)
+    _fill_precision(ds, train, where, device_type)
+    _fill_optimizer(ds, optim, where)
 
     ac = ds.get("activation_checkpointing", {})
     if device_type == "cpu" and ac.get("cpu_checkpointing"):

@@ -17,7 +17,7 @@ from __future__ import annotations
 from torch import nn
 
 from .common import BatchLayout, LossInputError, check_inputs
-from .config import LOSS_NAMES, LossArgs, LossConfig
+from .config import LOSS_NAMES, TRAIN_TILE_SIZE, LossArgs, LossConfig
 from .distributed import all_gather_with_grad, all_reduce_mean, all_reduce_sum_with_grad
 from .infonce import InfoNCELoss
 from .siglip import SIGLIP_INIT_LOGIT_BIAS, SIGLIP_INIT_LOGIT_SCALE, SigLipRingLoss
@@ -43,9 +43,9 @@ __all__ = [
 
 
 def build_loss(
-    name: str | LossConfig = "infonce_local",
+    name: str | LossConfig,
     *,
-    tile_size: int = 1024,
+    tile_size: int = TRAIN_TILE_SIZE,
     label_smoothing: float = 0.0,
     check_finite: bool = True,
     group=None,
@@ -53,7 +53,7 @@ def build_loss(
     """Build a loss module by name (see :data:`LOSS_NAMES`) or from a :class:`LossConfig`.
 
     When a ``LossConfig`` is given, the keyword arguments other than ``group`` are ignored. The keyword
-    defaults serve direct callers (tests, bench/); ``dsclip train`` builds from ``LossArgs.loss_config()``.
+    defaults are LossConfig's (the one definition); ``dsclip train`` builds from ``LossArgs.loss_config()``.
     """
     cfg = (
         name

@@ -19,6 +19,7 @@ from dsclip.engine import world
 from dsclip.engine.build import EngineBundle, autocast_dtype, device_type
 from dsclip.engine.compile import CompileSetupError, check_compile_setup
 from dsclip.engine.ds_config import TrainArgs, load_ds_json, resolve_ds_config
+from dsclip.engine.optim import OptimArgs
 from dsclip.losses import SIGLIP_INIT_LOGIT_BIAS, LossArgs, build_loss
 from dsclip.model import ModelArgs, create_model
 from dsclip.train.evaluation import TrainingEvaluator
@@ -40,10 +41,10 @@ def check_torchcompile(train: TrainArgs, device_type: str) -> None:
         raise ConfigError(str(e)) from e
 
 
-def build_ds_config(cfg: RunConfig, world_size: int) -> dict:
-    """The DeepSpeed JSON of --deepspeed-config with its "auto" values filled from the run config."""
+def build_ds_config(train: TrainArgs, optim: OptimArgs, world_size: int) -> dict:
+    """The DeepSpeed JSON of --deepspeed-config with its "auto" values filled from the run settings."""
     return resolve_ds_config(
-        load_ds_json(cfg.train.deepspeed_config), cfg, world_size=world_size, device_type=device_type()
+        load_ds_json(train.deepspeed_config), train, optim, world_size=world_size, device_type=device_type()
     )
 
 
@@ -115,6 +116,11 @@ def model_kwargs(model: ModelArgs, loss: LossArgs, model_cfg: dict, tokenizer) -
     )
 
 
+def resolved_model_config(model: ModelArgs, loss: LossArgs, model_cfg: dict, tokenizer) -> dict:
+    """The architecture this run builds (overrides applied), from a meta-device model: no memory, no init."""
+    return create_model(model_cfg, device="meta", **model_kwargs(model, loss, model_cfg, tokenizer)).config
+
+
 def model_factory(
     model: ModelArgs, loss: LossArgs, model_cfg: dict, tokenizer, *, seed: int
 ) -> Callable[[], nn.Module]:
@@ -149,8 +155,8 @@ def build_evaluator(
     )
 
 
-def announce(cfg: RunConfig, bundle: EngineBundle, plan: StepPlan, world_size: int) -> None:
-    """Rank 0's one-line summary of what this run is."""
+def announce(cfg: RunConfig, bundle: EngineBundle, plan: StepPlan, world_size: int, trainable: str = "") -> None:
+    """Rank 0's summary of what this run is (and, when given, its trainable-parameter line)."""
     t = cfg.train
     print(
         f"dsclip: {cfg.model.model} | world {world_size} | ZeRO-{bundle.zero_stage} {bundle.precision} | "
@@ -158,3 +164,5 @@ def announce(cfg: RunConfig, bundle: EngineBundle, plan: StepPlan, world_size: i
         f"{plan.samples_per_step} | {plan.steps_per_epoch} steps/epoch | {plan.total_steps} steps | run {cfg.run_dir}",
         flush=True,
     )
+    if trainable:
+        print(f"dsclip: {trainable}", flush=True)

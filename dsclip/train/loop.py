@@ -19,7 +19,6 @@ from dsclip.config import RunConfig, settle_run_name, validate
 from dsclip.data import TrainData
 from dsclip.engine import world
 from dsclip.engine.build import build_engine, device_type
-from dsclip.model import create_model
 from dsclip.train import finetune
 from dsclip.train.build import (
     StepPlan,
@@ -32,7 +31,7 @@ from dsclip.train.build import (
     check_torchcompile,
     merge_ds_config,
     model_factory,
-    model_kwargs,
+    resolved_model_config,
     write_run_files,
 )
 from dsclip.train.evaluation import TrainingEvaluator
@@ -162,24 +161,23 @@ def build_run(cfg: RunConfig) -> Run:
     cfg = ft.cfg  # + the pretrained weights' architecture name and tokenizer
     model_cfg = ft.model_cfg
     check_torchcompile(cfg.train, device_type())
-    ds_config = build_ds_config(cfg, world_size)
+    ds_config = build_ds_config(cfg.train, cfg.optim, world_size)
     checkpointer = Checkpointer.from_args(cfg.checkpoint, cfg.run_dir, rank=rank)
     ds_config = merge_ds_config(ds_config, checkpointer.prepare_resume(cfg.checkpoint.resume, world_size=world_size))
+    tokenizer, data = build_data(cfg.data, model_cfg, cfg.model, cfg.train, rank=rank, world_size=world_size)
+    ft.check_weights(resolved_model_config(cfg.model, cfg.loss, model_cfg, tokenizer))  # before any engine
     if rank == 0:
         write_run_files(cfg, ds_config)  # exactly what deepspeed.initialize receives below
-    tokenizer, data = build_data(cfg.data, model_cfg, cfg.model, cfg.train, rank=rank, world_size=world_size)
-    if rank == 0:
         record_tokenizer(cfg.run_dir, tokenizer)  # `dsclip convert` ships it with the weights
-    ft.check_weights(
-        create_model(model_cfg, device="meta", **model_kwargs(cfg.model, cfg.loss, model_cfg, tokenizer)).config
-    )
     plan = StepPlan.of(cfg.train, data, world_size)
     bundle = build_engine(
-        cfg,
         ds_config,
+        cfg.train,
+        cfg.optim,
         model_factory(cfg.model, cfg.loss, model_cfg, tokenizer, seed=cfg.train.seed),
         total_steps=plan.total_steps,
         steps_per_epoch=plan.steps_per_epoch,
+        grad_checkpointing=cfg.model.grad_checkpointing,
         after_construction=ft.after_construction,  # pretrained weights, then locking
     )
     step_fn = build_step(bundle, cfg.loss, cfg.train)
@@ -190,6 +188,5 @@ def build_run(cfg: RunConfig) -> Run:
         bundle.engine, global_batch=plan.samples_per_step, steps_per_epoch=plan.steps_per_epoch
     )
     if rank == 0:
-        announce(cfg, bundle, plan, world_size)
-        print(f"dsclip: {ft.summary(bundle.precision, bundle.zero_stage, world_size)}", flush=True)
+        announce(cfg, bundle, plan, world_size, ft.summary(bundle.precision, bundle.zero_stage, world_size))
     return Run(cfg, rank, world_size, bundle.engine, data, step_fn, checkpointer, metrics, evaluator, plan, start_step)

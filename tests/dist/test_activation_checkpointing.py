@@ -50,8 +50,8 @@ def _engine(tmp, stage, checkpointing, profile):
             "warmup": 0,
         }
     )
-    ds = resolve_ds_config(load_ds_json(path), cfg, world_size=1, device_type="cpu")
-    return build_engine(cfg, ds, _model, total_steps=1, steps_per_epoch=1).engine
+    ds = resolve_ds_config(load_ds_json(path), cfg.train, cfg.optim, world_size=1, device_type="cpu")
+    return build_engine(ds, cfg.train, cfg.optim, _model, grad_checkpointing=cfg.model.grad_checkpointing, total_steps=1, steps_per_epoch=1).engine
 
 
 def _counting(forward, calls):

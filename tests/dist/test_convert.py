@@ -63,9 +63,9 @@ def _engine(world, ds_config, after_construction=None):
             "deepspeed_config": f"ds_configs/{ds_config}.json",
         }
     )
-    ds = resolve_ds_config(load_ds_json(cfg.train.deepspeed_config), cfg, world_size=world, device_type="cpu")
+    ds = resolve_ds_config(load_ds_json(cfg.train.deepspeed_config), cfg.train, cfg.optim, world_size=world, device_type="cpu")
     return build_engine(
-        cfg, ds, _model, total_steps=10, steps_per_epoch=10, after_construction=after_construction
+        ds, cfg.train, cfg.optim, _model, total_steps=10, steps_per_epoch=10, after_construction=after_construction
     )
 
 

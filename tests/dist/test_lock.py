@@ -71,12 +71,14 @@ def _rank_steps(rank, world, stage):
     from dsclip.train.gradcache import GradCacheStep
 
     cfg = _cfg(stage)
-    ds = resolve_ds_config(load_ds_json(cfg.train.deepspeed_config), cfg, world_size=world, device_type="cpu")
+    ds = resolve_ds_config(load_ds_json(cfg.train.deepspeed_config), cfg.train, cfg.optim, world_size=world, device_type="cpu")
     counts = {}
     bundle = build_engine(
-        cfg,
         ds,
+        cfg.train,
+        cfg.optim,
         make_model,
+        grad_checkpointing=cfg.model.grad_checkpointing,
         total_steps=10,
         steps_per_epoch=10,
         after_construction=lambda m: counts.update(apply_locking(m, LOCK)),

@@ -136,5 +136,7 @@ def test_builtin_recipes_parse_and_resolve_with_their_deepspeed_config(recipe):
 
     cfg = parse_run_config(["--config", recipe, "--name", "x"])
     get_model_config(cfg.model.model)  # the architecture exists
-    ds = resolve_ds_config(load_ds_json(cfg.train.deepspeed_config), cfg, world_size=8, device_type="cuda")
+    ds = resolve_ds_config(
+        load_ds_json(cfg.train.deepspeed_config), cfg.train, cfg.optim, world_size=8, device_type="cuda"
+    )
     assert ds["train_batch_size"] == cfg.train.batch_size * cfg.train.accum_freq * 8

@@ -189,10 +189,15 @@ def test_engine_gets_device_rank_and_deepspeed_binds_it(monkeypatch, fresh_world
     dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
     try:
         cfg = make_run_config({"name": "t", "batch_size": 2, "precision": "fp32", "model": "tiny"})
-        ds = resolve_ds_config(load_ds_json("zero2_fp32"), cfg, world_size=1, device_type="cpu")
+        ds = resolve_ds_config(load_ds_json("zero2_fp32"), cfg.train, cfg.optim, world_size=1, device_type="cpu")
         mcfg = get_model_config("tiny")
         bundle = build_engine(
-            cfg, ds, lambda: create_model(mcfg, vocab_size=64, eos_id=2, pad_id=0), total_steps=1, steps_per_epoch=1
+            ds,
+            cfg.train,
+            cfg.optim,
+            lambda: create_model(mcfg, vocab_size=64, eos_id=2, pad_id=0),
+            total_steps=1,
+            steps_per_epoch=1,
         )
     finally:
         dist.destroy_process_group()

@@ -17,7 +17,8 @@ def cfg(**kw):
 
 
 def resolve(raw, world=2, device="cpu", **kw):
-    return resolve_ds_config(raw, cfg(**kw), world_size=world, device_type=device)
+    c = cfg(**kw)
+    return resolve_ds_config(raw, c.train, c.optim, world_size=world, device_type=device)
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "ds_configs").glob("*.json")), ids=lambda p: p.name)

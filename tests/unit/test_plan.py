@@ -196,7 +196,7 @@ def test_bigg_plan_on_256_gpus_fits_and_prints_a_valid_command(capsys):
     cmd = out.strip().splitlines()[-1]
     argv = shlex.split(cmd)
     train_args = argv[argv.index("train") + 1 :]
-    cfg = parse_run_config(train_args + ["--name", "x"], world_size=256)
+    cfg = parse_run_config(train_args + ["--name", "x"])
     assert cfg.train.batch_size * cfg.train.accum_freq * 256 == 32768
     assert cfg.model.grad_checkpointing and cfg.model.force_patch_dropout == 0.5
     assert cfg.loss_name == "infonce_local" and cfg.train.precision == "bf16"
