@@ -21,7 +21,7 @@ setup(
     ],
     extras_require={
         # open_clip_torch is only a test dependency: interop tests load our exports with OpenCLIP itself.
-        "dev": ["pytest", "pytest-timeout", "pytest-xdist", "ruff", "open_clip_torch"],
+        "dev": ["pytest", "pytest-timeout", "pytest-xdist", "ruff", "open_clip_torch", "wandb"],
         "openclip": ["open_clip_torch"],
     },
     entry_points={"console_scripts": ["dsclip=dsclip.cli:main"]},

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import importlib.util
 import json
 import math
 import os
@@ -30,14 +31,24 @@ class ConfigError(ValueError):
     """A user-facing configuration problem; the CLI prints it as one line and exits non-zero."""
 
 
-def opt(default, help: str, choices: tuple | None = None, **kw):
-    """A dataclass field carrying its --help text (and optional choices)."""
+def opt(default, help: str, choices: tuple | None = None, aliases: tuple[str, ...] = (), **kw):
+    """A dataclass field carrying its --help text (and optional choices, and other flag spellings)."""
     meta = {"help": help}
     if choices is not None:
         meta["choices"] = choices
+    if aliases:
+        meta["aliases"] = aliases
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=meta, **kw)
     return field(default=default, metadata=meta, **kw)
+
+
+# OpenCLIP's pure_* keep no fp32 master copy; DeepSpeed's bf16/fp16 always do, so these are refused.
+PURE_PRECISIONS = ("pure_bf16", "pure_fp16")
+
+
+def normalize_half(p: str) -> str:
+    return "bf16" if "bf16" in p else "fp16"
 
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16", "amp", "amp_bf16", "amp_bfloat16", "pure_bf16", "pure_fp16")
@@ -56,7 +67,10 @@ class ModelArgs:
         "Activation checkpointing of every transformer block (DeepSpeed's implementation, configured by "
         "the activation_checkpointing block of the DeepSpeed JSON).",
     )
-    context_length: int | None = opt(None, "Override the text context length of the architecture.")
+    context_length: int | None = opt(
+        None, "Override the text context length of the architecture.", aliases=("--force-context-length",)
+    )
+    force_quick_gelu: bool = opt(False, "Use QuickGELU activations whatever the architecture JSON says (OpenCLIP's).")
 
 
 @dataclass
@@ -91,6 +105,14 @@ class OptimArgs:
     lr_cooldown_power: float = opt(1.0, "const-cooldown: power of the polynomial cool-down.")
     lr_cooldown_end: float = opt(0.0, "const-cooldown: learning rate at the end of the cool-down.")
     grad_clip_norm: float | None = opt(None, "Clip the global gradient norm to this value.")
+    skip_scheduler: bool = opt(
+        False, "Keep the learning rate at --lr throughout: no warm-up, no schedule (OpenCLIP's)."
+    )
+    momentum: float | None = opt(
+        None,
+        "Momentum for an optimizer that takes one (the DeepSpeed JSON's optimizer block: SGD, MuSGD); "
+        "AdamW's is --beta1.",
+    )
 
 
 @dataclass
@@ -119,6 +141,9 @@ class TrainArgs:
         False, "torch.compile every transformer block (OpenCLIP --torchcompile); compiled on first use."
     )
     torchcompile_backend: str = opt("inductor", "torch.compile backend for --torchcompile (e.g. inductor, aot_eager).")
+    ddp_static_graph: bool = opt(
+        False, "Accepted for OpenCLIP command lines; no effect: DeepSpeed, not DDP, reduces the gradients."
+    )
     torchcompile_mode: str = opt(
         "default",
         "torch.compile mode for --torchcompile (CUDA-graph modes are not offered: the gradient cache re-forwards "
@@ -132,9 +157,18 @@ class LogArgs:
     logs: str = opt("./logs", "Folder that holds run folders.")
     name: str | None = opt(None, "Run folder name (default: date-model-lr-batch).")
     log_every_n_steps: int = opt(100, "Console/TensorBoard/jsonl logging interval in optimizer steps.")
-    report_to: str = opt("", "Comma-separated extra loggers: 'tensorboard'. metrics.jsonl is always written.")
+    report_to: str = opt(
+        "", "Comma-separated extra loggers: tensorboard, wandb (all: both). metrics.jsonl is always written."
+    )
+    wandb_project_name: str = opt("open-clip", "wandb project (OpenCLIP's default name, so runs land side by side).")
+    wandb_notes: str = opt("", "wandb run notes.")
     zeroshot_frequency: int = opt(1, "Zero-shot evaluation every N epochs (0: only at the end for the demo).")
     val_frequency: int = opt(1, "Retrieval evaluation on --val-data every N epochs.")
+    log_local: bool = opt(
+        False, "Every rank writes its own log file RUN/out-RANK.log (else rank 0 writes RUN/out.log)."
+    )
+    debug: bool = opt(False, "DEBUG-level logging.")
+    copy_codebase: bool = opt(False, "Copy the dsclip package into RUN/code before training (reproducibility).")
 
 
 @dataclass
@@ -144,6 +178,11 @@ class CheckpointArgs:
     resume: str | None = opt(None, "'latest' (the newest complete checkpoint of this run) or a checkpoint path.")
     keep_last: int = opt(0, "Keep only the newest N checkpoints (0: keep all). Pruning happens after a save completes.")
     delete_previous_checkpoint: bool = opt(False, "OpenCLIP's flag: same as --keep-last 1.")
+    save_most_recent: bool = opt(
+        False,
+        "Also save at every epoch end, removing the previous checkpoint saved only for this (OpenCLIP's "
+        "epoch_latest.pt); --resume latest loads the newest.",
+    )
 
 
 SECTIONS: dict[str, type] = {
@@ -283,18 +322,18 @@ def build_arg_parser(prog: str = "dsclip train") -> argparse.ArgumentParser:
         group = parser.add_argument_group(section)
         hints = get_type_hints(cls)
         for f in dataclasses.fields(cls):
-            flag = "--" + f.name.replace("_", "-")
+            flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
             base, _ = _base_type(hints[f.name])
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             kw: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": f.metadata.get("help", "")}
             kw["help"] += f" [default: {default}]"
             if base is bool:
-                group.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
+                group.add_argument(*flags, action=argparse.BooleanOptionalAction, **kw)
             else:
                 kw["metavar"] = f.name.upper()
                 if "choices" in f.metadata:
                     kw["choices"] = f.metadata["choices"]
-                group.add_argument(flag, **kw)
+                group.add_argument(*flags, **kw)
     return parser
 
 
@@ -364,9 +403,18 @@ def validate(cfg: RunConfig, *, world_size: int | None = None) -> None:
         raise ConfigError(f"'force_patch_dropout' must be in [0, 1), got {cfg.model.force_patch_dropout}")
     if cfg.log.log_every_n_steps < 1:
         raise ConfigError("'log_every_n_steps' must be >= 1")
-    for r in filter(None, cfg.log.report_to.split(",")):
-        if r.strip() not in ("tensorboard",):
-            raise ConfigError(f"--report-to {r!r} is not supported (supported: tensorboard)")
+    reporters = {r.strip() for r in cfg.log.report_to.split(",") if r.strip()}
+    unknown = sorted(reporters - {"tensorboard", "wandb", "all"})
+    if unknown:
+        raise ConfigError(f"--report-to {unknown[0]!r} is not supported (supported: tensorboard, wandb, all)")
+    if reporters & {"wandb", "all"} and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("--report-to wandb needs the wandb package: pip install wandb (or drop wandb)")
+    if t.precision in PURE_PRECISIONS:
+        raise ConfigError(
+            f"--precision {t.precision} (half-precision weights without fp32 master weights) has no DeepSpeed "
+            f"equivalent here; use --precision {normalize_half(t.precision)} (DeepSpeed "
+            f"{normalize_half(t.precision)}: fp32 master weights, as OpenCLIP's amp)"
+        )
     if cfg.checkpoint.keep_last < 0:
         raise ConfigError("'keep_last' must be >= 0")
     if cfg.checkpoint.delete_previous_checkpoint and cfg.checkpoint.keep_last == 0:

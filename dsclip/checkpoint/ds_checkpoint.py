@@ -148,15 +148,29 @@ def _test_slow_save(step: int) -> None:
 class Checkpointer:
     """Owns its cadence: the loop calls ``maybe_save`` after every step and ``save`` at the end."""
 
-    def __init__(self, run_dir: Path, *, every_n_steps: int, every_n_epochs: int, keep_last: int, rank: int):
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        every_n_steps: int,
+        every_n_epochs: int,
+        keep_last: int,
+        rank: int,
+        most_recent: bool = False,
+    ):
         self.dir = run_dir / "checkpoints"
         self.every_n_steps = every_n_steps
         self.every_n_epochs = every_n_epochs
         self.keep_last = keep_last
         self.rank = rank
+        self.most_recent = most_recent  # OpenCLIP --save-most-recent: a checkpoint at every epoch end
         self.last_saved_step: int | None = None
+        self._recent_only: str | None = None  # the tag saved only because of most_recent, removed by the next
 
     def due(self, step: int, *, epoch_end: bool, epoch: int) -> bool:
+        return self._due_by_cadence(step, epoch_end=epoch_end, epoch=epoch) or (epoch_end and self.most_recent)
+
+    def _due_by_cadence(self, step: int, *, epoch_end: bool, epoch: int) -> bool:
         if self.every_n_steps and step % self.every_n_steps == 0:
             return True
         return bool(epoch_end and self.every_n_epochs and (epoch + 1) % self.every_n_epochs == 0)
@@ -164,7 +178,9 @@ class Checkpointer:
     def maybe_save(self, engine, step: int, state: dict[str, Any], *, epoch_end: bool, epoch: int) -> bool:
         if self.last_saved_step == step or not self.due(step, epoch_end=epoch_end, epoch=epoch):
             return False
+        recent_only = not self._due_by_cadence(step, epoch_end=epoch_end, epoch=epoch)
         self.save(engine, step, state)
+        self._recent_only = tag_for_step(step) if recent_only else None
         return True
 
     def save(self, engine, step: int, state: dict[str, Any]) -> Path:
@@ -191,6 +207,8 @@ class Checkpointer:
             os.replace(part_dir, tag_dir)
             _fsync_dir(self.dir)
             _atomic_write(self.dir / LATEST, tag)
+            if self._recent_only and self._recent_only != tag:  # OpenCLIP overwrites epoch_latest.pt
+                self._remove_tag(self._recent_only)
             self._prune(keep=tag)
             self._remove_leftovers()
         _barrier()
@@ -207,9 +225,14 @@ class Checkpointer:
             return
         tags = [t for t in complete_tags(self.dir) if t <= keep]
         for old in tags[: -self.keep_last]:
-            trash = self.dir / (TRASH_PREFIX + old)
-            os.replace(self.dir / old, trash)  # atomic: it stops being a complete tag before any file goes
-            shutil.rmtree(trash, ignore_errors=True)
+            self._remove_tag(old)
+
+    def _remove_tag(self, tag: str) -> None:
+        if not (self.dir / tag).is_dir():
+            return
+        trash = self.dir / (TRASH_PREFIX + tag)
+        os.replace(self.dir / tag, trash)  # atomic: it stops being a complete tag before any file goes
+        shutil.rmtree(trash, ignore_errors=True)
 
 
 def load(engine, ckpt_dir: Path, tag: str, *, load_optimizer_states: bool = True) -> dict[str, Any]:

@@ -265,9 +265,23 @@ def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, *, world_size: int, d
         o = cfg.optim
         _fill(params, "lr", o.lr, f"{where} optimizer.params", what="--lr")
         _fill(params, "weight_decay", o.wd, f"{where} optimizer.params", what="--wd")
-        _fill(params, "betas", [o.beta1, o.beta2], f"{where} optimizer.params", what="--beta1/--beta2")
-        _fill(params, "eps", o.eps, f"{where} optimizer.params", what="--eps")
+        kind = str(ds["optimizer"].get("type", "")).lower()
+        if kind not in MOMENTUM_OPTIMIZERS:  # SGD takes neither betas nor eps
+            _fill(params, "betas", [o.beta1, o.beta2], f"{where} optimizer.params", what="--beta1/--beta2")
+            _fill(params, "eps", o.eps, f"{where} optimizer.params", what="--eps")
+        if o.momentum is not None:
+            if kind not in MOMENTUM_OPTIMIZERS:
+                raise ConfigError(
+                    f"--momentum: the optimizer of {where} ({ds['optimizer'].get('type')}) takes no momentum; "
+                    f"drop --momentum (Adam-type momentum is --beta1)"
+                )
+            _fill(params, "momentum", o.momentum, f"{where} optimizer.params", what="--momentum")
     else:
+        if cfg.optim.momentum is not None:
+            raise ConfigError(
+                "--momentum: dsclip's default optimizer is AdamW, which takes no momentum (its first moment is "
+                "--beta1); drop --momentum, or give the DeepSpeed JSON an optimizer block of type SGD or MuSGD"
+            )
         # We hand DeepSpeed a torch AdamW; ZeRO wants this acknowledged explicitly.
         ds.setdefault("zero_allow_untested_optimizer", True)
         if zero.get("offload_optimizer", {}).get("device", "none") not in ("none", None):
@@ -283,6 +297,11 @@ def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, *, world_size: int, d
     ds.setdefault("steps_per_print", 10**9)  # dsclip prints its own, honest, line
     ds.setdefault("wall_clock_breakdown", False)
     return ds
+
+
+# DeepSpeed optimizer types whose params take "momentum" (DeepSpeed's MuSGD, or torch.optim.SGD that it
+# falls back to for names it does not know); they take no betas/eps.
+MOMENTUM_OPTIMIZERS = ("sgd", "musgd")
 
 
 def zero_stage(ds: dict[str, Any]) -> int:

@@ -48,6 +48,8 @@ def lr_multiplier(o: OptimArgs, total_steps: int, steps_per_epoch: int) -> Calla
     Same shapes as open_clip_train/scheduler.py: linear warm-up (step+1)/warmup, then cosine to 0,
     constant, or constant with a polynomial cool-down over the last ``epochs_cooldown`` epochs.
     """
+    if o.skip_scheduler:  # OpenCLIP --skip-scheduler: the optimizer keeps --lr, warm-up included
+        return lambda step: 1.0
     warmup = o.warmup
 
     def warm(step: int) -> float | None:

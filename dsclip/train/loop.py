@@ -23,6 +23,7 @@ from dsclip.engine.build import autocast_dtype, build_engine, device_type
 from dsclip.engine.ds_config import load_ds_json, resolve_ds_config
 from dsclip.losses import build_loss
 from dsclip.model import create_model, get_model_config
+from dsclip.train import runlog, wandb_sink
 from dsclip.train.evaluation import TrainingEvaluator
 from dsclip.train.gradcache import GradCacheStep
 from dsclip.train.metrics import MetricsLogger
@@ -148,6 +149,8 @@ def build_run(cfg: RunConfig) -> Run:
 
     # --- config: everything checked before any expensive work ---
     model_cfg = get_model_config(cfg.model.model)
+    if cfg.model.force_quick_gelu:  # kept in the model's config, so checkpoints and `dsclip convert` carry it
+        model_cfg = {**model_cfg, "quick_gelu": True}
     ds_config = resolve_ds_config(
         load_ds_json(cfg.train.deepspeed_config), cfg, world_size=world_size, device_type=device_type()
     )
@@ -162,6 +165,9 @@ def build_run(cfg: RunConfig) -> Run:
         run_dir.mkdir(parents=True, exist_ok=True)
         cfgmod.save_run_config(cfg, run_dir / "run_config.yaml")
         (run_dir / "ds_config.json").write_text(cfgmod.dumps(ds_config))
+        if cfg.log.copy_codebase:
+            runlog.copy_codebase(run_dir, resuming=cfg.checkpoint.resume is not None)
+    runlog.setup(cfg.log, run_dir, rank)
     resume = ds_checkpoint.resolve_resume(cfg.checkpoint.resume, run_dir) if cfg.checkpoint.resume else None
     if resume is not None and universal.needs_universal(universal.saved_state(*resume), world_size):
         # saved on another number of ranks: load a re-shardable (universal) copy of the tag
@@ -235,6 +241,7 @@ def build_run(cfg: RunConfig) -> Run:
         samples_per_step=samples_per_step,
         total_steps=total_steps,
         device=engine.device,
+        wandb=wandb_sink.for_run(cfg, rank),
     )
     run = Run(
         cfg=cfg,
@@ -253,6 +260,7 @@ def build_run(cfg: RunConfig) -> Run:
             every_n_epochs=cfg.checkpoint.save_frequency,
             keep_last=cfg.checkpoint.keep_last,
             rank=rank,
+            most_recent=cfg.checkpoint.save_most_recent,
         ),
         metrics=metrics,
         evaluator=TrainingEvaluator(

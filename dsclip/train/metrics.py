@@ -8,12 +8,18 @@ fraction says how much of the window the step waited for the loader. Only rank 0
 from __future__ import annotations
 
 import json
+import logging
 import resource
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+# Console lines also go to the run's log file; propagate=False keeps a root console handler from
+# printing them twice.
+log = logging.getLogger("dsclip.console")
+log.propagate = False
 
 
 def peak_memory_gb(device: torch.device) -> float:
@@ -35,6 +41,7 @@ class MetricsLogger:
         samples_per_step: int,
         total_steps: int,
         device: torch.device,
+        wandb=None,
     ):
         self.rank = rank
         self.world_size = world_size
@@ -44,10 +51,11 @@ class MetricsLogger:
         self.device = device
         self.jsonl = None
         self.tb = None
+        self.wandb = wandb  # train/wandb_sink.WandbSink on rank 0 with --report-to wandb
         self.bar = None
         if rank == 0:
             self.jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
-            if "tensorboard" in {r.strip() for r in report_to.split(",")}:
+            if {r.strip() for r in report_to.split(",")} & {"tensorboard", "all"}:
                 from torch.utils.tensorboard import SummaryWriter
 
                 self.tb = SummaryWriter(str(run_dir / "tensorboard"))
@@ -119,15 +127,16 @@ class MetricsLogger:
                     line += f" | {k} {extra[k]}"
             self.write_line(line)
             self.jsonl.write(json.dumps(record) + "\n")
-            if self.tb is not None:
-                for k, v in record.items():
-                    if isinstance(v, (int, float)) and v is not None and k not in ("step", "time"):
-                        self.tb.add_scalar(f"train/{k}", v, step)
+            scalars = {
+                f"train/{k}": v for k, v in record.items() if isinstance(v, (int, float)) and k not in ("step", "time")
+            }
+            self._scalars(scalars, step)
         self._reset_window()
 
     def write_line(self, line: str) -> None:
         if self.rank != 0:
             return
+        log.info(line)  # into RUN/out.log (train/runlog.py); the console gets it below
         if self.bar is not None:
             self.bar.write(line)
         else:
@@ -141,15 +150,22 @@ class MetricsLogger:
             + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if isinstance(v, (int, float)))
         )
         self.jsonl.write(json.dumps({"step": step, prefix: metrics, "time": time.time()}) + "\n")
+        self._scalars({f"{prefix}/{k}": v for k, v in metrics.items() if isinstance(v, (int, float))}, step)
+
+    def _scalars(self, scalars: dict, step: int) -> None:
+        """The same scalars, under the same names, to TensorBoard and wandb."""
         if self.tb is not None:
-            for k, v in metrics.items():
-                if isinstance(v, (int, float)):
-                    self.tb.add_scalar(f"{prefix}/{k}", v, step)
+            for k, v in scalars.items():
+                self.tb.add_scalar(k, v, step)
+        if self.wandb is not None:
+            self.wandb.log(scalars, step)
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.close()
         if self.jsonl is not None:
             self.jsonl.close()

@@ -1,0 +1,224 @@
+"""OpenCLIP's cheap options with OpenCLIP's meaning (issue 15 items 3 and 6): --skip-scheduler,
+--momentum, --precision amp/pure_*, --save-most-recent, --log-local/--debug, --copy-codebase,
+--force-context-length, --report-to wandb (offline), one-line errors for bad values."""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import struct
+
+import pytest
+import torch
+
+from dsclip import compat
+from dsclip.checkpoint import ds_checkpoint as dc
+from dsclip.config import ConfigError, make_run_config, parse_run_config
+from dsclip.engine.ds_config import resolve_ds_config
+from dsclip.engine.optim import lr_multiplier
+from dsclip.train import runlog, wandb_sink
+from dsclip.train.gradcache import StepResult
+from dsclip.train.metrics import MetricsLogger
+from tests.unit.test_checkpoint import FakeEngine
+
+
+def cfg(**kw):
+    kw.setdefault("name", "t")
+    return make_run_config(kw)
+
+
+def resolve(raw, device="cpu", **kw):
+    return resolve_ds_config(raw, cfg(**kw), world_size=2, device_type=device)
+
+
+def test_skip_scheduler_keeps_lr_constant_without_warmup():
+    scheduled = lr_multiplier(cfg(warmup=10).optim, total_steps=100, steps_per_epoch=10)
+    assert scheduled(0) == pytest.approx(0.1)  # the warm-up --skip-scheduler removes
+    for name in ("cosine", "const-cooldown"):
+        o = cfg(warmup=10, lr_scheduler=name, epochs_cooldown=2, skip_scheduler=True).optim
+        f = lr_multiplier(o, total_steps=100, steps_per_epoch=10)
+        assert [f(s) for s in (0, 5, 50, 99, 100)] == [1.0] * 5
+
+
+def test_momentum_goes_to_an_optimizer_that_takes_it_and_is_refused_otherwise():
+    ds = resolve({"optimizer": {"type": "SGD", "params": {"lr": "auto"}}}, momentum=0.9)
+    assert ds["optimizer"]["params"] == {"lr": 5e-4, "weight_decay": 0.2, "momentum": 0.9}  # no betas/eps for SGD
+    with pytest.raises(ConfigError, match=r"--momentum: dsclip's default optimizer is AdamW.*--beta1"):
+        resolve({}, momentum=0.9)
+    with pytest.raises(ConfigError, match=r"--momentum: the optimizer of .* \(Lamb\) takes no momentum"):
+        resolve({"optimizer": {"type": "Lamb"}}, momentum=0.9)
+    with pytest.raises(ConfigError, match="'momentum' is 0.5 but the run config gives 0.9"):
+        resolve({"optimizer": {"type": "SGD", "params": {"momentum": 0.5}}}, momentum=0.9)
+
+
+def test_amp_means_deepspeed_mixed_precision_and_pure_is_refused_with_the_equivalent():
+    assert resolve({}, precision="amp_bf16")["bf16"]["enabled"] is True
+    assert resolve({}, precision="amp_bfloat16")["bf16"]["enabled"] is True
+    assert resolve({}, precision="amp", device="cuda")["fp16"]["enabled"] is True
+    for pure, alt in (("pure_bf16", "bf16"), ("pure_fp16", "fp16")):
+        with pytest.raises(ConfigError, match=f"--precision {pure} .*no DeepSpeed equivalent.*--precision {alt} "):
+            cfg(precision=pure)
+
+
+def test_force_context_length_is_context_length():
+    assert parse_run_config(["--name", "t", "--force-context-length", "32"]).model.context_length == 32
+    assert parse_run_config(["--name", "t", "--force-quick-gelu"]).model.force_quick_gelu
+
+
+def test_save_most_recent_saves_every_epoch_and_keeps_only_the_newest_extra(tmp_path):
+    engine = FakeEngine()
+    ck = dc.Checkpointer(tmp_path, every_n_steps=0, every_n_epochs=2, keep_last=0, rank=0, most_recent=True)
+    ckpts = tmp_path / "checkpoints"
+    saved = []
+    for step in range(1, 21):  # 5 steps per epoch, 4 epochs
+        epoch, epoch_end = (step - 1) // 5, step % 5 == 0
+        saved.append(ck.maybe_save(engine, step, {"step": step}, epoch_end=epoch_end, epoch=epoch))
+        if step == 5:
+            assert dc.complete_tags(ckpts) == ["step_000000005"]  # epoch 1 is not due by --save-frequency 2
+        if step == 15:
+            # epoch 2's save is kept (--save-frequency); epoch 1's extra one gave way to epoch 3's
+            assert dc.complete_tags(ckpts) == ["step_000000010", "step_000000015"]
+    assert [s for s, ok in enumerate(saved, 1) if ok] == [5, 10, 15, 20]
+    assert dc.complete_tags(ckpts) == ["step_000000010", "step_000000020"]
+    assert (ckpts / "latest").read_text() == "step_000000020"
+    plain = dc.Checkpointer(tmp_path / "p", every_n_steps=0, every_n_epochs=2, keep_last=0, rank=0)
+    assert not plain.due(5, epoch_end=True, epoch=0)
+
+
+@pytest.fixture
+def clean_dsclip_logger():
+    yield
+    for name in ("dsclip", "dsclip.console"):
+        lg = logging.getLogger(name)
+        for h in [h for h in lg.handlers if getattr(h, "_dsclip_run_log", False)]:
+            lg.removeHandler(h)
+            h.close()
+        lg.setLevel(logging.NOTSET)
+
+
+def _metrics(run_dir, **kw):
+    return MetricsLogger(
+        run_dir,
+        rank=0,
+        world_size=1,
+        every_n_steps=1,
+        report_to=kw.pop("report_to", ""),
+        samples_per_step=4,
+        total_steps=10,
+        device=torch.device("cpu"),
+        **kw,
+    )
+
+
+def test_run_log_files_and_debug_level(tmp_path, clean_dsclip_logger):
+    log = cfg().log
+    assert runlog.log_file(tmp_path, 1, log_local=False) is None  # only rank 0 without --log-local
+    runlog.setup(log, tmp_path, rank=0)
+    logging.getLogger("dsclip.data").info("skipped 3 samples")
+    logging.getLogger("dsclip.data").debug("hidden without --debug")
+    m = _metrics(tmp_path)
+    m.write_line("step 1/10 | loss 1.0")
+    m.close()
+    text = (tmp_path / "out.log").read_text()
+    assert "rank 0 | INFO | dsclip.data | skipped 3 samples" in text and "step 1/10 | loss 1.0" in text
+    assert "hidden" not in text
+
+    local = cfg(log_local=True, debug=True).log
+    runlog.setup(local, tmp_path / "r", rank=1)
+    logging.getLogger("dsclip.data").debug("only with --debug")
+    text = (tmp_path / "r" / "out-1.log").read_text()
+    assert "rank 1 | DEBUG | dsclip.data | only with --debug" in text
+    assert "skipped" not in text  # a new run's file does not get the previous run's records
+
+
+def test_copy_codebase(tmp_path):
+    dst = runlog.copy_codebase(tmp_path, resuming=False)
+    assert (dst / "compat.py").read_text() == open(compat.__file__).read()
+    assert not list(dst.rglob("*.pyc"))
+    with pytest.raises(ConfigError, match="--copy-codebase needs a new run"):
+        runlog.copy_codebase(tmp_path, resuming=False)
+    assert runlog.copy_codebase(tmp_path, resuming=True) == dst  # a requeued run keeps its first copy
+
+
+def test_report_to_errors_are_one_line(monkeypatch):
+    with pytest.raises(ConfigError, match=r"--report-to 'mlflow' is not supported \(supported: tensorboard, wandb"):
+        cfg(report_to="tensorboard,mlflow")
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    with pytest.raises(ConfigError, match="--report-to wandb needs the wandb package: pip install wandb"):
+        cfg(report_to="tensorboard,wandb")
+
+
+def wandb_records(run_dir):
+    """(run ids, history rows) of the offline runs under RUN/wandb: the .wandb files are a LevelDB-style
+    log of protobuf records (32 KiB blocks, 7-byte record headers after a 7-byte file header)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    ids, rows = [], []
+    for path in sorted(glob.glob(str(run_dir / "wandb" / "offline-run-*" / "run-*.wandb"))):
+        data, i, buf = open(path, "rb").read(), 7, b""
+        assert data[:4] == b":W&B"
+        while i + 7 <= len(data):
+            left = 32768 - i % 32768
+            if left < 7:  # block trailer padding
+                i += left
+                continue
+            _, n, kind = struct.unpack("<IHB", data[i : i + 7])
+            if kind == 0 and n == 0:
+                i += left
+                continue
+            buf, i = buf + data[i + 7 : i + 7 + n], i + 7 + n
+            if kind in (1, 4):  # FULL or LAST fragment
+                r = pb.Record()
+                r.ParseFromString(buf)
+                buf = b""
+                if r.WhichOneof("record_type") == "run":
+                    ids.append(r.run.run_id)
+                if r.WhichOneof("record_type") == "history":
+                    rows.append({"/".join(it.nested_key) or it.key: json.loads(it.value_json) for it in r.history.item})
+    return ids, rows
+
+
+def test_wandb_gets_the_tensorboard_scalars_and_keeps_its_run_id_across_resume(tmp_path, monkeypatch):
+    pytest.importorskip("wandb", reason="wandb is in the dev extra")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.chdir(tmp_path)
+    run_cfg = cfg(logs=str(tmp_path), name="w", report_to="all", wandb_notes="n")
+    run_dir = run_cfg.run_dir
+    run_dir.mkdir()
+    result = StepResult(loss=1.5, logit_scale=14.0, logit_bias=None, grad_norm=2.0, applied=True)
+
+    m = _metrics(run_dir, report_to="all", wandb=wandb_sink.for_run(run_cfg, rank=0))
+    assert wandb_sink.for_run(run_cfg, rank=1) is None  # only rank 0 logs
+    m.step(1, result, data_wait_s=0.0, lr=1e-3, epoch=0, extra={"bad_samples": 2})
+    m.log_eval(1, {"top1": 0.25, "name": "x"}, prefix="zeroshot")
+    m.close()
+    first_id = (run_dir / wandb_sink.ID_FILE).read_text().strip()
+
+    run_cfg.checkpoint.resume = "latest"  # a resumed run continues the same wandb run
+    m = _metrics(run_dir, wandb=wandb_sink.for_run(run_cfg, rank=0))
+    m.step(2, result, data_wait_s=0.0, lr=1e-3, epoch=0)
+    m.close()
+
+    ids, rows = wandb_records(run_dir)
+    assert ids == [first_id, first_id]
+    by_step = {r["_step"]: r for r in rows}
+    assert by_step[1]["train/loss"] == 1.5 and by_step[1]["train/lr"] == 1e-3
+    assert by_step[1]["train/bad_samples"] == 2 and by_step[1]["zeroshot/top1"] == 0.25
+    assert by_step[2]["train/grad_norm"] == 2.0
+    # the same names as TensorBoard's
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = EventAccumulator(str(run_dir / "tensorboard"))
+    tb.Reload()
+    wandb_keys = {k for r in rows for k in r if not k.startswith("_")}
+    assert set(tb.Tags()["scalars"]) == wandb_keys
+
+    fresh = cfg(logs=str(tmp_path), name="w", report_to="wandb")  # not resuming: a new wandb run
+    m = _metrics(run_dir, wandb=wandb_sink.for_run(fresh, rank=0))
+    m.close()
+    assert (run_dir / wandb_sink.ID_FILE).read_text().strip() != first_id
