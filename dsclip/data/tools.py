@@ -388,9 +388,14 @@ def main_tokenizer(argv: list[str]) -> int:
     t.add_argument("--csv-caption-key", default="title")
     t.add_argument("--csv-separator", default="\t")
     t.add_argument("--hard-vocab-limit", action="store_true", help="Fail if the corpus can't fill the vocab.")
-    t.add_argument("--context-length", type=int, default=77, help="Only for the summary printed at the end.")
+    t.add_argument(
+        "--context-length",
+        type=int,
+        default=77,
+        help="For the summary printed at the end: caption length distribution and the share cut at this length.",
+    )
     a = p.parse_args(argv)
-    from .tokenizer import SentencePieceTokenizer, train_sentencepiece
+    from .tokenizer import SentencePieceTokenizer, length_summary, train_sentencepiece
 
     try:
 
@@ -408,6 +413,7 @@ def main_tokenizer(argv: list[str]) -> int:
             hard_vocab_limit=a.hard_vocab_limit,
         )
         tok = SentencePieceTokenizer(path, a.context_length)
+        summary = length_summary(tok, texts())
     except (DataToolError, ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"dsclip tokenizer: error: {e}", file=sys.stderr)
         return 2
@@ -415,6 +421,7 @@ def main_tokenizer(argv: list[str]) -> int:
         f"wrote {path}: vocab_size={tok.vocab_size} pad_id={tok.pad_id} eos_id={tok.eos_id} "
         f"(text_cfg: vocab_size {tok.vocab_size}, pool_type 'eos', eos_id {tok.eos_id}, pad_id {tok.pad_id})"
     )
+    print(summary)
     return 0
 
 

@@ -26,7 +26,7 @@ from dsclip.model import create_model, get_model_config
 from dsclip.train import runlog, wandb_sink
 from dsclip.train.evaluation import TrainingEvaluator
 from dsclip.train.gradcache import GradCacheStep
-from dsclip.train.metrics import MetricsLogger
+from dsclip.train.metrics import MetricsLogger, data_counters
 
 log = logging.getLogger("dsclip")
 
@@ -124,7 +124,7 @@ def fit(run: Run) -> tuple[int, bool]:
                 data_wait_s=data_wait,
                 lr=engine.get_lr()[0],
                 epoch=epoch,
-                extra={"bad_samples": sum(run.data.stats().values())},
+                extra=data_counters(run.data.stats()),
             )
             run.checkpointer.maybe_save(engine, step, run.client_state(step), epoch_end=epoch_end, epoch=epoch)
             if epoch_end:
@@ -242,6 +242,7 @@ def build_run(cfg: RunConfig) -> Run:
         total_steps=total_steps,
         device=engine.device,
         wandb=wandb_sink.for_run(cfg, rank),
+        context_length=context_length,
     )
     run = Run(
         cfg=cfg,

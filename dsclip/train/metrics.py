@@ -16,10 +16,25 @@ from pathlib import Path
 
 import torch
 
+from dsclip.data.tokenizer import TRUNCATED
+
 # Console lines also go to the run's log file; propagate=False keeps a root console handler from
 # printing them twice.
 log = logging.getLogger("dsclip.console")
 log.propagate = False
+
+
+# share of captions cut by the context length above which the run warns (once): a cut caption
+# loses its last words, which in short captions often carry the label
+TRUNCATION_WARN_SHARE = 0.01
+
+
+def data_counters(stats: dict[str, int]) -> dict[str, int]:
+    """This rank's cumulative data counters as logged: skipped samples, and captions cut by the context."""
+    return {
+        "bad_samples": sum(v for k, v in stats.items() if k != TRUNCATED),
+        "truncated_captions": stats.get(TRUNCATED, 0),
+    }
 
 
 def peak_memory_gb(device: torch.device) -> float:
@@ -42,6 +57,7 @@ class MetricsLogger:
         total_steps: int,
         device: torch.device,
         wandb=None,
+        context_length: int | None = None,
     ):
         self.rank = rank
         self.world_size = world_size
@@ -49,6 +65,9 @@ class MetricsLogger:
         self.samples_per_step = samples_per_step  # global: batch × accum_freq × world
         self.total_steps = total_steps
         self.device = device
+        self.context_length = context_length
+        self.steps_here = 0  # steps this process ran (counters restart on resume)
+        self.truncation_warned = False
         self.jsonl = None
         self.tb = None
         self.wandb = wandb  # train/wandb_sink.WandbSink on rank 0 with --report-to wandb
@@ -75,6 +94,9 @@ class MetricsLogger:
     def step(self, step: int, result, *, data_wait_s: float, lr: float, epoch: int, extra: dict | None = None) -> None:
         """Record a finished optimizer step (1-based ``step``); log when the window is full."""
         self.window_steps += 1
+        self.steps_here += 1
+        if extra and not self.truncation_warned:
+            self._check_truncation(extra.get("truncated_captions", 0))
         self.window_data_wait += data_wait_s
         if result.applied:
             self.window_losses.append(result.loss)
@@ -85,6 +107,18 @@ class MetricsLogger:
             self.bar.set_postfix(loss=f"{result.loss:.4f}")
         if step % self.every == 0 or step == self.total_steps:
             self.flush(step, result, lr=lr, epoch=epoch, extra=extra)
+
+    def _check_truncation(self, cut: int) -> None:
+        captions = self.steps_here * self.samples_per_step // self.world_size  # this rank's, like the counter
+        if not captions or cut <= TRUNCATION_WARN_SHARE * captions:
+            return
+        self.truncation_warned = True
+        ctx = f" {self.context_length}" if self.context_length else ""
+        self.write_line(
+            f"warning: {100 * cut / captions:.1f}% of captions ({cut} of {captions} on rank {self.rank} so far) are "
+            f"longer than the context length{ctx} and lose their end; raise --context-length (the text tower's "
+            f"positions) or shorten the captions (dsclip tokenizer train --context-length N shows the distribution)"
+        )
 
     def flush(self, step: int, result, *, lr: float, epoch: int, extra: dict | None = None) -> None:
         elapsed = max(time.perf_counter() - self.window_start, 1e-9)
@@ -122,7 +156,7 @@ class MetricsLogger:
             )
             if self.window_skipped:
                 line += f" | skipped {self.window_skipped}"
-            for k in ("bad_samples",):
+            for k in ("bad_samples", "truncated_captions"):
                 if extra and extra.get(k):
                     line += f" | {k} {extra[k]}"
             self.write_line(line)

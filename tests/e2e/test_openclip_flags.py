@@ -69,3 +69,17 @@ def test_bad_openclip_values_are_one_line_and_nonzero(tmp_path, extra, expect):
     err = [line for line in p.stderr.splitlines() if line.startswith("dsclip train: error:")]
     assert len(err) == 1 and expect in err[0], p.stderr[-3000:]
     assert not (tmp_path / "bad" / "checkpoints").exists() and os.path.isdir(tmp_path)
+
+
+def test_training_counts_cut_captions_and_warns_once(tmp_path):
+    # the demo's captions are longer than 4 tokens: nearly all are cut at --context-length 4
+    base = ["train", "--config", "tiny", "--logs", str(tmp_path), "--max-steps", "3"]
+    assert "warning:" not in run_cli(base + ["--name", "cut"]).stdout
+    out = run_cli(base + ["--name", "cut4", "--force-context-length", "4"]).stdout
+    assert out.count("warning:") == 1 and "longer than the context length 4" in out
+    counts = {}
+    for name in ("cut", "cut4"):
+        recs = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        counts[name] = [r["truncated_captions"] for r in recs if "truncated_captions" in r]
+    assert counts["cut"] == [0, 0, 0]
+    assert counts["cut4"][-1] > 0.9 * 3 * 16 and counts["cut4"] == sorted(counts["cut4"])  # cumulative

@@ -5,9 +5,11 @@
 from __future__ import annotations
 
 import glob
+import importlib.util
 import json
 import logging
 import struct
+import time
 
 import pytest
 import torch
@@ -15,11 +17,14 @@ import torch
 from dsclip import compat
 from dsclip.checkpoint import ds_checkpoint as dc
 from dsclip.config import ConfigError, make_run_config, parse_run_config
+from dsclip.data.loader import TokenizingCollate
+from dsclip.data.tokenizer import TRUNCATED, SentencePieceTokenizer, train_sentencepiece
+from dsclip.data.tools import main_tokenizer
 from dsclip.engine.ds_config import resolve_ds_config
 from dsclip.engine.optim import lr_multiplier
 from dsclip.train import runlog, wandb_sink
 from dsclip.train.gradcache import StepResult
-from dsclip.train.metrics import MetricsLogger
+from dsclip.train.metrics import MetricsLogger, data_counters
 from tests.unit.test_checkpoint import FakeEngine
 
 
@@ -144,8 +149,6 @@ def test_copy_codebase(tmp_path):
 def test_report_to_errors_are_one_line(monkeypatch):
     with pytest.raises(ConfigError, match=r"--report-to 'mlflow' is not supported \(supported: tensorboard, wandb"):
         cfg(report_to="tensorboard,mlflow")
-    import importlib.util
-
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
     with pytest.raises(ConfigError, match="--report-to wandb needs the wandb package: pip install wandb"):
@@ -200,6 +203,7 @@ def test_wandb_gets_the_tensorboard_scalars_and_keeps_its_run_id_across_resume(t
     first_id = (run_dir / wandb_sink.ID_FILE).read_text().strip()
 
     run_cfg.checkpoint.resume = "latest"  # a resumed run continues the same wandb run
+    time.sleep(1.1)  # wandb names its local run folder by the second: keep the two runs' files apart
     m = _metrics(run_dir, wandb=wandb_sink.for_run(run_cfg, rank=0))
     m.step(2, result, data_wait_s=0.0, lr=1e-3, epoch=0)
     m.close()
@@ -222,3 +226,69 @@ def test_wandb_gets_the_tensorboard_scalars_and_keeps_its_run_id_across_resume(t
     m = _metrics(run_dir, wandb=wandb_sink.for_run(fresh, rank=0))
     m.close()
     assert (run_dir / wandb_sink.ID_FILE).read_text().strip() != first_id
+
+
+# --- caption length accounting (issue 15 item 5) ---
+
+
+@pytest.fixture(scope="module")
+def digit_tok(tmp_path_factory):
+    """The new user's case: a 64-piece tokenizer trained on short digit captions."""
+    words = "zero one two three four five six seven eight nine".split()
+    texts = [f"a photo of the digit {words[i % 10]} written by hand number {i}" for i in range(300)]
+    path = train_sentencepiece(texts, tmp_path_factory.mktemp("dtok") / "spm", vocab_size=64)
+    return texts, path
+
+
+def test_tokenize_counting_counts_exactly_the_captions_cut(digit_tok):
+    texts, path = digit_tok
+    tok = SentencePieceTokenizer(path, context_length=16)
+    lengths = [len(tok.encode(t)) for t in texts[:20]]
+    tokens, cut = tok.tokenize_counting(texts[:20])
+    assert cut == sum(n > 15 for n in lengths) > 0  # pieces + EOS over 16
+    assert torch.equal(tokens, tok(texts[:20]))
+    exact = max(lengths)  # a context that holds the longest caption and its EOS cuts nothing
+    assert tok.tokenize_counting(texts[:20], context_length=exact + 1)[1] == 0
+    assert tok.tokenize_counting(texts[:20], context_length=exact)[1] == lengths.count(exact)
+    _, _, stats = TokenizingCollate(tok)([(torch.zeros(3, 2, 2), t, {}) for t in texts[:20]])
+    assert stats.get(TRUNCATED, 0) == cut
+
+
+def test_tokenizer_train_prints_the_length_distribution_and_the_share_cut(digit_tok, tmp_path, capsys):
+    texts, _ = digit_tok
+    src = tmp_path / "caps.txt"
+    src.write_text("\n".join(texts) + "\n")
+    out = tmp_path / "t" / "spm"
+    argv = ["train", "--input", str(src), "--out", str(out), "--vocab-size", "64", "--context-length", "16"]
+    assert main_tokenizer(argv) == 0
+    printed = capsys.readouterr().out
+    tok = SentencePieceTokenizer(f"{out}.model", 16)
+    lengths = sorted(len(tok.encode(t)) + 1 for t in texts)
+    cut = sum(n > 16 for n in lengths)
+    assert f"over {len(texts)} captions: min {lengths[0]}," in printed and f"max {lengths[-1]};" in printed
+    assert f"cut at context length 16: {cut} ({100 * cut / len(texts):.1f}%)" in printed
+    assert cut > 0  # the case this exists for
+
+
+def test_trainer_warns_once_when_more_than_one_percent_are_cut(tmp_path, capsys):
+    assert data_counters({"corrupt_image": 2, TRUNCATED: 5}) == {"bad_samples": 2, "truncated_captions": 5}
+    result = StepResult(loss=1.0, logit_scale=1.0, logit_bias=None, grad_norm=None, applied=True)
+    m = MetricsLogger(
+        tmp_path,
+        rank=0,
+        world_size=2,
+        every_n_steps=100,
+        report_to="",
+        samples_per_step=400,  # 200 captions per rank and step
+        total_steps=100,
+        device=torch.device("cpu"),
+        context_length=16,
+    )
+    m.step(1, result, data_wait_s=0, lr=1, epoch=0, extra={"truncated_captions": 2})  # 1.0%: no warning
+    assert "warning" not in capsys.readouterr().out
+    m.step(2, result, data_wait_s=0, lr=1, epoch=0, extra={"truncated_captions": 5})  # 5 of 400
+    out = capsys.readouterr().out
+    assert "warning: 1.2% of captions (5 of 400 on rank 0 so far) are longer than the context length 16" in out
+    m.step(3, result, data_wait_s=0, lr=1, epoch=0, extra={"truncated_captions": 600})
+    assert "warning" not in capsys.readouterr().out  # once
+    m.close()
