@@ -12,6 +12,8 @@ import json
 import os
 import sys
 
+from dsclip.config_base import ConfigError
+
 USAGE = """usage: dsclip <command> [options]
 
 commands:
@@ -39,10 +41,8 @@ class UserError(Exception):
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
-    from dsclip.config import ConfigError
-
     errors: list[type[BaseException]] = [ConfigError, UserError, FileNotFoundError]
-    try:
+    try:  # lazy: dsclip.model imports torch, which `dsclip --help` and the light commands need not load
         from dsclip.model import UnknownModelError
 
         errors.append(UnknownModelError)
@@ -52,6 +52,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 
 def main_train(argv: list[str]) -> int:
+    # lazy, like COMMANDS: each command loads only its own stack (torch, deepspeed) when it runs
     from dsclip.config import parse_run_config
     from dsclip.train.loop import train
 
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _mark_failed() -> None:
     # Other ranks may not reach the exit barrier after a user error on this one.
-    try:
+    try:  # lazy: only after a user error, and only the training stack has a process group to mark
         from dsclip.engine import world
 
         world.mark_failed()

@@ -31,14 +31,12 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from dsclip.config_base import ConfigError
+from dsclip.losses.config import LOSS_FLAGS, TRAIN_TILE_SIZE
+from dsclip.losses.config import LOSS_NAMES as LOSS_MODES
+from dsclip.model import create_model, get_model_config, resolve_model_config
+
 GiB = 2**30
-LOSS_MODES = ("infonce", "infonce_local", "infonce_tiled", "siglip")
-LOSS_FLAGS = {
-    "infonce": [],
-    "infonce_local": ["--local-loss", "--gather-with-grad"],
-    "infonce_tiled": ["--tiled-loss"],
-    "siglip": ["--siglip"],
-}
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -81,8 +79,6 @@ def kept_patches(patches: int, patch_dropout: float) -> int:
 
 def load_arch(model: str | dict, patch_dropout: float = 0.0, count_params: bool = True) -> Arch:
     """Shapes of a registered name / JSON path / config dict; parameters counted on the meta device."""
-    from dsclip.model import create_model, get_model_config, resolve_model_config
-
     raw = model if isinstance(model, dict) else get_model_config(model)
     cfg = resolve_model_config(raw)
     v, t = cfg["vision_cfg"], cfg["text_cfg"]
@@ -328,26 +324,7 @@ def shipped_ds_config(zero: int, precision: str) -> tuple[str, dict]:
         return name, {"zero_optimization": {"stage": zero}}
 
 
-def make_plan(
-    model: str,
-    *,
-    gpus: int,
-    gpu_memory_gb: float,
-    batch_size: int,
-    zero: int = 2,
-    precision: str = "bf16",
-    grad_checkpointing: bool = False,
-    patch_dropout: float = 0.0,
-    loss: str = "infonce",
-    mfu: float = 0.4,
-    peak_tflops: float = 790.0,
-    tile: int = 4096,
-    gpus_per_node: int = 8,
-    reserve_gb: float = 2.0,
-    keep_last_graph: bool = True,
-) -> Plan:
-    from dsclip.config import ConfigError
-
+def _check_plan_args(loss, zero, precision, gpus, batch_size, gpu_memory_gb, patch_dropout, mfu) -> None:
     if loss not in LOSS_MODES:
         raise ConfigError(f"--loss must be one of {', '.join(LOSS_MODES)}, got {loss!r}")
     if zero not in (1, 2, 3):
@@ -365,6 +342,26 @@ def make_plan(
     if not 0 < mfu <= 1:
         raise ConfigError(f"--mfu must be in (0, 1], got {mfu}")
 
+
+def make_plan(
+    model: str,
+    *,
+    gpus: int,
+    gpu_memory_gb: float,
+    batch_size: int,
+    zero: int = 2,
+    precision: str = "bf16",
+    grad_checkpointing: bool = False,
+    patch_dropout: float = 0.0,
+    loss: str = "infonce",
+    mfu: float = 0.4,
+    peak_tflops: float = 790.0,
+    tile: int = TRAIN_TILE_SIZE,
+    gpus_per_node: int = 8,
+    reserve_gb: float = 2.0,
+    keep_last_graph: bool = True,
+) -> Plan:
+    _check_plan_args(loss, zero, precision, gpus, batch_size, gpu_memory_gb, patch_dropout, mfu)
     arch = load_arch(model, patch_dropout)
     plan = Plan(
         model,
@@ -380,17 +377,25 @@ def make_plan(
         peak_tflops,
         params=arch.params,
     )
-    local = batch_size // gpus
-    plan.local_batch = local
+    plan.local_batch = batch_size // gpus
     ds_name, ds_cfg = shipped_ds_config(zero, precision)
+    losses = _plan_memory(plan, arch, ds_cfg, tile, reserve_gb)
+    _plan_speed(plan, arch, keep_last_graph)
+    plan.command = _train_command(plan, ds_name, tile, gpus_per_node)
+    _plan_notes(plan, losses, tile, gpus_per_node)
+    return plan
 
-    states = model_state_bytes(arch.params, gpus, zero, precision, arch.largest_layer_params)
+
+def _plan_memory(plan: Plan, arch: Arch, ds_cfg: dict, tile: int, reserve_gb: float) -> dict[str, float]:
+    """Fill the memory budget, the largest micro-batch that fits and the accumulation; returns loss bytes per mode."""
+    local, loss, precision = plan.local_batch, plan.loss, plan.precision
+    states = model_state_bytes(arch.params, plan.gpus, plan.zero, precision, arch.largest_layer_params)
     buckets = bucket_bytes(ds_cfg, precision)
     cache = embedding_cache_bytes(local, arch.embed_dim)
-    losses = {m: loss_bytes(m, local, batch_size, arch.embed_dim, tile) for m in LOSS_MODES}
-    act = activation_bytes(arch, precision, grad_checkpointing)
+    losses = {m: loss_bytes(m, local, plan.batch_size, arch.embed_dim, tile) for m in LOSS_MODES}
+    act = activation_bytes(arch, precision, plan.grad_checkpointing)
     fixed = sum(states.values()) + buckets + cache + losses[loss] + reserve_gb * GiB
-    budget = gpu_memory_gb * GiB - fixed
+    budget = plan.gpu_memory_gb * GiB - fixed
     max_micro = int(budget // act["peak"]) if budget > 0 else 0
     plan.max_micro_batch = max_micro
     # The micro-batch must divide this rank's rows: largest divisor of `local` that fits.
@@ -408,58 +413,66 @@ def make_plan(
     plan.memory_gb = {k: round(v, 3) for k, v in mem.items()}
     plan.activation_per_sample_mb = {k: round(v / 2**20, 3) for k, v in act.items()}
     plan.loss_memory_gb = {m: round(v / GiB, 3) for m, v in losses.items()}
+    return losses
 
+
+def _plan_speed(plan: Plan, arch: Arch, keep_last_graph: bool) -> None:
+    local, mfu = plan.local_batch, plan.mfu
     fwd = forward_flops(arch)
     plan.forward_gflops_per_sample = {k: round(v / 1e9, 2) for k, v in fwd.items()}
-    lf = loss_flops(loss, local, batch_size, arch.embed_dim) / local
+    lf = loss_flops(plan.loss, local, plan.batch_size, arch.embed_dim) / local
     model_flops = 3 * fwd["total"] + lf  # forward + backward (2x), the MFU convention
     k = max(plan.accum_freq, 1)
     reforward = (k - 1) / k if keep_last_graph else 1.0  # gradient cache pass 2 re-forwards the chunks
-    executed = model_flops + fwd["total"] * (reforward + (1.0 if grad_checkpointing else 0.0))
+    executed = model_flops + fwd["total"] * (reforward + (1.0 if plan.grad_checkpointing else 0.0))
     plan.train_gflops_per_sample = round(model_flops / 1e9, 2)
     plan.executed_gflops_per_sample = round(executed / 1e9, 2)
-    plan.step_time_s = round(model_flops * local / (mfu * peak_tflops * 1e12), 3)
+    plan.step_time_s = round(model_flops * local / (mfu * plan.peak_tflops * 1e12), 3)
     plan.samples_per_s_per_gpu = round(local / plan.step_time_s, 2) if plan.step_time_s else 0.0
     plan.hfu = round(mfu * executed / model_flops, 3)
 
+
+def _train_command(plan: Plan, ds_name: str, tile: int, gpus_per_node: int) -> str:
+    gpus, micro = plan.gpus, plan.micro_batch
     nodes = math.ceil(gpus / gpus_per_node)
     launch = (
         f"deepspeed --num_nodes {nodes} --num_gpus {min(gpus, gpus_per_node)} --hostfile HOSTFILE " if gpus > 1 else ""
     )
     args = [
         f"{launch}--module dsclip train" if launch else "dsclip train",
-        f"--model {model}",
+        f"--model {plan.model}",
         f"--batch-size {max(micro, 1)}",
         f"--accum-freq {max(plan.accum_freq, 1)}",
-        f"--precision {precision}",
+        f"--precision {plan.precision}",
         f"--deepspeed-config {ds_name}",
     ]
-    if grad_checkpointing:
+    if plan.grad_checkpointing:
         args.append("--grad-checkpointing")
-    if patch_dropout:
-        args.append(f"--force-patch-dropout {patch_dropout:g}")
-    args += LOSS_FLAGS[loss]
-    if loss in ("infonce_tiled", "siglip") and tile != 4096:
+    if plan.patch_dropout:
+        args.append(f"--force-patch-dropout {plan.patch_dropout:g}")
+    args += LOSS_FLAGS[plan.loss]
+    if plan.loss in ("infonce_tiled", "siglip") and tile != TRAIN_TILE_SIZE:
         args.append(f"--loss-tile-size {tile}")
-    plan.command = " ".join(args)
+    return " ".join(args)
 
+
+def _plan_notes(plan: Plan, losses: dict[str, float], tile: int, gpus_per_node: int) -> None:
     notes = plan.notes
     if not plan.fits:
         notes.append(
             "does NOT fit: even one sample per micro-batch exceeds the memory left after model states, "
-            "loss and cache; " + _suggest(model, plan, tile, gpus_per_node)
+            "loss and cache; " + _suggest(plan.model, plan, tile, gpus_per_node)
         )
-    if loss == "infonce" and losses["infonce"] > 0.1 * gpu_memory_gb * GiB:
+    if plan.loss == "infonce" and losses["infonce"] > 0.1 * plan.gpu_memory_gb * GiB:
         notes.append(
-            f"global infonce builds the {batch_size}x{batch_size} logit matrix on every rank "
+            f"global infonce builds the {plan.batch_size}x{plan.batch_size} logit matrix on every rank "
             f"({losses['infonce'] / GiB:.1f} GiB); --loss infonce_tiled gives the same loss in "
             f"{losses['infonce_tiled'] / GiB:.2f} GiB"
         )
     if plan.hfu > 0.75:
-        notes.append(f"MFU {mfu} with this recompute means {plan.hfu:.2f} hardware utilization: optimistic")
-    if precision == "fp16":
+        notes.append(f"MFU {plan.mfu} with this recompute means {plan.hfu:.2f} hardware utilization: optimistic")
+    if plan.precision == "fp16":
         notes.append("fp16 needs loss scaling; bf16 is the recommended precision on A100/H100/H200")
-    return plan
 
 
 def _suggest(model, plan: Plan, tile: int, gpus_per_node: int) -> str:
@@ -509,7 +522,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grad-checkpointing", action="store_true", help="activation checkpointing of every block")
     p.add_argument("--patch-dropout", type=float, default=0.0, help="FLIP patch-dropout rate (training)")
     p.add_argument("--loss", default="infonce", choices=LOSS_MODES)
-    p.add_argument("--loss-tile-size", type=int, default=4096, help="tile edge of the tiled losses")
+    p.add_argument("--loss-tile-size", type=int, default=TRAIN_TILE_SIZE, help="tile edge of the tiled losses")
     p.add_argument("--mfu", type=float, default=0.4, help="model-FLOPs utilisation (3x forward FLOPs / peak)")
     p.add_argument("--peak-tflops", type=float, default=790.0, help="dense bf16 peak per GPU (H200 measured: 790)")
     p.add_argument("--gpus-per-node", type=int, default=8)

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
 from dsclip.checkpoint.ds_checkpoint import (
     COMPLETE,
@@ -45,7 +46,9 @@ from dsclip.checkpoint.ds_checkpoint import (
     complete_tags,
     latest_complete,
 )
-from dsclip.config import ConfigError
+from dsclip.config_base import ConfigError
+from dsclip.model import StateDictMismatchError, create_model, get_model_config, to_openclip_state_dict
+from dsclip.model.openclip import check_state_dict, expected_shapes, openclip_model_config
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _ST_DTYPE = {
@@ -96,7 +99,6 @@ def find_checkpoint(path: str | os.PathLike, tag: str | None = None) -> tuple[Pa
 
 def checkpoint_model_config(ckpt_dir: Path, tag: str, override: str | None = None) -> dict:
     """The resolved model config the run trained (``<tag>/model_config.json``), or ``--model-config``."""
-    from dsclip.model import create_model, get_model_config
 
     if override:
         p = Path(override)
@@ -129,8 +131,6 @@ def lazy_fp32_state_dict(ckpt_dir: Path, tag: str) -> dict[str, LazyTensor]:
     tag_dir = ckpt_dir / tag
     with contextlib.redirect_stdout(sys.stderr):  # zero_to_fp32 prints progress; keep stdout for our result
         if any(tag_dir.glob("*_optim_states.pt")):
-            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
             sd = get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag, lazy_mode=True)
         else:
             files = sorted(tag_dir.glob("*model_states.pt"))
@@ -180,7 +180,6 @@ def _cast(t: LazyTensor, dtype: torch.dtype) -> LazyTensor:
 
 
 def _to_openclip(name: str, t: LazyTensor) -> tuple[str, LazyTensor]:
-    from dsclip.model import to_openclip_state_dict
 
     ((oc_name, oc_meta),) = to_openclip_state_dict({name: torch.empty(t.shape, dtype=t.dtype, device="meta")}).items()
     return oc_name, LazyTensor(oc_meta.shape, t.dtype, lambda: to_openclip_state_dict({name: t.load()})[oc_name])
@@ -197,7 +196,6 @@ def convert_checkpoint(
     model_config: str | None = None,
 ) -> Path:
     """Consolidate one complete tag into ``out`` (see the module docstring); returns the weights path."""
-    from dsclip.model.openclip import check_state_dict, expected_shapes, openclip_model_config
 
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
@@ -267,7 +265,6 @@ def _parser() -> argparse.ArgumentParser:
 
 def main_convert(argv: list[str]) -> int:
     a = _parser().parse_args(argv)
-    from dsclip.model import StateDictMismatchError
 
     ckpt_dir, tag = find_checkpoint(a.path, a.tag)
     try:

@@ -30,31 +30,29 @@ import json
 import os
 import re
 import shutil
-import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
+from dsclip.checkpoint import universal
+from dsclip.checkpoint.layout import (
+    COMPLETE,
+    LATEST,
+    MODEL_CONFIG_FILE,
+    PARTIAL_PREFIX,
+    STATE_FILE,
+    TOKENIZER_FILE,
+    TOKENIZER_SPEC_FILE,
+    TRASH_PREFIX,
+)
+from dsclip.config_base import ConfigError, opt
+from dsclip.dist import barrier
 
-COMPLETE = "COMPLETE"
-LATEST = "latest"
-STATE_FILE = "dsclip_state.json"
-MODEL_CONFIG_FILE = "model_config.json"  # {"model_cfg": <resolved model config>}, as dsclip.model.save_model writes
-TOKENIZER_FILE = "tokenizer.model"  # the run's SentencePiece model, copied into the run folder
-TOKENIZER_SPEC_FILE = "tokenizer.json"  # {"tokenizer": "open_clip:NAME"} for non-file tokenizers
-PARTIAL_PREFIX = ".partial."
-TRASH_PREFIX = ".trash."
 _TAG_RE = re.compile(r"step_\d+")
-SLOW_SAVE_ENV = "DSCLIP_TEST_SLOW_SAVE_S"  # tests only: sleep between the shard writes and COMPLETE
 
 
 def tag_for_step(step: int) -> str:
     return f"step_{step:09d}"
-
-
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
 
 
 def _atomic_write(path: Path, text: str) -> None:
@@ -134,19 +132,41 @@ def resolve_resume(resume: str, run_dir: Path) -> tuple[Path, str] | None:
     raise FileNotFoundError(f"--resume {resume}: not a checkpoint, checkpoints folder or run folder")
 
 
-def _test_slow_save(step: int) -> None:
-    """Tests kill the job in this window (shards written, not complete): ``DSCLIP_TEST_SLOW_SAVE_S=S``
-    sleeps S seconds at every save, ``S@STEP`` only when saving step STEP."""
-    value = os.environ.get(SLOW_SAVE_ENV, "")
-    if not value:
-        return
-    seconds, _, only = value.partition("@")
-    if not only or int(only) == step:
-        time.sleep(float(seconds))
+@dataclass
+class CheckpointArgs:
+    """Run config section ``checkpoint``: when to save, what to keep, where to resume from."""
+
+    save_frequency: int = opt(1, "Save a checkpoint every N epochs (0: never at epoch ends).")
+    save_every_n_steps: int = opt(0, "Also save every N optimizer steps (0: off).")
+    resume: str | None = opt(None, "'latest' (the newest complete checkpoint of this run) or a checkpoint path.")
+    keep_last: int = opt(0, "Keep only the newest N checkpoints (0: keep all). Pruning happens after a save completes.")
+    delete_previous_checkpoint: bool = opt(False, "OpenCLIP's flag: same as --keep-last 1.")
+    save_most_recent: bool = opt(
+        False,
+        "Also save at every epoch end, removing the previous checkpoint saved only for this (OpenCLIP's "
+        "epoch_latest.pt); --resume latest loads the newest.",
+    )
+
+    def __post_init__(self):
+        if self.delete_previous_checkpoint and self.keep_last == 0:  # OpenCLIP's spelling of --keep-last 1
+            self.keep_last = 1
+
+    def check(self) -> None:
+        if self.keep_last < 0:
+            raise ConfigError("'keep_last' must be >= 0")
+
+
+@dataclass
+class ResumePoint:
+    """The checkpoint a run continues from, as ``engine.load_checkpoint`` takes it."""
+
+    load_dir: Path
+    tag: str
 
 
 class Checkpointer:
-    """Owns its cadence: the loop calls ``maybe_save`` after every step and ``save`` at the end."""
+    """Owns saving (its cadence: the loop calls ``maybe_save`` after every step and ``save`` at the end)
+    and resuming (:meth:`prepare_resume` before the engine exists, :meth:`resume` after)."""
 
     def __init__(
         self,
@@ -158,6 +178,7 @@ class Checkpointer:
         rank: int,
         most_recent: bool = False,
     ):
+        self.run_dir = run_dir
         self.dir = run_dir / "checkpoints"
         self.every_n_steps = every_n_steps
         self.every_n_epochs = every_n_epochs
@@ -166,6 +187,49 @@ class Checkpointer:
         self.most_recent = most_recent  # OpenCLIP --save-most-recent: a checkpoint at every epoch end
         self.last_saved_step: int | None = None
         self._recent_only: str | None = None  # the tag saved only because of most_recent, removed by the next
+        self.resume_point: ResumePoint | None = None
+
+    @classmethod
+    def from_args(cls, args: CheckpointArgs, run_dir: Path, *, rank: int) -> Checkpointer:
+        return cls(
+            run_dir,
+            every_n_steps=args.save_every_n_steps,
+            every_n_epochs=args.save_frequency,
+            keep_last=args.keep_last,
+            rank=rank,
+            most_recent=args.save_most_recent,
+        )
+
+    def prepare_resume(self, resume: str | None, *, world_size: int) -> dict[str, Any]:
+        """Find the checkpoint ``--resume`` names and make it loadable on ``world_size`` ranks.
+
+        Returns what loading it needs in the DeepSpeed config (``{}``, or ``{"checkpoint":
+        {"load_universal": True}}`` when it was saved on another number of ranks and is converted
+        to a universal checkpoint here), so the caller folds it in before the config is written
+        and handed to DeepSpeed. Collective (every rank calls it; rank 0 converts)."""
+        found = resolve_resume(resume, self.run_dir) if resume else None
+        if found is None:
+            return {}
+        if not universal.needs_universal(universal.saved_state(*found), world_size):
+            self.resume_point = ResumePoint(*found)
+            return {}
+        self.resume_point = ResumePoint(*universal.prepare_universal(*found, rank=self.rank))
+        return {"checkpoint": {"load_universal": True}}
+
+    def resume(self, engine, *, global_batch: int, steps_per_epoch: int) -> int:
+        """Load the prepared checkpoint into ``engine`` (collective); return the optimizer step to continue
+        from (0 without one). Same global batch: the saved step; otherwise the same place in the data and
+        the LR schedule re-positioned there (the rule is in dsclip.checkpoint.universal)."""
+        point = self.resume_point
+        if point is None:
+            return 0
+        state = load(engine, point.load_dir, point.tag)
+        start_step, moved = universal.resume_position(state, global_batch=global_batch, steps_per_epoch=steps_per_epoch)
+        if moved:
+            universal.set_schedule_step(engine, start_step)
+        if self.rank == 0:
+            print(f"resumed from {point.load_dir / point.tag} at step {start_step}", flush=True)
+        return start_step
 
     def due(self, step: int, *, epoch_end: bool, epoch: int) -> bool:
         return self._due_by_cadence(step, epoch_end=epoch_end, epoch=epoch) or (epoch_end and self.most_recent)
@@ -191,29 +255,32 @@ class Checkpointer:
         if self.rank == 0:
             self.dir.mkdir(parents=True, exist_ok=True)
             self._remove_leftovers()  # of saves or prunes a kill interrupted
-        _barrier()
+        barrier()
         engine.save_checkpoint(str(self.dir), tag=partial, client_state={"dsclip": state}, save_latest=False)
-        _barrier()  # every rank's shards are on disk
+        barrier()  # every rank's shards are on disk
         if self.rank == 0:
-            _test_slow_save(step)
-            part_dir = self.dir / partial
-            _atomic_write(part_dir / STATE_FILE, json.dumps(state, indent=2))
-            model_cfg = getattr(getattr(engine, "module", None), "config", None)
-            if isinstance(model_cfg, dict):
-                _atomic_write(part_dir / MODEL_CONFIG_FILE, json.dumps({"model_cfg": model_cfg}, indent=2))
-            _atomic_write(part_dir / COMPLETE, json.dumps({"step": step}))
-            if tag_dir.exists():  # re-saving a tag: move the old one aside, then swap the new one in
-                os.replace(tag_dir, self.dir / (TRASH_PREFIX + tag))
-            os.replace(part_dir, tag_dir)
-            _fsync_dir(self.dir)
-            _atomic_write(self.dir / LATEST, tag)
-            if self._recent_only and self._recent_only != tag:  # OpenCLIP overwrites epoch_latest.pt
-                self._remove_tag(self._recent_only)
-            self._prune(keep=tag)
-            self._remove_leftovers()
-        _barrier()
+            self._complete(self.dir / partial, step, state, getattr(getattr(engine, "module", None), "config", None))
+        barrier()
         self.last_saved_step = step
         return tag_dir
+
+    def _complete(self, part_dir: Path, step: int, state: dict[str, Any], model_cfg: dict | None) -> None:
+        """Rank 0, all shards written: add dsclip's files and COMPLETE, swap the tag in, point ``latest`` at it."""
+        tag = tag_for_step(step)
+        tag_dir = self.dir / tag
+        _atomic_write(part_dir / STATE_FILE, json.dumps(state, indent=2))
+        if isinstance(model_cfg, dict):
+            _atomic_write(part_dir / MODEL_CONFIG_FILE, json.dumps({"model_cfg": model_cfg}, indent=2))
+        _atomic_write(part_dir / COMPLETE, json.dumps({"step": step}))
+        if tag_dir.exists():  # re-saving a tag: move the old one aside, then swap the new one in
+            os.replace(tag_dir, self.dir / (TRASH_PREFIX + tag))
+        os.replace(part_dir, tag_dir)
+        _fsync_dir(self.dir)
+        _atomic_write(self.dir / LATEST, tag)
+        if self._recent_only and self._recent_only != tag:  # OpenCLIP overwrites epoch_latest.pt
+            self._remove_tag(self._recent_only)
+        self._prune(keep=tag)
+        self._remove_leftovers()
 
     def _remove_leftovers(self) -> None:
         for p in self.dir.iterdir():
@@ -238,9 +305,7 @@ class Checkpointer:
 def load(engine, ckpt_dir: Path, tag: str, *, load_optimizer_states: bool = True) -> dict[str, Any]:
     """Load a tag into the engine (collective); return dsclip's client state."""
     if engine.load_universal_checkpoint():  # saved on another world size (dsclip.checkpoint.universal)
-        from dsclip.checkpoint.universal import load_universal
-
-        path, client_state = load_universal(engine, ckpt_dir, tag)
+        path, client_state = universal.load_universal(engine, ckpt_dir, tag)
     else:
         path, client_state = engine.load_checkpoint(
             str(ckpt_dir), tag=tag, load_optimizer_states=load_optimizer_states, load_lr_scheduler_states=True

@@ -20,11 +20,21 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+import deepspeed
 import torch
+from safetensors import safe_open
 from torch import nn
 
-from dsclip.config import ConfigError
-from dsclip.model import StateDictMismatchError
+from dsclip.config_base import ConfigError
+from dsclip.dist import rank_world
+from dsclip.model import (
+    StateDictMismatchError,
+    create_model,
+    from_openclip_state_dict,
+    load_model,
+    to_openclip_state_dict,
+)
+from dsclip.model.openclip import check_state_dict, expected_shapes, unwrap_state_dict
 
 WEIGHT_CANDIDATES = (
     "model.safetensors",
@@ -49,8 +59,6 @@ class WeightSource:
         self.path = p
         self._get: Callable[[str], torch.Tensor]
         if p.suffix == ".safetensors":
-            from safetensors import safe_open
-
             self._file = safe_open(str(p), framework="pt", device="cpu")
             raw = {k: k for k in self._file.keys()}  # noqa: SIM118 (safe_open is not a dict)
             self.shapes = {}
@@ -59,8 +67,6 @@ class WeightSource:
             names = {_strip(k): k for k in raw}
             self._get = lambda name: self._file.get_tensor(names[name])
         else:
-            from dsclip.model.openclip import unwrap_state_dict
-
             try:  # memory-mapped: tensors are read when touched
                 obj = torch.load(p, map_location="cpu", mmap=True, weights_only=True)
             except RuntimeError:  # legacy (non-zip) torch.save format cannot be mapped
@@ -103,8 +109,6 @@ def plan_pretrained(source: WeightSource, model_config: dict) -> dict[str, str]:
 
 
 def _plan(source: WeightSource, model_config: dict) -> dict[str, str]:
-    from dsclip.model import from_openclip_state_dict, to_openclip_state_dict
-    from dsclip.model.openclip import check_state_dict, expected_shapes
 
     expected = expected_shapes(model_config)
     if source.is_openclip():
@@ -118,12 +122,6 @@ def _plan(source: WeightSource, model_config: dict) -> dict[str, str]:
     return {name: name for name in expected}
 
 
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
 def _is_partitioned(p: torch.Tensor) -> bool:
     return hasattr(p, "ds_id")  # a ZeRO-3 (zero.Init) parameter
 
@@ -134,7 +132,7 @@ def load_pretrained_into(model: nn.Module, path: str | os.PathLike) -> None:
     Collective under ZeRO-3 (every rank must call it); otherwise each rank loads on its own."""
     source = WeightSource(path)
     plan = plan_pretrained(source, model.config)
-    rank = _rank()
+    rank, _ = rank_world()
     copied = 0
     for mod_name, module in model.named_modules():
         prefix = f"{mod_name}." if mod_name else ""
@@ -144,8 +142,6 @@ def load_pretrained_into(model: nn.Module, path: str | os.PathLike) -> None:
             continue
         partitioned = [p for p in params.values() if _is_partitioned(p)]
         if partitioned:
-            import deepspeed
-
             with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=0):
                 if rank == 0:
                     copied += _copy(source, plan, prefix, params)
@@ -168,7 +164,6 @@ def load_pretrained_model(path: str | os.PathLike, model: str | dict | None = No
     """A plain (non-distributed) ``CLIP`` from ``path``: with ``model`` (an architecture name or config),
     that architecture loaded with ``load_pretrained_into`` (bare OpenCLIP checkpoints have no config);
     else ``dsclip.model.load_model`` (a config.json / open_clip_config.json beside the weights)."""
-    from dsclip.model import create_model, load_model
 
     if model is None:
         return load_model(path, device=device)

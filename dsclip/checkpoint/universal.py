@@ -31,7 +31,10 @@ from argparse import Namespace
 from pathlib import Path
 from typing import Any
 
-from dsclip.checkpoint.ds_checkpoint import COMPLETE, STATE_FILE, _barrier
+import torch
+
+from dsclip.checkpoint.layout import COMPLETE, STATE_FILE
+from dsclip.dist import barrier
 
 UNIVERSAL = "universal"
 
@@ -48,6 +51,7 @@ def needs_universal(state: dict[str, Any], world_size: int) -> bool:
 
 def convert_to_universal(ckpt_dir: Path, tag: str) -> Path:
     """Write ``<ckpt_dir>/<tag>/universal`` (idempotent; single process). Returns that folder."""
+    # lazy: the run config imports this package (CheckpointArgs); deepspeed loads only for a conversion
     from deepspeed.checkpoint import ds_to_universal
 
     tag_dir = Path(ckpt_dir) / tag
@@ -79,7 +83,7 @@ def prepare_universal(ckpt_dir: Path, tag: str, *, rank: int) -> tuple[Path, str
     to pass to ``engine.load_checkpoint`` with ``load_universal`` on."""
     if rank == 0:
         convert_to_universal(ckpt_dir, tag)
-    _barrier()
+    barrier()
     return Path(ckpt_dir) / tag, UNIVERSAL
 
 
@@ -119,7 +123,6 @@ def load_universal(engine, load_dir: Path, tag: str) -> tuple[Any, Any]:
     Adam increments in place once per partition, so bias correction runs ahead by the number of
     partitions. We put back each group's own parameter list and saved hyper-parameters and give each
     partition its own ``step``."""
-    import torch
 
     inner = getattr(engine.optimizer, "optimizer", None)
     params_before = [list(g["params"]) for g in inner.param_groups] if inner is not None else None

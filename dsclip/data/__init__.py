@@ -11,8 +11,12 @@ from __future__ import annotations
 import os
 
 from .config import DataConfig
-from .loader import TrainData
+from .csv_data import build_csv_train_data
+from .demo import DemoDataset, ensure_demo_tokenizer
+from .loader import MapStyleTrainData, TrainData
+from .openclip_tokenizer import OpenCLIPTokenizer
 from .tokenizer import SentencePieceTokenizer
+from .webdataset import build_wds_train_data
 
 __all__ = ["DataConfig", "TrainData", "SentencePieceTokenizer", "build_tokenizer", "build_train_data"]
 
@@ -21,14 +25,11 @@ def build_tokenizer(data_cfg: DataConfig, context_length: int, cache_dir: str | 
     """The tokenizer the run uses: ``data_cfg.tokenizer`` if set, else the demo one for demo data."""
     if data_cfg.tokenizer and data_cfg.tokenizer.startswith("open_clip:"):
         # OpenCLIP's own tokenizer (open_clip_torch installed): what imported OpenCLIP text towers expect.
-        from .openclip_tokenizer import OpenCLIPTokenizer
 
         return OpenCLIPTokenizer(data_cfg.tokenizer, context_length)
     if data_cfg.tokenizer:
         return SentencePieceTokenizer(data_cfg.tokenizer, context_length)
     if data_cfg.resolved_dataset_type() == "demo":
-        from .demo import ensure_demo_tokenizer
-
         return SentencePieceTokenizer(ensure_demo_tokenizer(cache_dir), context_length)
     raise ValueError("no tokenizer: pass --tokenizer path/to/spm.model (train one with `dsclip tokenizer train`)")
 
@@ -49,9 +50,6 @@ def build_train_data(
     image_size = data_cfg.force_image_size or image_size
     kind = data_cfg.resolved_dataset_type()
     if kind == "demo":
-        from .demo import DemoDataset
-        from .loader import MapStyleTrainData
-
         n = data_cfg.train_num_samples or data_cfg.demo_num_samples
         ds = DemoDataset(n, image_size=image_size, seed=0)  # fixed universe; the run seed sets the order
         return MapStyleTrainData(
@@ -68,11 +66,7 @@ def build_train_data(
         tokenizer=tokenizer, image_size=image_size, batch_size=batch_size, rank=rank, world_size=world_size, seed=seed
     )
     if kind == "csv":
-        from .csv_data import build_csv_train_data
-
         return build_csv_train_data(data_cfg, **common)
     if kind == "webdataset":
-        from .webdataset import build_wds_train_data
-
         return build_wds_train_data(data_cfg, **common)
     raise ValueError(f"unknown dataset_type {kind!r}")

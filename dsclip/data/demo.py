@@ -12,6 +12,7 @@ epoch, which is what makes resumption and multi-rank runs exact.
 
 from __future__ import annotations
 
+import fcntl
 import itertools
 import math
 import os
@@ -19,8 +20,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from PIL import Image
 from torch.utils.data import Dataset
 
+from .tokenizer import train_sentencepiece
 from .transforms import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
 
 SHAPES = ("circle", "square", "triangle", "cross", "star", "diamond", "ring")
@@ -200,8 +203,6 @@ class DemoDataset(Dataset):
         a = self.attributes(index)
         img = self._render(a)
         if self.transform is not None:
-            from PIL import Image
-
             image = self.transform(Image.fromarray(img))
         else:
             image = torch.from_numpy(img).permute(2, 0, 1).float().div_(255.0)
@@ -241,14 +242,12 @@ def ensure_demo_tokenizer(cache_dir: str | os.PathLike, vocab_size: int = DEMO_T
     Safe to call from several ranks at once: training runs under a file lock and the model is
     written atomically, and a cached model is reused (the file name carries a version).
     """
-    from .tokenizer import train_sentencepiece
 
     cache_dir = Path(cache_dir)
     cache_dir.mkdir(parents=True, exist_ok=True)
     path = cache_dir / f"demo_spm_v{DEMO_TOKENIZER_VERSION}_{vocab_size}.model"
     if path.exists():
         return str(path)
-    import fcntl
 
     with open(cache_dir / f".{path.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # the first caller trains; the others wait and reuse
@@ -270,7 +269,6 @@ def write_demo_classfolder(
     heldout: bool = True,
 ) -> str:
     """Write demo images as ``root/<class>/<index>.png`` (a class-folder zero-shot set) + classnames.txt."""
-    from PIL import Image
 
     root = Path(root)
     ds = (DemoDataset.heldout if heldout else DemoDataset)(num_samples, image_size=image_size, seed=seed)

@@ -39,7 +39,7 @@ class TrainData:
     """Base class; subclasses set ``num_samples``, ``steps_per_epoch``, ``batch_size`` and ``_iterate``."""
 
     num_samples: int  # samples per epoch, all ranks together (= steps_per_epoch * batch_size * world_size)
-    steps_per_epoch: int
+    steps_per_epoch: int  # micro-batches per epoch on each rank (an optimizer step takes accum_freq of them)
     batch_size: int
 
     def __init__(self) -> None:

@@ -18,7 +18,7 @@ class OpenCLIPTokenizer:
     def __init__(self, name: str, context_length: int = 77):
         if name.startswith(PREFIX):
             name = name[len(PREFIX) :]
-        try:
+        try:  # lazy: open_clip_torch is an optional dependency (extra 'openclip')
             import open_clip
         except ImportError as e:
             raise ValueError(f"--tokenizer {PREFIX}{name} needs open_clip_torch (pip install open_clip_torch)") from e

@@ -19,6 +19,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import braceexpand
+from PIL import Image
+from webdataset.gopen import gopen
 
 log = logging.getLogger("dsclip.data")
 
@@ -127,8 +129,6 @@ class BadData:
 
 def _open(url: str):
     if is_remote(url):
-        from webdataset.gopen import gopen
-
         return gopen(url, "rb")
     return open(url, "rb")
 
@@ -229,7 +229,6 @@ def check_sample(sample: dict, bad: BadData) -> bool:
 
 def decode_image(data: bytes):
     """bytes -> RGB PIL image, fully decoded (so a corrupt file fails here, not later in a transform)."""
-    from PIL import Image
 
     img = Image.open(io.BytesIO(data))
     img.load()

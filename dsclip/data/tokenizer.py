@@ -16,6 +16,7 @@ import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
+import sentencepiece as spm
 import torch
 
 PAD_ID, UNK_ID, EOS_ID = 0, 1, 2
@@ -38,7 +39,6 @@ class SentencePieceTokenizer:
         self._load(path.read_bytes())
 
     def _load(self, proto: bytes) -> None:
-        import sentencepiece as spm
 
         self._proto = proto
         self.sp = spm.SentencePieceProcessor()
@@ -150,7 +150,6 @@ def train_sentencepiece(
     ``.model``/``.vocab`` files appear atomically (trained in a temp dir, then renamed), and
     training is single-threaded so the same corpus always gives the same model.
     """
-    import sentencepiece as spm
 
     prefix = Path(model_prefix)
     prefix.parent.mkdir(parents=True, exist_ok=True)

@@ -13,6 +13,7 @@ input row, so an interrupted run resumes after the last complete shard (same opt
 from __future__ import annotations
 
 import argparse
+import csv
 import io
 import json
 import logging
@@ -24,7 +25,12 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
-from .shards import BadData, captions_of, decode_image, expand_urls, image_bytes, iter_tar, split_key
+from PIL import Image
+from tqdm import tqdm
+
+from .csv_data import read_csv
+from .shards import BadData, captions_of, decode_image, expand_urls, image_bytes, iter_tar, parse_sources, split_key
+from .tokenizer import SentencePieceTokenizer, length_summary, train_sentencepiece
 
 log = logging.getLogger("dsclip.data")
 
@@ -62,7 +68,6 @@ def _folder_samples(images: Path, captions_file: Path | None) -> list[tuple[str,
 
 
 def _csv_samples(path: Path, img_key: str, caption_key: str, sep: str) -> list[tuple[str, str]]:
-    from .csv_data import read_csv
 
     try:
         images, captions = read_csv(path, img_key, caption_key, sep)
@@ -78,8 +83,6 @@ def _encode(path: str, resize: int | None, verify: bool) -> tuple[bytes, str]:
         data = f.read()
     ext = _EXT_FOR_SUFFIX.get(Path(path).suffix.lower())
     if resize or ext is None:
-        from PIL import Image
-
         img = decode_image(data)
         if resize:
             scale = resize / min(img.size)
@@ -121,29 +124,15 @@ def write_shards(
         "resize": resize,
         "num_inputs": len(samples),
     }
-    state = {"options": options, "next_row": 0, "sizes": {}, "skipped": {}}
-    if manifest_path.is_file():
-        prev = json.loads(manifest_path.read_text())
-        if prev.get("options") != options:
-            raise DataToolError(
-                f"{out} holds shards written with other options {prev.get('options')}; "
-                "use the same options to resume or another --out"
-            )
-        state = prev
-        if state["next_row"] >= len(samples):
-            log.info("%s: already complete (%d shards)", out, len(state["sizes"]))
-            return {
-                "shards": len(state["sizes"]),
-                "samples": sum(state["sizes"].values()),
-                "skipped": sum(state["skipped"].values()),
-            }
-        log.info("resuming at input row %d (%d shards done)", state["next_row"], len(state["sizes"]))
+    state = _progress_state(out, manifest_path, options)
+    if manifest_path.is_file() and state["next_row"] >= len(samples):
+        log.info("%s: already complete (%d shards)", out, len(state["sizes"]))
+        return _summary(state, state["skipped"])
     for stale in out.glob(".*.tar.tmp"):
         stale.unlink()
     skipped = Counter(state["skipped"])
     if progress is None:
         progress = sys.stderr.isatty()
-    from tqdm import tqdm
 
     bar = tqdm(total=len(samples), initial=state["next_row"], unit="img", disable=not progress, desc="shards")
     row = state["next_row"]
@@ -164,30 +153,12 @@ def write_shards(
         with tarfile.open(tmp, "w", format=tarfile.USTAR_FORMAT) as tar:
             while row < len(samples) and count < shard_size and not (max_shard_bytes and nbytes >= max_shard_bytes):
                 path, caption = samples[row]
-                key = f"{row:09d}"
+                written = _add_sample(tar, f"{row:09d}", path, caption, resize, verify, skipped)
                 row += 1
                 bar.update(1)
-                if not caption.strip():
-                    skipped["missing_caption"] += 1
-                    log.warning("skipping %s: empty caption", path)
-                    continue
-                try:
-                    data, ext = _encode(path, resize, verify)
-                except OSError as e:
-                    skipped["unreadable_image"] += 1
-                    log.warning("skipping %s: %s", path, e)
-                    continue
-                except Exception as e:  # PIL: corrupt image
-                    skipped["corrupt_image"] += 1
-                    log.warning("skipping %s: corrupt image (%s)", path, e)
-                    continue
-                text = caption.strip().encode("utf-8")
-                meta = json.dumps({"caption": caption.strip(), "source": os.path.basename(path)}).encode()
-                _add(tar, f"{key}.{ext}", data)
-                _add(tar, f"{key}.txt", text)
-                _add(tar, f"{key}.json", meta)
-                count += 1
-                nbytes += len(data) + len(text) + len(meta) + 3 * 512
+                if written is not None:
+                    count += 1
+                    nbytes += written
         if count == 0:
             tmp.unlink()
         else:
@@ -196,11 +167,50 @@ def write_shards(
         state["next_row"] = row
         save_state()  # after the rename: a crash before it just rewrites this shard
     bar.close()
-    return {
-        "shards": len(state["sizes"]),
-        "samples": sum(state["sizes"].values()),
-        "skipped": sum(skipped.values()),
-    }
+    return _summary(state, skipped)
+
+
+def _progress_state(out: Path, manifest_path: Path, options: dict) -> dict:
+    """The resumable progress of an earlier run with the same options, or a fresh state."""
+    if not manifest_path.is_file():
+        return {"options": options, "next_row": 0, "sizes": {}, "skipped": {}}
+    prev = json.loads(manifest_path.read_text())
+    if prev.get("options") != options:
+        raise DataToolError(
+            f"{out} holds shards written with other options {prev.get('options')}; "
+            "use the same options to resume or another --out"
+        )
+    if prev["next_row"] < options["num_inputs"]:
+        log.info("resuming at input row %d (%d shards done)", prev["next_row"], len(prev["sizes"]))
+    return prev
+
+
+def _summary(state: dict, skipped: dict) -> dict:
+    return {"shards": len(state["sizes"]), "samples": sum(state["sizes"].values()), "skipped": sum(skipped.values())}
+
+
+def _add_sample(tar, key: str, path: str, caption: str, resize, verify: bool, skipped: Counter) -> int | None:
+    """Add one sample's image, caption and metadata to ``tar``; bytes written, or None (counted in ``skipped``)."""
+    if not caption.strip():
+        skipped["missing_caption"] += 1
+        log.warning("skipping %s: empty caption", path)
+        return None
+    try:
+        data, ext = _encode(path, resize, verify)
+    except OSError as e:
+        skipped["unreadable_image"] += 1
+        log.warning("skipping %s: %s", path, e)
+        return None
+    except Exception as e:  # PIL: corrupt image
+        skipped["corrupt_image"] += 1
+        log.warning("skipping %s: corrupt image (%s)", path, e)
+        return None
+    text = caption.strip().encode("utf-8")
+    meta = json.dumps({"caption": caption.strip(), "source": os.path.basename(path)}).encode()
+    _add(tar, f"{key}.{ext}", data)
+    _add(tar, f"{key}.txt", text)
+    _add(tar, f"{key}.json", meta)
+    return len(data) + len(text) + len(meta) + 3 * 512
 
 
 # --------------------------------------------------------------------------------------------- inspect
@@ -343,8 +353,6 @@ def main_data(argv: list[str]) -> int:
 
 def _iter_captions(src: str, csv_caption_key: str, csv_separator: str) -> Iterator[str]:
     if src.lower().endswith((".csv", ".tsv")):
-        import csv
-
         with open(src, newline="", encoding="utf-8") as f:
             reader = csv.DictReader(f, delimiter=csv_separator)
             if csv_caption_key not in (reader.fieldnames or []):
@@ -353,8 +361,6 @@ def _iter_captions(src: str, csv_caption_key: str, csv_separator: str) -> Iterat
                 yield r[csv_caption_key] or ""
         return
     if src.lower().endswith(".tar") or "{" in src or "::" in src:
-        from .shards import parse_sources
-
         bad = BadData()
         for urls, _ in parse_sources(src):
             for url in urls:
@@ -395,7 +401,6 @@ def main_tokenizer(argv: list[str]) -> int:
         help="For the summary printed at the end: caption length distribution and the share cut at this length.",
     )
     a = p.parse_args(argv)
-    from .tokenizer import SentencePieceTokenizer, length_summary, train_sentencepiece
 
     try:
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from torchvision import transforms as T
 
@@ -42,7 +43,6 @@ class ToNormalizedTensor:
         self._scale = 1.0 / (torch.tensor(self.std).view(3, 1, 1) * 255.0)
 
     def __call__(self, image) -> torch.Tensor:
-        import numpy as np
 
         arr = np.array(image, dtype=np.uint8)  # writable copy (asarray of a PIL image is read-only)
         if arr.ndim == 2:

@@ -9,23 +9,32 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
+import deepspeed
 import torch
+from deepspeed import DeepSpeedEngine
+from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.activation_checkpointing import checkpointing as ds_ckpt
 from torch import nn
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from dsclip.config import RunConfig
+from dsclip.dist import rank_world
 from dsclip.engine import optim
+from dsclip.engine.compile import compile_towers
 from dsclip.engine.ds_config import precision_of, zero_stage
 from dsclip.engine.world import release_shm_workspace
+
+if TYPE_CHECKING:  # the run config assembles sections defined in dsclip.engine: a runtime import would be circular
+    from dsclip.config import RunConfig
 
 
 @dataclass
 class EngineBundle:
-    engine: Any  # deepspeed.DeepSpeedEngine
-    ds_config: dict
+    engine: DeepSpeedEngine
     zero_stage: int
-    precision: str
+    precision: str  # "fp32" | "bf16" | "fp16"
 
     @property
     def module(self) -> nn.Module:
@@ -33,16 +42,12 @@ class EngineBundle:
 
 
 def device_type() -> str:
-    from deepspeed.accelerator import get_accelerator
-
     return get_accelerator().device_name()  # "cuda" | "cpu" | ...
 
 
 def construction_context(ds_config: dict):
     """ZeRO-3: partition parameters as they are created, so no rank ever holds the full model."""
     if zero_stage(ds_config) == 3:
-        import deepspeed
-
         return deepspeed.zero.Init(config_dict_or_path=ds_config)
     return contextlib.nullcontext()
 
@@ -58,18 +63,10 @@ def enable_activation_checkpointing(model: nn.Module, ds_config: dict) -> None:
     larger layers ("The size of tensor a (0) must match ..."), so torch's non-reentrant checkpoint is
     used there; ZeRO-3's own parameter hooks gather weights for the recomputation.
     """
-    import deepspeed
-
     deepspeed.checkpointing.configure(None, deepspeed_config=ds_config)
     if zero_stage(ds_config) == 3:
-        from functools import partial
-
-        from torch.utils.checkpoint import checkpoint as torch_checkpoint
-
         model.set_grad_checkpointing(True, checkpoint_fn=partial(torch_checkpoint, use_reentrant=False))
         return
-    from deepspeed.runtime.activation_checkpointing import checkpointing as ds_ckpt
-
     model.set_grad_checkpointing(True, checkpoint_fn=ds_ckpt.non_reentrant_checkpoint)
 
 
@@ -82,8 +79,6 @@ def build_engine(
     steps_per_epoch: int,
     after_construction: Callable[[nn.Module], None] | None = None,
 ) -> EngineBundle:
-    import deepspeed
-
     # zero.Init and activation checkpointing read the world from deepspeed.comm, which must exist
     # before them (a no-op after dsclip.engine.world.init_distributed; needed when a caller set up
     # torch.distributed directly, as the multi-process tests do).
@@ -94,18 +89,14 @@ def build_engine(
     if zero_stage(ds_config) == 3:
         # zero.Init partitions each layer as soon as it is built, so the model's own weight init ran on
         # empty placeholders; redo it one layer at a time with that layer gathered.
-        import deepspeed
-
         model.init_weights(gather=lambda ps: deepspeed.zero.GatheredParameters(ps, modifier_rank=0))
     if after_construction is not None:
         after_construction(model)
     if cfg.model.grad_checkpointing:
         enable_activation_checkpointing(model, ds_config)
     if cfg.train.torchcompile:
-        from dsclip.engine.compile import compile_towers
-
         n = compile_towers(model, cfg.train.torchcompile_backend, cfg.train.torchcompile_mode, device_type())
-        if torch.distributed.get_rank() == 0:
+        if rank_world()[0] == 0:
             print(
                 f"dsclip: --torchcompile: {n} transformer blocks compiled in place with "
                 f"{cfg.train.torchcompile_backend} (the first steps include compilation)",
@@ -121,7 +112,7 @@ def build_engine(
     else:
         kwargs["optimizer"] = optim.build_optimizer(model, cfg.optim, device_type())
     engine, _, _, _ = deepspeed.initialize(**kwargs)
-    return EngineBundle(engine, ds_config, zero_stage(ds_config), precision_of(ds_config).name)
+    return EngineBundle(engine, zero_stage(ds_config), precision_of(ds_config).name)
 
 
 def autocast_dtype(bundle: EngineBundle) -> torch.dtype:

@@ -29,6 +29,7 @@ class CompileSetupError(ValueError):
 
 
 def check_compile_setup(backend: str, device_type: str) -> None:
+    # lazy here and below: loading dynamo/inductor takes seconds and only --torchcompile needs them
     import torch._dynamo
 
     available = torch._dynamo.list_backends(exclude_tags=())

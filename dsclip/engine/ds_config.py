@@ -18,9 +18,76 @@ import difflib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from dsclip.config import ConfigError, RunConfig
+import torch
+
+from dsclip.config_base import ConfigError, opt
+from dsclip.engine.optim import OptimArgs
+
+if TYPE_CHECKING:  # the run config assembles this module's TrainArgs: a runtime import would be circular
+    from dsclip.config import RunConfig
+
+PRECISIONS = ("auto", "fp32", "bf16", "fp16", "amp", "amp_bf16", "amp_bfloat16", "pure_bf16", "pure_fp16")
+# OpenCLIP's pure_* keep no fp32 master copy; DeepSpeed's bf16/fp16 always do, so these are refused.
+PURE_PRECISIONS = ("pure_bf16", "pure_fp16")
+
+
+@dataclass
+class TrainArgs:
+    """Run config section ``train``: the batch triad, precision, DeepSpeed JSON and step mechanics.
+
+    Defined here because the DeepSpeed config is its first consumer (batch triad, precision, JSON);
+    the loop reads epochs/max_steps/seed, the gradient cache keep_last_graph, the engine torchcompile*."""
+
+    epochs: int = opt(32, "Number of epochs.")
+    max_steps: int | None = opt(None, "Stop after this many optimizer steps (default: epochs × steps per epoch).")
+    batch_size: int = opt(64, "Micro-batch size per rank (OpenCLIP --batch-size).")
+    accum_freq: int = opt(
+        1,
+        "Micro-batches per optimizer step. dsclip's gradient cache makes the contrastive batch "
+        "batch_size × accum_freq × world with gradients equal to that big batch.",
+    )
+    precision: str = opt(
+        "auto",
+        "Numeric precision; 'auto' takes it from the DeepSpeed JSON (fp32 if that says auto too). amp = DeepSpeed "
+        "fp16, amp_bf16 = DeepSpeed bf16, both with fp32 master weights; pure_* (no master weights) are refused.",
+        choices=PRECISIONS,
+    )
+    seed: int = opt(0, "Random seed (model init, data order, dropout; derived per step and rank).")
+    deepspeed_config: str = opt(
+        "ds_configs/zero2.json", "DeepSpeed JSON; 'auto' values are filled from these settings."
+    )
+    keep_last_graph: bool = opt(
+        True, "Gradient cache: keep the last micro-batch's graph from the first pass instead of re-forwarding it."
+    )
+    torchcompile: bool = opt(
+        False, "torch.compile every transformer block (OpenCLIP --torchcompile); compiled on first use."
+    )
+    torchcompile_backend: str = opt("inductor", "torch.compile backend for --torchcompile (e.g. inductor, aot_eager).")
+    torchcompile_mode: str = opt(
+        "default",
+        "torch.compile mode for --torchcompile (CUDA-graph modes are not offered: the gradient cache re-forwards "
+        "with restored RNG and ZeRO hooks run between blocks).",
+        choices=("default", "max-autotune-no-cudagraphs"),
+    )
+    ddp_static_graph: bool = opt(
+        False, "Accepted for OpenCLIP command lines; no effect: DeepSpeed, not DDP, reduces the gradients."
+    )
+
+    def check(self) -> None:
+        for key, v in (("batch_size", self.batch_size), ("accum_freq", self.accum_freq), ("epochs", self.epochs)):
+            if v < 1:
+                raise ConfigError(f"'{key}' must be >= 1, got {v}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ConfigError(f"'max_steps' must be >= 1, got {self.max_steps}")
+        if self.precision in PURE_PRECISIONS:
+            alt = "bf16" if "bf16" in self.precision else "fp16"
+            raise ConfigError(
+                f"--precision {self.precision} (half-precision weights without fp32 master weights) has no DeepSpeed "
+                f"equivalent here; use --precision {alt} (DeepSpeed {alt}: fp32 master weights, as OpenCLIP's amp)"
+            )
+
 
 # Top-level keys DeepSpeed 0.19 reads (docs: deepspeed.ai/docs/config-json). Anything else is a typo.
 KNOWN_TOP_LEVEL = {
@@ -115,6 +182,7 @@ KNOWN_BF16 = {
 
 
 def _zero_keys() -> set[str]:
+    # lazy: the run config imports this module for TrainArgs; deepspeed loads only when a JSON is resolved
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
     names = set()
@@ -131,7 +199,6 @@ class Precision:
 
     @property
     def torch_dtype(self):
-        import torch
 
         return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.name]
 
@@ -187,6 +254,27 @@ def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, *, world_size: int, d
     where = f"DeepSpeed config {cfg.train.deepspeed_config}"
     if not isinstance(ds, dict):
         raise ConfigError(f"{where} must be a JSON object")
+    _check_structure(ds, where)
+    _fill_batch(ds, cfg.train, world_size, where)
+    clip = cfg.optim.grad_clip_norm if cfg.optim.grad_clip_norm is not None else 0.0
+    _fill(ds, "gradient_clipping", clip, where, what="--grad-clip-norm")
+    _fill_precision(ds, cfg.train, where, device_type)
+    _fill_optimizer(ds, cfg.optim, where)
+
+    ac = ds.get("activation_checkpointing", {})
+    if device_type == "cpu" and ac.get("cpu_checkpointing"):
+        # Activations already live in host memory; DeepSpeed 0.19's offload path then hands the
+        # recomputation an empty tensor ("expected input with shape [*, W], but got input of size[]").
+        print(f"dsclip: {where}: activation_checkpointing.cpu_checkpointing ignored on a CPU device", flush=True)
+        ac["cpu_checkpointing"] = False
+
+    ds.setdefault("steps_per_print", 10**9)  # dsclip prints its own, honest, line
+    ds.setdefault("wall_clock_breakdown", False)
+    return ds
+
+
+def _check_structure(ds: dict[str, Any], where: str) -> None:
+    """Unknown keys (DeepSpeed would ignore them) and blocks dsclip cannot honour are errors."""
     _check_keys(ds, KNOWN_TOP_LEVEL, where)
     zero = ds.setdefault("zero_optimization", {"stage": 0})
     _check_keys(zero, _zero_keys(), f"{where} zero_optimization")
@@ -208,8 +296,10 @@ def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, *, world_size: int, d
     if "scheduler" in ds:
         raise ConfigError(f"{where} has a 'scheduler' block; dsclip owns the schedule: use --lr-scheduler/--warmup")
 
+
+def _fill_batch(ds: dict[str, Any], train: TrainArgs, world_size: int, where: str) -> None:
     # Batch triad, in the user's terms: micro-batch × accum_freq × world = global batch.
-    b, k = cfg.train.batch_size, cfg.train.accum_freq
+    b, k = train.batch_size, train.accum_freq
     _fill(ds, "train_micro_batch_size_per_gpu", b, where, what="--batch-size, per rank")
     _fill(ds, "gradient_accumulation_steps", k, where, what="--accum-freq")
     _fill(
@@ -224,11 +314,10 @@ def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, *, world_size: int, d
     ds["gradient_accumulation_steps"] = 1
     ds["train_batch_size"] = b * k * world_size
 
-    clip = cfg.optim.grad_clip_norm if cfg.optim.grad_clip_norm is not None else 0.0
-    _fill(ds, "gradient_clipping", clip, where, what="--grad-clip-norm")
 
+def _fill_precision(ds: dict[str, Any], train: TrainArgs, where: str, device_type: str) -> None:
     # Precision: the JSON may fix it (zero2_bf16.json) or leave it "auto" for --precision.
-    run_p = normalize_precision(cfg.train.precision)
+    run_p = normalize_precision(train.precision)
     json_p = None
     for name in ("bf16", "fp16"):
         enabled = ds.get(name, {}).get("enabled", "auto")
@@ -241,7 +330,7 @@ def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, *, world_size: int, d
         json_p = "fp32"
     if json_p and run_p != "auto" and json_p != run_p:
         raise ConfigError(
-            f"{where} sets precision {json_p} but --precision is {cfg.train.precision}; "
+            f"{where} sets precision {json_p} but --precision is {train.precision}; "
             f"use a matching config (ds_configs/*_{run_p}.json) or --precision auto"
         )
     precision = json_p or (run_p if run_p != "auto" else "fp32")
@@ -256,13 +345,12 @@ def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, *, world_size: int, d
         fp16 = ds["fp16"]
         fp16.setdefault("loss_scale", 0)  # 0 = dynamic loss scaling
         fp16.setdefault("initial_scale_power", 16)
-    if precision == "bf16" and zero.get("stage", 0) == 0 and device_type == "cpu":
-        pass  # supported; noted because BF16_Optimizer disables coalesced reduction (handled in gradcache)
 
+
+def _fill_optimizer(ds: dict[str, Any], o: OptimArgs, where: str) -> None:
     # Optimizer: if the JSON has an optimizer block DeepSpeed builds it; fill its auto params.
     if "optimizer" in ds:
         params = ds["optimizer"].setdefault("params", {})
-        o = cfg.optim
         _fill(params, "lr", o.lr, f"{where} optimizer.params", what="--lr")
         _fill(params, "weight_decay", o.wd, f"{where} optimizer.params", what="--wd")
         kind = str(ds["optimizer"].get("type", "")).lower()
@@ -277,26 +365,15 @@ def resolve_ds_config(raw: dict[str, Any], cfg: RunConfig, *, world_size: int, d
                 )
             _fill(params, "momentum", o.momentum, f"{where} optimizer.params", what="--momentum")
     else:
-        if cfg.optim.momentum is not None:
+        if o.momentum is not None:
             raise ConfigError(
                 "--momentum: dsclip's default optimizer is AdamW, which takes no momentum (its first moment is "
                 "--beta1); drop --momentum, or give the DeepSpeed JSON an optimizer block of type SGD or MuSGD"
             )
         # We hand DeepSpeed a torch AdamW; ZeRO wants this acknowledged explicitly.
         ds.setdefault("zero_allow_untested_optimizer", True)
-        if zero.get("offload_optimizer", {}).get("device", "none") not in ("none", None):
+        if ds["zero_optimization"].get("offload_optimizer", {}).get("device", "none") not in ("none", None):
             ds.setdefault("zero_force_ds_cpu_optimizer", False)
-
-    ac = ds.get("activation_checkpointing", {})
-    if device_type == "cpu" and ac.get("cpu_checkpointing"):
-        # Activations already live in host memory; DeepSpeed 0.19's offload path then hands the
-        # recomputation an empty tensor ("expected input with shape [*, W], but got input of size[]").
-        print(f"dsclip: {where}: activation_checkpointing.cpu_checkpointing ignored on a CPU device", flush=True)
-        ac["cpu_checkpointing"] = False
-
-    ds.setdefault("steps_per_print", 10**9)  # dsclip prints its own, honest, line
-    ds.setdefault("wall_clock_breakdown", False)
-    return ds
 
 
 # DeepSpeed optimizer types whose params take "momentum" (DeepSpeed's MuSGD, or torch.optim.SGD that it

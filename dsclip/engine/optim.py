@@ -4,11 +4,47 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from dsclip.config import OptimArgs
+from dsclip.config_base import ConfigError, opt
+
+
+@dataclass
+class OptimArgs:
+    """Run config section ``optim``: AdamW and the learning-rate schedule (OpenCLIP flag names)."""
+
+    lr: float = opt(5.0e-4, "Peak learning rate.")
+    wd: float = opt(0.2, "Weight decay (not applied to biases, norms, embeddings, logit_scale/bias).")
+    beta1: float = opt(0.9, "Adam beta1.")
+    beta2: float = opt(0.98, "Adam beta2.")
+    eps: float = opt(1.0e-6, "Adam epsilon.")
+    warmup: int = opt(10000, "Linear warm-up length in optimizer steps.")
+    lr_scheduler: str = opt(
+        "cosine", "Learning-rate schedule after warm-up.", choices=("cosine", "const", "const-cooldown")
+    )
+    epochs_cooldown: float | None = opt(None, "const-cooldown: length of the final cool-down, in epochs.")
+    lr_cooldown_power: float = opt(1.0, "const-cooldown: power of the polynomial cool-down.")
+    lr_cooldown_end: float = opt(0.0, "const-cooldown: learning rate at the end of the cool-down.")
+    grad_clip_norm: float | None = opt(None, "Clip the global gradient norm to this value.")
+    skip_scheduler: bool = opt(
+        False, "Keep the learning rate at --lr throughout: no warm-up, no schedule (OpenCLIP's)."
+    )
+    momentum: float | None = opt(
+        None,
+        "Momentum for an optimizer that takes one (the DeepSpeed JSON's optimizer block: SGD, MuSGD); "
+        "AdamW's is --beta1.",
+    )
+
+    def check(self) -> None:
+        if self.lr <= 0 or not math.isfinite(self.lr):
+            raise ConfigError(f"'lr' must be a positive number, got {self.lr}")
+        if self.warmup < 0:
+            raise ConfigError(f"'warmup' must be >= 0, got {self.warmup}")
+        if self.lr_scheduler == "const-cooldown" and self.epochs_cooldown is None:
+            raise ConfigError("--lr-scheduler const-cooldown needs --epochs-cooldown")
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:

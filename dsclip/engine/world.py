@@ -46,6 +46,11 @@ import sys
 from dataclasses import dataclass
 from datetime import timedelta
 
+import torch
+import torch.distributed as dist
+
+from dsclip.dist import initialized, rank_world
+
 # Exit code of a run that stopped early on request (preemption signal) after saving a checkpoint:
 # the launch scripts requeue the job when they see it. 0 = finished, anything else = failure.
 EXIT_REQUEUE = 85
@@ -283,8 +288,6 @@ def init_distributed(timeout_s: float | None = None, backend: str | None = None)
     Backend: ``backend`` or ``DSCLIP_DIST_BACKEND``, else nccl on CUDA and gloo otherwise. Also
     called for a single process (DeepSpeed needs a process group either way). Idempotent.
     """
-    import torch
-    import torch.distributed as dist
 
     if _state["info"] is not None and dist.is_initialized():
         return _state["info"]
@@ -297,6 +300,7 @@ def init_distributed(timeout_s: float | None = None, backend: str | None = None)
         torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
     timeout = resolve_timeout(timeout_s)
 
+    # lazy: launchers' stand-ins and the CLI's error path import this module; deepspeed takes seconds to load
     import deepspeed
 
     deepspeed.init_distributed(dist_backend=backend, timeout=timeout, auto_mpi_discovery=False, verbose=info.rank == 0)
@@ -334,9 +338,8 @@ def release_shm_workspace() -> bool:
     Safe to call more than once and where the segment does not exist (GPU runs). Collective when
     the world has more than one rank: call it on every rank. Returns True if a segment was removed.
     """
-    import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()):
+    if not initialized():
         return False
     path = SHM_WORKSPACE.format(
         uid=os.getuid(),
@@ -360,9 +363,8 @@ def world_info() -> WorldInfo | None:
 
 def shutdown(barrier: bool = True) -> None:
     """End the process group: barrier (all ranks done) then destroy_process_group. Idempotent."""
-    import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()):
+    if not initialized():
         return
     try:
         if barrier and dist.get_world_size() > 1:
@@ -420,10 +422,8 @@ def preemption_requested(sync: bool = True) -> bool:
     local = _preempt["signum"] is not None
     if not sync:
         return local
-    import torch
-    import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if rank_world()[1] == 1:
         return local
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"
     flag = torch.tensor([int(local)], dtype=torch.int32, device=device)

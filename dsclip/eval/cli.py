@@ -16,6 +16,18 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
+from dsclip.dist import rank_world
+
+from ..data.config import DataConfig
+from ..data.demo import ensure_demo_tokenizer
+from ..data.openclip_tokenizer import OpenCLIPTokenizer
+from ..data.tokenizer import SentencePieceTokenizer
+from ..model import create_model, from_openclip_state_dict, load_openclip_checkpoint
+from ..model.weights import load_model
+from .evaluator import Evaluator, append_results
+
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dsclip eval", description="Zero-shot classification and retrieval.")
@@ -38,12 +50,17 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--val-data", help="Retrieval set: webdataset shards or CSV/TSV.")
     p.add_argument("--val-num-samples", type=int, help="Use at most this many images of --val-data.")
-    p.add_argument("--csv-img-key", default="filepath")
-    p.add_argument("--csv-caption-key", default="title")
-    p.add_argument("--csv-separator", default="\t")
-    p.add_argument("--demo-eval-samples", type=int, default=1000)
+    # The data settings eval shares with training take their defaults and help from DataConfig.
+    for name, tp in (
+        ("csv_img_key", str),
+        ("csv_caption_key", str),
+        ("csv_separator", str),
+        ("demo_eval_samples", int),
+    ):
+        f = DataConfig.__dataclass_fields__[name]
+        p.add_argument("--" + name.replace("_", "-"), type=tp, default=f.default, help=f.metadata["help"])
     p.add_argument("--batch-size", type=int, default=256)
-    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--workers", type=int, default=2, help="DataLoader workers (eval's own default).")
     p.add_argument("--device", default=None, help="Default: cuda if available, else cpu.")
     p.add_argument("--force-image-size", type=int)
     p.add_argument("--results", default="results.jsonl", help="Append one JSON record here.")
@@ -52,7 +69,6 @@ def _parser() -> argparse.ArgumentParser:
 
 def _load_openclip_pretrained(name: str, path: str, device):
     """An OpenCLIP checkpoint in a shipped architecture, with key-set and shape checks (never strict=False)."""
-    from ..model import create_model, from_openclip_state_dict, load_openclip_checkpoint
 
     sd = load_openclip_checkpoint(path)
     vocab = sd.get("token_embedding.weight", sd.get("module.token_embedding.weight"))
@@ -67,15 +83,8 @@ def main_eval(argv: list[str]) -> int:
     if not a.zeroshot_data and not a.val_data:
         print("dsclip eval: error: give --zeroshot-data and/or --val-data", file=sys.stderr)
         return 2
-    import torch
-
-    from ..data.config import DataConfig
-    from ..data.tokenizer import SentencePieceTokenizer
-    from .evaluator import Evaluator, append_results, dist_info
 
     try:
-        from ..model.weights import load_model  # the CLI is the one place eval touches the model package
-
         device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
         if a.pretrained:
             model = _load_openclip_pretrained(a.model, a.pretrained, device)
@@ -94,12 +103,8 @@ def main_eval(argv: list[str]) -> int:
             elif (folder / "tokenizer.json").is_file():  # {"tokenizer": "open_clip:NAME"} written by convert
                 tok_path = json.loads((folder / "tokenizer.json").read_text())["tokenizer"]
         if tok_path is None:
-            from ..data.demo import ensure_demo_tokenizer
-
             tok_path = ensure_demo_tokenizer(Path.home() / ".cache" / "dsclip")
         if tok_path.startswith("open_clip:"):
-            from ..data.openclip_tokenizer import OpenCLIPTokenizer
-
             tokenizer = OpenCLIPTokenizer(tok_path, ctx)
         else:
             tokenizer = SentencePieceTokenizer(tok_path, ctx)
@@ -129,7 +134,7 @@ def main_eval(argv: list[str]) -> int:
         "seconds": round(time.time() - t0, 2),
         "metrics": metrics,
     }
-    if dist_info()[0] == 0:
+    if rank_world()[0] == 0:
         for k, v in metrics.items():
             print(f"{k}: {v:.4f}" if isinstance(v, float) else f"{k}: {v}")
         print(json.dumps({"results": a.results}))

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from torch.utils.data import Dataset
 
+from ..data.csv_data import read_csv
 from ..data.shards import IMAGE_EXTS, captions_of, decode_image, parse_sources, split_key
 
 log = logging.getLogger("dsclip.eval")
@@ -144,8 +145,6 @@ def load_retrieval_set(
 ):
     """(image dataset, captions, text_to_image) for webdataset shards or a CSV/TSV."""
     if spec.lower().endswith((".csv", ".tsv")):
-        from ..data.csv_data import read_csv
-
         paths, caps = read_csv(spec, csv_img_key, csv_caption_key, csv_separator)
         index: dict[str, int] = {}
         images, captions, t2i = [], [], []

@@ -14,21 +14,22 @@ its forward hooks gather ZeRO-3 parameters.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, Subset
 
+from dsclip.dist import rank_world
+
+from ..data.demo import DemoDataset, demo_zeroshot_classes, demo_zeroshot_templates
+from ..data.transforms import image_transform
+from .datasets import ClassFolderDataset, load_retrieval_set
 from .retrieval import retrieval_metrics
+from .templates import load_templates
 from .zero_shot import class_embeddings, expand_prompts, zeroshot_topk
-
-
-def dist_info() -> tuple[int, int]:
-    """(rank, world_size) of the default process group, (0, 1) without one."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 def shard_indices(n: int, rank: int, world_size: int) -> list[int]:
@@ -39,7 +40,7 @@ def shard_indices(n: int, rank: int, world_size: int) -> list[int]:
 
 def gather_rows(local: torch.Tensor, n: int) -> torch.Tensor:
     """Inverse of :func:`shard_indices`: all ranks' (per_rank, ...) rows -> (n, ...) in dataset order."""
-    rank, world = dist_info()
+    rank, world = rank_world()
     if world == 1:
         return local[:n]
     send = local.contiguous()
@@ -96,7 +97,7 @@ def encode_dataset(
     n = len(dataset)
     if n == 0:
         raise ValueError(f"cannot encode an empty {kind} dataset")
-    rank, world = dist_info()
+    rank, world = rank_world()
     device = torch.device(device) if device is not None else _infer_device(model)
     input_dtype = input_dtype or _infer_dtype(model)
     loader = DataLoader(
@@ -203,7 +204,6 @@ def evaluate_demo_zeroshot(
     the retrieval metrics of those images against their own captions (prefixed ``retrieval_``;
     demo captions are often shared by several images, so these are pessimistic).
     """
-    from ..data.demo import DemoDataset, demo_zeroshot_classes, demo_zeroshot_templates
 
     ds = DemoDataset.heldout(num_samples, image_size=image_size)
     labels = [ds.label(i, task) for i in range(num_samples)]
@@ -266,14 +266,12 @@ class Evaluator:
         return bool(self.cfg.val_data)
 
     def _transform(self):
-        from ..data.transforms import image_transform
 
         return image_transform(self.image_size, is_train=False)
 
     def zeroshot(self, model) -> dict[str, float]:
         if not self.has_zeroshot:
             return {}
-        from .templates import load_templates
 
         if self.cfg.zeroshot_data == "demo":
             r = evaluate_demo_zeroshot(
@@ -287,8 +285,6 @@ class Evaluator:
             )
         else:
             if self._zs is None:
-                from .datasets import ClassFolderDataset
-
                 self._zs = (
                     ClassFolderDataset(self.cfg.zeroshot_data, self._transform()),
                     load_templates(self.cfg.zeroshot_templates),
@@ -311,8 +307,6 @@ class Evaluator:
         if not self.has_retrieval:
             return {}
         if self._val is None:
-            from .datasets import load_retrieval_set
-
             self._val = load_retrieval_set(
                 self.cfg.val_data,
                 self._transform(),
@@ -336,10 +330,8 @@ class Evaluator:
 
 def append_results(path, record: dict) -> None:
     """Append one JSON line to ``path`` (results.jsonl) — on rank 0 only, so call it on every rank."""
-    import json
-    from pathlib import Path
 
-    if dist_info()[0] != 0:
+    if rank_world()[0] != 0:
         return
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)

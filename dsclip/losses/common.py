@@ -14,7 +14,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from .distributed import _all_gather_single, get_rank_world
+from dsclip.dist import rank_world
+
+from .distributed import _all_gather_single
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _N_META = 11
@@ -138,7 +140,7 @@ def check_inputs(
     Raises :class:`LossInputError` with the same message on all ranks when any rank's inputs are
     malformed (shape, dtype, NaN/Inf when ``check_finite``) or the ranks disagree (D, dtype, bias).
     """
-    rank, world = get_rank_world(group)
+    rank, world = rank_world(group)
     scale = torch.as_tensor(logit_scale)
     bias = None if logit_bias is None else torch.as_tensor(logit_bias)
     meta = _local_meta(image_features, text_features, scale, bias, check_finite)

@@ -17,8 +17,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from dsclip.dist import rank_world
+
 __all__ = [
-    "get_rank_world",
     "all_gather_sizes",
     "all_gather_with_grad",
     "all_reduce_sum_with_grad",
@@ -32,20 +33,13 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def get_rank_world(group=None) -> tuple[int, int]:
-    """``(rank, world_size)`` in ``group``; ``(0, 1)`` when torch.distributed is not initialised."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(group), dist.get_world_size(group)
-    return 0, 1
-
-
 def _global_rank(group, group_rank: int) -> int:
     return group_rank if group is None else dist.get_global_rank(group, group_rank)
 
 
 def all_gather_sizes(n: int, device: torch.device | str = "cpu", group=None) -> list[int]:
     """Every rank's ``n`` (e.g. its local batch size), in rank order."""
-    _, world = get_rank_world(group)
+    _, world = rank_world(group)
     if world == 1:
         return [int(n)]
     t = torch.tensor([n], dtype=torch.int64, device=device)
@@ -59,7 +53,7 @@ class _AllGatherWithGrad(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, sizes: tuple[int, ...], group) -> Tensor:
-        rank, world = get_rank_world(group)
+        rank, world = rank_world(group)
         ctx.sizes, ctx.group, ctx.rank = sizes, group, rank
         max_b = max(sizes)
         rest = tuple(x.shape[1:])
@@ -98,7 +92,7 @@ def all_gather_with_grad(x: Tensor, sizes: Sequence[int] | None = None, group=No
     ``sizes`` (every rank's ``x.shape[0]``) is gathered first when not given. Backward returns to each
     rank the sum over ranks of the gradient of its rows.
     """
-    _, world = get_rank_world(group)
+    _, world = rank_world(group)
     if world == 1:
         return x
     if sizes is None:
@@ -125,7 +119,7 @@ class _AllReduceSumWithGrad(torch.autograd.Function):
 
 def all_reduce_sum_with_grad(x: Tensor, group=None) -> Tensor:
     """Sum of ``x`` over ranks, differentiable (backward is again a sum over ranks)."""
-    _, world = get_rank_world(group)
+    _, world = rank_world(group)
     if world == 1:
         return x
     return _AllReduceSumWithGrad.apply(x, group)
@@ -134,7 +128,7 @@ def all_reduce_sum_with_grad(x: Tensor, group=None) -> Tensor:
 @torch.no_grad()
 def all_reduce_mean(x: Tensor, group=None) -> Tensor:
     """Mean over ranks of a (detached) tensor, for logging: e.g. the full-batch loss from per-rank losses."""
-    _, world = get_rank_world(group)
+    _, world = rank_world(group)
     out = x.detach().clone()
     if world > 1:
         dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
@@ -155,7 +149,7 @@ class Ring:
 
     def __init__(self, group=None):
         self.group = group
-        self.rank, self.world = get_rank_world(group)
+        self.rank, self.world = rank_world(group)
         self.right = _global_rank(group, (self.rank + 1) % self.world)
         self.left = _global_rank(group, (self.rank - 1) % self.world)
 

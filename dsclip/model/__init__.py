@@ -12,7 +12,7 @@
 
 from .clip import CLIP
 from .config import resolve_model_config
-from .factory import UnknownModelError, create_model, get_model_config, list_models
+from .factory import ModelArgs, UnknownModelError, create_model, get_model_config, list_models
 from .openclip import (
     StateDictMismatchError,
     export_openclip,
@@ -25,6 +25,7 @@ from .weights import load_model, save_model
 
 __all__ = [
     "CLIP",
+    "ModelArgs",
     "StateDictMismatchError",
     "UnknownModelError",
     "create_model",

@@ -1,6 +1,6 @@
 """CLIP: image tower + text tower + learnable temperature (and SigLIP bias), plain PyTorch.
 
-DeepSpeed-facing choices (see shared/DEEPSPEED-NOTES.md):
+DeepSpeed-facing choices (see docs/deepspeed-notes.md):
 - ``logit_scale`` / ``logit_bias`` parameters are 1-D, shape (1,): a 0-dim parameter crashes
   ``deepspeed.initialize``. ``forward`` returns them as 0-dim tensors.
 - The clamp to ln(100) happens inside ``forward`` (an in-place clamp after ``step()`` would be overwritten

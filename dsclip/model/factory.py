@@ -7,9 +7,12 @@ import copy
 import json
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from dsclip.config_base import ConfigError, opt
 
 from .clip import CLIP
 from .config import TEXT_DEFAULTS, resolve_model_config
@@ -17,6 +20,30 @@ from .config import TEXT_DEFAULTS, resolve_model_config
 logger = logging.getLogger(__name__)
 
 CONFIG_DIR = Path(__file__).parent / "configs"
+
+
+@dataclass
+class ModelArgs:
+    """Run config section ``model``: which architecture, its overrides and initial weights."""
+
+    model: str = opt("demo", "Architecture name (dsclip/model/configs/*.json, OpenCLIP schema) or a JSON path.")
+    pretrained: str | None = opt(None, "Initial weights: a dsclip or OpenCLIP checkpoint (.safetensors/.pt/.bin).")
+    force_patch_dropout: float | None = opt(
+        None, "Override the architecture's patch-dropout rate (FLIP), as OpenCLIP's flag: training only."
+    )
+    grad_checkpointing: bool = opt(
+        False,
+        "Activation checkpointing of every transformer block (DeepSpeed's implementation, configured by "
+        "the activation_checkpointing block of the DeepSpeed JSON).",
+    )
+    context_length: int | None = opt(
+        None, "Override the text context length of the architecture.", aliases=("--force-context-length",)
+    )
+    force_quick_gelu: bool = opt(False, "Use QuickGELU activations whatever the architecture JSON says (OpenCLIP's).")
+
+    def check(self) -> None:
+        if self.force_patch_dropout is not None and not 0.0 <= self.force_patch_dropout < 1.0:
+            raise ConfigError(f"'force_patch_dropout' must be in [0, 1), got {self.force_patch_dropout}")
 
 
 class UnknownModelError(ValueError):
@@ -51,7 +78,7 @@ def create_model(
     name_or_cfg: str | os.PathLike | dict,
     *,
     patch_dropout: float | None = None,
-    force_patch_dropout: bool | None = None,
+    force_patch_dropout: float | bool | None = None,
     vocab_size: int | None = None,
     context_length: int | None = None,
     eos_id: int | None = None,

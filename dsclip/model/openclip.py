@@ -19,8 +19,10 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from .config import DROPOUT_DEFAULTS, resolve_model_config
+from .factory import create_model
 
 # OpenCLIP / OpenAI normalisation constants (open_clip.constants)
 OPENAI_DATASET_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -138,15 +140,12 @@ def load_openclip_checkpoint(path: str | os.PathLike) -> dict[str, torch.Tensor]
     with ``weights_only=True``) into a plain state dict (wrappers and ``module.`` prefixes removed)."""
     path = str(path)
     if path.endswith(".safetensors"):
-        from safetensors.torch import load_file
-
         return unwrap_state_dict(load_file(path, device="cpu"))
     return unwrap_state_dict(torch.load(path, map_location="cpu", weights_only=True))
 
 
 def expected_shapes(model_config: dict) -> dict[str, torch.Size]:
     """dsclip parameter names -> shapes for a config (built on the meta device: no memory, no init)."""
-    from .factory import create_model
 
     return {k: v.shape for k, v in create_model(model_config, device="meta").state_dict().items()}
 
@@ -210,7 +209,6 @@ def export_openclip(
 ) -> Path:
     """Write ``open_clip_config.json`` + ``open_clip_model.safetensors`` (OpenCLIP's local-dir format:
     ``open_clip.create_model_and_transforms("local-dir:" + out_dir)``). Returns the weights path."""
-    from safetensors.torch import save_file
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 from .clip import CLIP
 from .factory import create_model
@@ -47,7 +48,6 @@ def save_model(
 
     ``model_config`` is required when passing a bare state dict (e.g. one consolidated from ZeRO shards)
     and defaults to ``model.config`` for a model. ``dtype`` optionally casts floating tensors."""
-    from safetensors.torch import save_file
 
     if isinstance(model_or_state_dict, CLIP):
         model_config = model_config or model_or_state_dict.config

@@ -11,20 +11,32 @@ from pathlib import Path
 
 import torch
 
-from dsclip.config import RunConfig
+from dsclip.data import DataConfig
 from dsclip.eval.evaluator import Evaluator, append_results, evaluate_demo_zeroshot
+from dsclip.train.metrics import LogArgs, MetricsLogger
 
 
 class TrainingEvaluator:
-    def __init__(self, cfg: RunConfig, *, tokenizer, image_size: int, device, run_dir: Path, metrics):
-        self.cfg = cfg
+    def __init__(
+        self,
+        log: LogArgs,
+        data: DataConfig,
+        *,
+        tokenizer,
+        image_size: int,
+        device: torch.device,
+        run_dir: Path,
+        metrics: MetricsLogger,
+    ):
+        self.zeroshot_frequency, self.val_frequency = log.zeroshot_frequency, log.val_frequency
+        self.demo_eval_samples = data.demo_eval_samples
         self.tokenizer = tokenizer
         self.image_size = image_size
         self.device = device
         self.results = run_dir / "results.jsonl"
         self.metrics = metrics
-        self.evaluator = Evaluator(cfg.data, tokenizer=tokenizer, image_size=image_size, device=device)
-        self.demo = cfg.data.resolved_dataset_type() == "demo"
+        self.evaluator = Evaluator(data, tokenizer=tokenizer, image_size=image_size, device=device)
+        self.demo = data.resolved_dataset_type() == "demo"
 
     def _log(self, step: int, epoch: int, name: str, res: dict) -> None:
         if not res:
@@ -34,7 +46,7 @@ class TrainingEvaluator:
 
     def epoch_end(self, engine, step: int, epoch: int) -> None:
         """After epoch ``epoch`` (0-based) finished: --zeroshot-frequency / --val-frequency."""
-        zs, val = self.cfg.log.zeroshot_frequency, self.cfg.log.val_frequency
+        zs, val = self.zeroshot_frequency, self.val_frequency
         due_zs = self.evaluator.has_zeroshot and zs and (epoch + 1) % zs == 0
         due_val = self.evaluator.has_retrieval and val and (epoch + 1) % val == 0
         if not (due_zs or due_val):
@@ -58,7 +70,7 @@ class TrainingEvaluator:
                 r = evaluate_demo_zeroshot(
                     engine.module,
                     self.tokenizer,
-                    num_samples=self.cfg.data.demo_eval_samples,
+                    num_samples=self.demo_eval_samples,
                     image_size=self.image_size,
                     device=self.device,
                     task=task,

@@ -11,7 +11,7 @@ splits the work in two passes:
           re-forward it with a graph and back-propagate the cached gradient through the scalar
           surrogate  sum(embedding * cached_grad);  then one optimizer step.
 
-What DeepSpeed needs from us (see ../shared/DEEPSPEED-NOTES.md):
+What DeepSpeed needs from us (see docs/deepspeed-notes.md):
   * ZeRO-2/3 reduce gradients inside every backward; K backwards per step must be wrapped in
     ``engine.coalesce_grad_reduction()`` with the boundary flag set before each backward, or
     ZeRO-2 keeps only the last chunk's gradient.
@@ -35,6 +35,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from dsclip.dist import rank_world
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # images (B,3,H,W), tokens (B,L)
 
@@ -63,7 +65,7 @@ def restore_rng(state: dict, device: torch.device) -> None:
 
 
 def _world() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return rank_world()[1]
 
 
 def _all_reduce(t: torch.Tensor, op=None) -> torch.Tensor:
@@ -75,10 +77,9 @@ def _all_reduce(t: torch.Tensor, op=None) -> torch.Tensor:
 class GradCacheStep:
     """Runs one optimizer step of a DeepSpeed engine over ``accum_freq`` micro-batches.
 
-    ``reduction`` is "coalesced" (correct, one reduction per step, DeepSpeed >= 0.19.2),
+    ``reduction`` is "coalesced" (correct, one reduction per step, DeepSpeed >= 0.19.2) or
     "boundary" (boundary flags only: correct where DeepSpeed reduces at the boundary, i.e.
-    ZeRO-0/1 and the BF16_Optimizer wrapper, chosen automatically there), or "naive" (no boundary
-    handling: what forks that call engine.backward K times do; kept only for the regression test).
+    ZeRO-0/1 and the BF16_Optimizer wrapper, chosen automatically there).
     """
 
     def __init__(
@@ -97,11 +98,9 @@ class GradCacheStep:
         self.device = engine.device if isinstance(engine.device, torch.device) else torch.device(engine.device)
         if reduction == "auto":
             reduction = "coalesced" if self._coalescing_supported() else "boundary"
-        if reduction not in ("coalesced", "boundary", "naive"):
+        if reduction not in ("coalesced", "boundary"):
             raise ValueError(f"unknown reduction {reduction!r}")
         self.reduction = reduction
-        self.last_cached: list[tuple[torch.Tensor, torch.Tensor]] = []  # pass-1 embeddings, for tests
-        self.last_reforwarded: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def _coalescing_supported(self) -> bool:
         e = self.engine
@@ -117,32 +116,61 @@ class GradCacheStep:
         tokens = tokens.to(self.device, non_blocking=True)
         return self.engine(image=images, text=tokens)
 
-    def __call__(
-        self, micro_batches: Sequence[Batch], *, record: bool = False, optimizer_step: bool = True
-    ) -> StepResult:
-        """One optimizer step over the K = len(micro_batches) chunks of this rank.
+    def _first_pass(self, micro_batches: Sequence[Batch]) -> tuple[list[dict], list, list, dict | None, dict]:
+        """Pass 1: embeddings without graphs (the last chunk keeps its graph if asked).
 
-        ``optimizer_step=False`` stops after the gradients are reduced (tests inspect them with
-        ``deepspeed.utils.safe_get_full_grad`` and then call ``engine.step()`` themselves).
-        ``record=True`` keeps pass-1 and pass-2 embeddings in ``last_cached``/``last_reforwarded``.
-        """
+        Returns each chunk's RNG state before its forward, the (B, D) fp32 image and text
+        embeddings per chunk, the kept last chunk's output (or None) and the last output."""
         k = len(micro_batches)
-        if k < 1:
-            raise ValueError("a step needs at least one micro-batch")
-        keep_last = self.keep_last_graph
-
-        # ---- pass 1: embeddings without graphs (the last chunk keeps its graph if asked) ----
         rng_states, img_cache, txt_cache = [], [], []
         live = None
         for i, batch in enumerate(micro_batches):
             rng_states.append(snapshot_rng(self.device))
-            keep = keep_last and i == k - 1
+            keep = self.keep_last_graph and i == k - 1
             with contextlib.nullcontext() if keep else torch.no_grad():
                 out = self._forward(batch)
             if keep:
                 live = out
             img_cache.append(out["image_features"].detach().float())  # (B, D)
             txt_cache.append(out["text_features"].detach().float())  # (B, D)
+        return rng_states, img_cache, txt_cache, live, out
+
+    def _second_pass(self, micro_batches: Sequence[Batch], rng_states: list[dict], live: dict | None, grads) -> None:
+        """Pass 2: re-forward each chunk with its pass-1 RNG and back-propagate the cached gradient.
+
+        Chunks go in pass-1 order; the kept chunk is the last one, so its graph is already there."""
+        g_img, g_txt, g_scale, g_bias = grads
+        k = len(micro_batches)
+        e = self.engine
+        ctx = e.coalesce_grad_reduction() if self.reduction == "coalesced" else contextlib.nullcontext()
+        with ctx:
+            for i in range(k):
+                final = i == k - 1
+                e.set_gradient_accumulation_boundary(final)
+                if live is not None and final:
+                    out = live
+                else:
+                    restore_rng(rng_states[i], self.device)
+                    out = self._forward(micro_batches[i])
+                img, txt = out["image_features"].float(), out["text_features"].float()
+                surrogate = (img * g_img[i]).sum() + (txt * g_txt[i]).sum()
+                if final:  # the temperature (and bias) gradient enters exactly once per step
+                    surrogate = surrogate + out["logit_scale"].float().reshape(()) * g_scale
+                    if g_bias is not None:
+                        surrogate = surrogate + out["logit_bias"].float().reshape(()) * g_bias
+                e.backward(surrogate)
+        e.set_gradient_accumulation_boundary(True)
+
+    def __call__(self, micro_batches: Sequence[Batch], *, optimizer_step: bool = True) -> StepResult:
+        """One optimizer step over the K = len(micro_batches) chunks of this rank.
+
+        ``optimizer_step=False`` stops after the gradients are reduced (tests inspect them with
+        ``deepspeed.utils.safe_get_full_grad`` and then call ``engine.step()`` themselves).
+        """
+        k = len(micro_batches)
+        if k < 1:
+            raise ValueError("a step needs at least one micro-batch")
+        rng_states, img_cache, txt_cache, live, out = self._first_pass(micro_batches)
         rng_after = snapshot_rng(self.device)
         sizes = [t.shape[0] for t in img_cache]
         scale = out["logit_scale"].detach().float().reshape(())
@@ -179,40 +207,14 @@ class GradCacheStep:
         g_bias = grads[3] if bias_leaf is not None else None
         del img_all, txt_all, leaves, grads
 
-        # ---- pass 2: re-forward each chunk with its pass-1 RNG and back-propagate the cache ----
-        if record:
-            self.last_cached = list(zip(img_cache, txt_cache))
-            self.last_reforwarded = []
-        order = list(range(k - 1)) + [k - 1]  # the kept chunk last: its graph is already there
-        e = self.engine
-        ctx = e.coalesce_grad_reduction() if self.reduction == "coalesced" else contextlib.nullcontext()
-        with ctx:
-            for n, i in enumerate(order):
-                final = n == len(order) - 1
-                if self.reduction != "naive":
-                    e.set_gradient_accumulation_boundary(final)
-                if live is not None and i == k - 1:
-                    out = live
-                else:
-                    restore_rng(rng_states[i], self.device)
-                    out = self._forward(micro_batches[i])
-                img, txt = out["image_features"].float(), out["text_features"].float()
-                if record:
-                    self.last_reforwarded.append((img.detach().clone(), txt.detach().clone()))
-                surrogate = (img * g_img[i]).sum() + (txt * g_txt[i]).sum()
-                if final:  # the temperature (and bias) gradient enters exactly once per step
-                    surrogate = surrogate + out["logit_scale"].float().reshape(()) * g_scale
-                    if g_bias is not None:
-                        surrogate = surrogate + out["logit_bias"].float().reshape(()) * g_bias
-                e.backward(surrogate)
-        if self.reduction != "naive":
-            e.set_gradient_accumulation_boundary(True)
+        self._second_pass(micro_batches, rng_states, live, (g_img, g_txt, g_scale, g_bias))
         restore_rng(rng_after, self.device)
         live = None
         report = torch.tensor([loss.detach().float().item()], device=self.device)
         report = _all_reduce(report) / _world()
         if not optimizer_step:
             return StepResult(report.item(), scale.item(), None if bias is None else bias.item(), None, True)
+        e = self.engine
         e.step()
 
         applied = bool(e.was_step_applied()) if hasattr(e, "was_step_applied") else True

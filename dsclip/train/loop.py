@@ -1,46 +1,56 @@
 """The training loop: config -> data/model -> engine -> steps -> logs/checkpoints.
 
 Each component owns its cadence (the checkpointer decides when to save, the metrics logger when to
-print), so this file stays a readable sequence of what happens.
+print), so this file stays a readable sequence of what happens; :func:`build_run` is the composition
+root (the builders it calls live in dsclip.train.build).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from dsclip import config as cfgmod
-from dsclip.checkpoint import ds_checkpoint, universal
-from dsclip.config import ConfigError, RunConfig
-from dsclip.data import build_tokenizer, build_train_data
+from dsclip.checkpoint.ds_checkpoint import Checkpointer, record_tokenizer
+from dsclip.config import RunConfig, settle_run_name, validate
+from dsclip.data import TrainData
 from dsclip.engine import world
-from dsclip.engine.build import autocast_dtype, build_engine, device_type
-from dsclip.engine.ds_config import load_ds_json, resolve_ds_config
-from dsclip.losses import build_loss
-from dsclip.model import create_model, get_model_config
+from dsclip.engine.build import build_engine, device_type
+from dsclip.model import get_model_config
 from dsclip.train import runlog, wandb_sink
+from dsclip.train.build import (
+    StepPlan,
+    announce,
+    build_data,
+    build_ds_config,
+    build_evaluator,
+    build_step,
+    cache_dir,
+    check_torchcompile,
+    merge_ds_config,
+    model_factory,
+    pretrained_loader,
+    write_run_files,
+)
 from dsclip.train.evaluation import TrainingEvaluator
 from dsclip.train.gradcache import GradCacheStep
 from dsclip.train.metrics import MetricsLogger, data_counters
 
-log = logging.getLogger("dsclip")
+if TYPE_CHECKING:  # annotation only: importing deepspeed here would load it for every user of step_seed
+    from deepspeed import DeepSpeedEngine
 
-SIGLIP_INIT_LOGIT_BIAS = -10.0  # OpenCLIP --siglip: scale init ln(10), bias -10
+__all__ = ["Run", "build_run", "cache_dir", "fit", "step_seed", "train"]
+
+log = logging.getLogger("dsclip")
 
 
 def step_seed(seed: int, step: int, rank: int) -> int:
     """RNG seed of optimizer step ``step`` on ``rank``: dropout and patch-dropout masks depend only on
     (seed, step, rank), so a resumed run draws exactly the masks the uninterrupted run drew."""
     return (seed * 1_000_003 + step * 9_176 + rank * 7_919) % (2**63 - 1)
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("DSCLIP_CACHE", Path.home() / ".cache" / "dsclip"))
 
 
 @dataclass
@@ -50,28 +60,24 @@ class Run:
     cfg: RunConfig
     rank: int
     world_size: int
-    engine: object
-    zero_stage: int
-    precision: str
-    data: object  # dsclip.data.TrainData
+    engine: DeepSpeedEngine
+    data: TrainData
     step_fn: GradCacheStep
-    checkpointer: ds_checkpoint.Checkpointer
+    checkpointer: Checkpointer
     metrics: MetricsLogger
     evaluator: TrainingEvaluator
-    steps_per_epoch: int
-    total_steps: int
-    samples_per_step: int  # global: batch × accum_freq × world
+    plan: StepPlan
     start_step: int = 0
 
     def client_state(self, step: int) -> dict:
         """What a checkpoint records besides DeepSpeed's state: the data position and batch geometry."""
-        epoch, in_epoch = divmod(step, self.steps_per_epoch)
+        epoch, in_epoch = divmod(step, self.plan.steps_per_epoch)
         t = self.cfg.train
         return {
             "step": step,
             "epoch": epoch,
             "step_in_epoch": in_epoch,
-            "samples_seen": step * self.samples_per_step,
+            "samples_seen": step * self.plan.samples_per_step,
             "world_size": self.world_size,
             "accum_freq": t.accum_freq,
             "batch_size": t.batch_size,
@@ -82,6 +88,7 @@ class Run:
 def train(cfg: RunConfig) -> dict:
     """Train per ``cfg`` on this rank; every rank of the job calls it. Returns a summary dict."""
     run = build_run(cfg)
+    cfg = run.cfg  # with the run name decided
     step, preempted = fit(run)
     if run.checkpointer.last_saved_step != step and (
         preempted or cfg.checkpoint.save_frequency or cfg.checkpoint.save_every_n_steps
@@ -89,7 +96,7 @@ def train(cfg: RunConfig) -> dict:
         run.checkpointer.save(run.engine, step, run.client_state(step))
     summary = {"step": step, "run_dir": str(cfg.run_dir), "preempted": preempted}
     if not preempted:
-        summary.update(run.evaluator.final(run.engine, step, step // run.steps_per_epoch))
+        summary.update(run.evaluator.final(run.engine, step, step // run.plan.steps_per_epoch))
     run.metrics.close()
     run.data.close()
     if preempted and run.rank == 0:
@@ -99,11 +106,11 @@ def train(cfg: RunConfig) -> dict:
 
 
 def fit(run: Run) -> tuple[int, bool]:
-    """Optimizer steps from ``run.start_step`` to ``run.total_steps`` (or a preemption signal)."""
+    """Optimizer steps from ``run.start_step`` to ``run.plan.total_steps`` (or a preemption signal)."""
     cfg, engine, k = run.cfg, run.engine, run.cfg.train.accum_freq
     step, preempted = run.start_step, False
-    epoch, in_epoch = divmod(step, run.steps_per_epoch)
-    while step < run.total_steps and not preempted:
+    epoch, in_epoch = divmod(step, run.plan.steps_per_epoch)
+    while step < run.plan.total_steps and not preempted:
         batches = run.data.batches(epoch, start_step=in_epoch * k)
         chunk: list = []
         t_wait = time.perf_counter()
@@ -117,7 +124,7 @@ def fit(run: Run) -> tuple[int, bool]:
             result = run.step_fn(chunk)
             chunk = []
             step, in_epoch = step + 1, in_epoch + 1
-            epoch_end = in_epoch == run.steps_per_epoch
+            epoch_end = in_epoch == run.plan.steps_per_epoch
             run.metrics.step(
                 step,
                 result,
@@ -130,162 +137,62 @@ def fit(run: Run) -> tuple[int, bool]:
             if epoch_end:
                 run.evaluator.epoch_end(engine, step, epoch)
             preempted = world.preemption_requested()  # collective: all ranks stop at the same step
-            if step >= run.total_steps or epoch_end or preempted:
+            if step >= run.plan.total_steps or epoch_end or preempted:
                 break
             t_wait = time.perf_counter()
         batches.close()
-        if in_epoch == run.steps_per_epoch:
+        if in_epoch == run.plan.steps_per_epoch:
             epoch, in_epoch = epoch + 1, 0
     return step, preempted
 
 
 def build_run(cfg: RunConfig) -> Run:
-    """config -> world -> data/model -> engine -> step, checkpointer, metrics, evaluator (+ resume)."""
+    """The composition root: config -> world -> data/model -> engine -> step, checkpointer, metrics, evaluator."""
     info = world.init_distributed()
     rank, world_size = info.rank, info.world_size
     world.install_preemption_handler()
-    cfgmod.validate(cfg, world_size=world_size)
-    run_dir = cfg.run_dir
-
-    # --- config: everything checked before any expensive work ---
+    cfg = settle_run_name(cfg)  # the clock's default, decided on rank 0 (collective)
+    validate(cfg)
     model_cfg = get_model_config(cfg.model.model)
     if cfg.model.force_quick_gelu:  # kept in the model's config, so checkpoints and `dsclip convert` carry it
         model_cfg = {**model_cfg, "quick_gelu": True}
-    ds_config = resolve_ds_config(
-        load_ds_json(cfg.train.deepspeed_config), cfg, world_size=world_size, device_type=device_type()
-    )
-    if cfg.train.torchcompile:
-        from dsclip.engine.compile import CompileSetupError, check_compile_setup
-
-        try:
-            check_compile_setup(cfg.train.torchcompile_backend, device_type())
-        except CompileSetupError as e:
-            raise ConfigError(str(e)) from e
+    check_torchcompile(cfg.train, device_type())
+    ds_config = build_ds_config(cfg, world_size)
+    checkpointer = Checkpointer.from_args(cfg.checkpoint, cfg.run_dir, rank=rank)
+    ds_config = merge_ds_config(ds_config, checkpointer.prepare_resume(cfg.checkpoint.resume, world_size=world_size))
     if rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        cfgmod.save_run_config(cfg, run_dir / "run_config.yaml")
-        (run_dir / "ds_config.json").write_text(cfgmod.dumps(ds_config))
+        write_run_files(cfg, ds_config)  # exactly what deepspeed.initialize receives below
         if cfg.log.copy_codebase:
-            runlog.copy_codebase(run_dir, resuming=cfg.checkpoint.resume is not None)
-    runlog.setup(cfg.log, run_dir, rank)
-    resume = ds_checkpoint.resolve_resume(cfg.checkpoint.resume, run_dir) if cfg.checkpoint.resume else None
-    if resume is not None and universal.needs_universal(universal.saved_state(*resume), world_size):
-        # saved on another number of ranks: load a re-shardable (universal) copy of the tag
-        resume = universal.prepare_universal(*resume, rank=rank)
-        ds_config["checkpoint"] = {**ds_config.get("checkpoint", {}), "load_universal": True}
-
-    # --- data and model ---
-    context_length = cfg.model.context_length or model_cfg["text_cfg"].get("context_length", 77)
-    image_size = model_cfg["vision_cfg"]["image_size"]
-    try:  # the data layer reports unusable settings (no shards, no tokenizer, ...) as ValueError
-        tokenizer = build_tokenizer(cfg.data, context_length, cache_dir())
-        data = build_train_data(
-            cfg.data,
-            tokenizer=tokenizer,
-            image_size=image_size,
-            batch_size=cfg.train.batch_size,
-            rank=rank,
-            world_size=world_size,
-            seed=cfg.train.seed,
-        )
-    except ValueError as e:
-        raise ConfigError(str(e)) from e
+            runlog.copy_codebase(cfg.run_dir, resuming=cfg.checkpoint.resume is not None)
+    runlog.setup(cfg.log, cfg.run_dir, rank)
+    tokenizer, data = build_data(cfg.data, model_cfg, cfg.model, cfg.train, rank=rank, world_size=world_size)
     if rank == 0:
-        ds_checkpoint.record_tokenizer(run_dir, tokenizer)  # `dsclip convert` ships it with the weights
-    k = cfg.train.accum_freq
-    steps_per_epoch = data.steps_per_epoch // k
-    if steps_per_epoch < 1:
-        raise ConfigError(
-            f"one optimizer step needs {k} micro-batches of {cfg.train.batch_size} per rank, but an epoch has only "
-            f"{data.steps_per_epoch}; lower --accum-freq/--batch-size or add data"
-        )
-    total_steps = cfg.train.epochs * steps_per_epoch
-    if cfg.train.max_steps is not None:
-        total_steps = min(total_steps, cfg.train.max_steps)
-
-    def model_factory():
-        torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
-        return create_model(
-            model_cfg,
-            force_patch_dropout=cfg.model.force_patch_dropout,
-            vocab_size=tokenizer.vocab_size,
-            context_length=context_length,
-            eos_id=tokenizer.eos_id,
-            pad_id=tokenizer.pad_id,
-            init_logit_bias=SIGLIP_INIT_LOGIT_BIAS if cfg.model.siglip else None,
-        )
-
-    def load_pretrained(model):
-        from dsclip.checkpoint.pretrained import load_pretrained_into
-
-        load_pretrained_into(model, cfg.model.pretrained)
-
-    # --- engine and the components that own their cadence ---
+        record_tokenizer(cfg.run_dir, tokenizer)  # `dsclip convert` ships it with the weights
+    plan = StepPlan.of(cfg.train, data, world_size)
     bundle = build_engine(
         cfg,
         ds_config,
-        model_factory,
-        total_steps=total_steps,
-        steps_per_epoch=steps_per_epoch,
-        after_construction=load_pretrained if cfg.model.pretrained else None,
+        model_factory(cfg.model, cfg.loss, model_cfg, tokenizer, seed=cfg.train.seed),
+        total_steps=plan.total_steps,
+        steps_per_epoch=plan.steps_per_epoch,
+        after_construction=pretrained_loader(cfg.model),
     )
-    engine = bundle.engine
-    loss_fn = build_loss(cfg.loss_name, tile_size=cfg.loss.loss_tile_size, label_smoothing=cfg.loss.label_smoothing)
-    samples_per_step = cfg.train.batch_size * k * world_size
-    metrics = MetricsLogger(
-        run_dir,
+    step_fn = build_step(bundle, cfg.loss, cfg.train)
+    device = bundle.engine.device
+    metrics = MetricsLogger.from_args(
+        cfg.log,
+        cfg.run_dir,
         rank=rank,
         world_size=world_size,
-        every_n_steps=cfg.log.log_every_n_steps,
-        report_to=cfg.log.report_to,
-        samples_per_step=samples_per_step,
-        total_steps=total_steps,
-        device=engine.device,
+        plan=plan,
+        device=device,
         wandb=wandb_sink.for_run(cfg, rank),
-        context_length=context_length,
+        context_length=tokenizer.context_length,
     )
-    run = Run(
-        cfg=cfg,
-        rank=rank,
-        world_size=world_size,
-        engine=engine,
-        zero_stage=bundle.zero_stage,
-        precision=bundle.precision,
-        data=data,
-        step_fn=GradCacheStep(
-            engine, loss_fn, keep_last_graph=cfg.train.keep_last_graph, compute_dtype=autocast_dtype(bundle)
-        ),
-        checkpointer=ds_checkpoint.Checkpointer(
-            run_dir,
-            every_n_steps=cfg.checkpoint.save_every_n_steps,
-            every_n_epochs=cfg.checkpoint.save_frequency,
-            keep_last=cfg.checkpoint.keep_last,
-            rank=rank,
-            most_recent=cfg.checkpoint.save_most_recent,
-        ),
-        metrics=metrics,
-        evaluator=TrainingEvaluator(
-            cfg, tokenizer=tokenizer, image_size=image_size, device=engine.device, run_dir=run_dir, metrics=metrics
-        ),
-        steps_per_epoch=steps_per_epoch,
-        total_steps=total_steps,
-        samples_per_step=samples_per_step,
+    evaluator = build_evaluator(cfg.log, cfg.data, tokenizer, model_cfg, metrics, run_dir=cfg.run_dir, device=device)
+    start_step = checkpointer.resume(
+        bundle.engine, global_batch=plan.samples_per_step, steps_per_epoch=plan.steps_per_epoch
     )
-    if resume is not None:
-        state = ds_checkpoint.load(engine, *resume)
-        # same global batch: same step; otherwise the same place in the data (rule in checkpoint/universal.py)
-        run.start_step, moved = universal.resume_position(
-            state, global_batch=samples_per_step, steps_per_epoch=steps_per_epoch
-        )
-        if moved:
-            universal.set_schedule_step(engine, run.start_step)
-        if rank == 0:
-            print(f"resumed from {resume[0] / resume[1]} at step {run.start_step}", flush=True)
     if rank == 0:
-        print(
-            f"dsclip: {cfg.model.model} | world {world_size} | ZeRO-{bundle.zero_stage} {bundle.precision} | "
-            f"loss {cfg.loss_name} | batch {cfg.train.batch_size} x accum {k} x world {world_size} = "
-            f"{samples_per_step} | {steps_per_epoch} steps/epoch | {total_steps} steps | run {run_dir}",
-            flush=True,
-        )
-    return run
+        announce(cfg, bundle, plan, world_size)
+    return Run(cfg, rank, world_size, bundle.engine, data, step_fn, checkpointer, metrics, evaluator, plan, start_step)

@@ -7,26 +7,64 @@ fraction says how much of the window the step waited for the loader. Only rank 0
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import resource
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
+from dsclip.config_base import ConfigError, opt
 from dsclip.data.tokenizer import TRUNCATED
 
-# Console lines also go to the run's log file; propagate=False keeps a root console handler from
-# printing them twice.
+REPORTERS = ("tensorboard", "wandb", "all")  # all: tensorboard and wandb, as OpenCLIP
+
+# Console lines also go to the run's log file (train/runlog.py); propagate=False keeps a root console
+# handler from printing them twice.
 log = logging.getLogger("dsclip.console")
 log.propagate = False
-
 
 # share of captions cut by the context length above which the run warns (once): a cut caption
 # loses its last words, which in short captions often carry the label
 TRUNCATION_WARN_SHARE = 0.01
+
+
+@dataclass
+class LogArgs:
+    """Run config section ``log``: where the run folder is, what is logged, how often it evaluates."""
+
+    logs: str = opt("./logs", "Folder that holds run folders.")
+    name: str | None = opt(None, "Run folder name (default: date-model-lr-batch).")
+    log_every_n_steps: int = opt(100, "Console/TensorBoard/jsonl logging interval in optimizer steps.")
+    report_to: str = opt(
+        "", "Comma-separated extra loggers: tensorboard, wandb (all: both). metrics.jsonl is always written."
+    )
+    wandb_project_name: str = opt("open-clip", "wandb project (OpenCLIP's default name, so runs land side by side).")
+    wandb_notes: str = opt("", "wandb run notes.")
+    zeroshot_frequency: int = opt(1, "Zero-shot evaluation every N epochs (0: only at the end for the demo).")
+    val_frequency: int = opt(1, "Retrieval evaluation on --val-data every N epochs.")
+    log_local: bool = opt(
+        False, "Every rank writes its own log file RUN/out-RANK.log (else rank 0 writes RUN/out.log)."
+    )
+    debug: bool = opt(False, "DEBUG-level logging.")
+    copy_codebase: bool = opt(False, "Copy the dsclip package into RUN/code before training (reproducibility).")
+
+    def check(self) -> None:
+        if self.log_every_n_steps < 1:
+            raise ConfigError("'log_every_n_steps' must be >= 1")
+        reporters = {r.strip() for r in self.report_to.split(",") if r.strip()}
+        unknown = sorted(reporters - set(REPORTERS))
+        if unknown:
+            raise ConfigError(f"--report-to {unknown[0]!r} is not supported (supported: {', '.join(REPORTERS)})")
+        if reporters & {"wandb", "all"} and importlib.util.find_spec("wandb") is None:
+            raise ConfigError("--report-to wandb needs the wandb package: pip install wandb (or drop wandb)")
+        if self.name is not None and "/" in self.name:
+            raise ConfigError(f"--name must be a folder name, not a path: {self.name!r}")
 
 
 def data_counters(stats: dict[str, int]) -> dict[str, int]:
@@ -45,6 +83,34 @@ def peak_memory_gb(device: torch.device) -> float:
 
 
 class MetricsLogger:
+    @classmethod
+    def from_args(
+        cls,
+        args: LogArgs,
+        run_dir: Path,
+        *,
+        rank: int,
+        world_size: int,
+        plan,
+        device,
+        wandb=None,
+        context_length: int | None = None,
+    ) -> MetricsLogger:
+        """``plan``: the run's dsclip.train.build.StepPlan (samples per step, total steps); ``wandb``: the
+        rank's dsclip.train.wandb_sink.WandbSink or None; ``context_length``: for the truncation warning."""
+        return cls(
+            run_dir,
+            rank=rank,
+            world_size=world_size,
+            every_n_steps=args.log_every_n_steps,
+            report_to=args.report_to,
+            samples_per_step=plan.samples_per_step,
+            total_steps=plan.total_steps,
+            device=device,
+            wandb=wandb,
+            context_length=context_length,
+        )
+
     def __init__(
         self,
         run_dir: Path,
@@ -66,7 +132,7 @@ class MetricsLogger:
         self.total_steps = total_steps
         self.device = device
         self.context_length = context_length
-        self.steps_here = 0  # steps this process ran (counters restart on resume)
+        self.steps_here = 0  # steps this process ran (the data counters restart on resume)
         self.truncation_warned = False
         self.jsonl = None
         self.tb = None
@@ -75,12 +141,11 @@ class MetricsLogger:
         if rank == 0:
             self.jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
             if {r.strip() for r in report_to.split(",")} & {"tensorboard", "all"}:
+                # lazy: only with --report-to tensorboard; loading the tensorboard writer takes seconds
                 from torch.utils.tensorboard import SummaryWriter
 
                 self.tb = SummaryWriter(str(run_dir / "tensorboard"))
             if sys.stderr.isatty():
-                from tqdm import tqdm
-
                 self.bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True, leave=False)
         self._reset_window()
 

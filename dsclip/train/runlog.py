@@ -12,7 +12,8 @@ import shutil
 from pathlib import Path
 
 import dsclip
-from dsclip.config import ConfigError, LogArgs
+from dsclip.config_base import ConfigError
+from dsclip.train.metrics import LogArgs
 
 FORMAT = "%(asctime)s | rank %(rank)s | %(levelname)s | %(name)s | %(message)s"
 

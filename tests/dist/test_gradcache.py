@@ -111,6 +111,20 @@ def make_cfg(stage, k, lr=LR, compile_backend=None):
     )
 
 
+def record_forwards(step) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Wrap the step's engine forward from outside: every call's (image, text) embeddings, in call order."""
+    calls = []
+    forward = step._forward
+
+    def recording(batch):
+        out = forward(batch)
+        calls.append((out["image_features"].detach().float().clone(), out["text_features"].detach().float().clone()))
+        return out
+
+    step._forward = recording
+    return calls
+
+
 def _rank_step(rank, world, stage, k, reduction, patch_dropout, keep_last, compile_backend=None):
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 
@@ -129,22 +143,25 @@ def _rank_step(rank, world, stage, k, reduction, patch_dropout, keep_last, compi
         return (p.detach() if v is None else v).clone()
 
     initial = {n: full_param(p) for n, p in engine.module.named_parameters()}
+    if reduction == "naive":  # what forks that call engine.backward K times do: no boundary handling at all
+        engine.set_gradient_accumulation_boundary = lambda flag: None
+        reduction = "boundary"
     step = GradCacheStep(engine, build_loss("infonce"), keep_last_graph=keep_last, reduction=reduction)
+    forwards = record_forwards(step)
     images, tokens = make_batches(world, k)
     torch.manual_seed(SEED + 17 * rank)  # the per-(step, rank) seed the loop would set
     engine.train()
-    result = step(rank_chunks(images, tokens, rank, world, k), record=True, optimizer_step=False)
+    result = step(rank_chunks(images, tokens, rank, world, k), optimizer_step=False)
     grads = {n: safe_get_full_grad(p) for n, p in engine.module.named_parameters()}
     missing = [n for n, g in grads.items() if g is None]
     assert not missing, f"no gradient for {missing}"
     grads = {n: g.clone() for n, g in grads.items()}
     engine.step()
     weights = {n: full_param(p) for n, p in engine.module.named_parameters()}
-    # Pass 2 visits the chunks in pass-1 order, so the recorded lists line up.
-    assert len(step.last_cached) == len(step.last_reforwarded) == k
-    same_embeddings = all(
-        torch.equal(c[0], r[0]) and torch.equal(c[1], r[1]) for c, r in zip(step.last_cached, step.last_reforwarded)
-    )
+    # Pass 1 forwards all k chunks; pass 2 re-forwards them in pass-1 order, except a kept last graph.
+    cached, reforwarded = forwards[:k], forwards[k:] + (forwards[k - 1 : k] if keep_last else [])
+    assert len(cached) == len(reforwarded) == k
+    same_embeddings = all(torch.equal(c[0], r[0]) and torch.equal(c[1], r[1]) for c, r in zip(cached, reforwarded))
     from torch._dynamo.utils import counters
 
     return {

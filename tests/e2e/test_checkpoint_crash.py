@@ -59,6 +59,16 @@ def _start(args, extra_env=None):
     )  # its own process group: kill launcher + ranks at once
 
 
+def _slow_save(*, seconds: float, step: int) -> dict[str, str]:
+    """Environment that makes rank 0 pause between the shard writes and COMPLETE of one save
+    (tests/e2e/patches/sitecustomize.py patches the checkpointer from outside)."""
+    fixture = str(Path(__file__).parent / "patches")
+    return {
+        "PYTHONPATH": fixture + os.pathsep + env()["PYTHONPATH"],
+        "DSCLIP_FIXTURE_SLOW_SAVE": f"{seconds}@{step}",
+    }
+
+
 def _kill_when(proc, condition, timeout=300):
     t0 = time.time()
     while not condition():
@@ -102,7 +112,7 @@ def test_sigkill_mid_training_and_during_save_then_resume_latest(tmp_path, zero2
     # 2. killed while step 4 is being saved: every rank's shards are written, COMPLETE is not
     run = tmp_path / "save"
     partial = run / "checkpoints" / ".partial.step_000000004"
-    proc = _start(_args(tmp_path, "save"), {"DSCLIP_TEST_SLOW_SAVE_S": "60@4"})
+    proc = _start(_args(tmp_path, "save"), _slow_save(seconds=60, step=4))
     _kill_when(
         proc,
         lambda: len(list(partial.glob("*optim_states.pt"))) == 2 and (partial / "mp_rank_00_model_states.pt").exists(),

@@ -8,9 +8,14 @@ reduction across ranks, so the tolerance is 1e-4 on the loss (observed: equal to
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+from pathlib import Path
+
 import pytest
 
-from tests.e2e.test_train_cli import losses, run_cli
+from tests.e2e.test_train_cli import PY, ROOT, env, losses, run_cli
 
 pytestmark = [pytest.mark.dist]
 TOL = 1e-4
@@ -73,6 +78,24 @@ def test_resume_on_other_world_size_continues_loss_curve(tmp_path, stage, reques
         world=2,
     )
     _assert_continues(losses(tmp_path / "w2b"), ref, 5)
+
+
+def test_universal_resume_writes_the_deepspeed_config_deepspeed_received(tmp_path):
+    """The universal conversion changes the DeepSpeed config (load_universal); RUN/ds_config.json must hold
+    exactly the dict deepspeed.initialize was given, that change included."""
+    run_cli(_train_args(tmp_path, "w2", "zero2_fp32", 2, "--max-steps", "2"), world=2)
+    received = tmp_path / "received.json"
+    e = env()
+    e["PYTHONPATH"] = str(Path(__file__).parent / "patches") + os.pathsep + e["PYTHONPATH"]
+    e["DSCLIP_FIXTURE_DS_RECEIVED"] = str(received)
+    resume = str(tmp_path / "w2/checkpoints/step_000000002")
+    args = _train_args(tmp_path, "w1", "zero2_fp32", 1, "--max-steps", "3", "--resume", resume)
+    p = subprocess.run([PY, "-m", "dsclip", *args], cwd=ROOT, env=e, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-4000:]
+    assert "universal" in p.stdout
+    given = json.loads(received.read_text())
+    assert given["checkpoint"]["load_universal"] is True
+    assert json.loads((tmp_path / "w1" / "ds_config.json").read_text()) == given
 
 
 def test_resume_position_rule():

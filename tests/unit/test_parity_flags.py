@@ -155,13 +155,26 @@ def test_report_to_errors_are_one_line(monkeypatch):
         cfg(report_to="tensorboard,wandb")
 
 
-def wandb_records(run_dir):
-    """(run ids, history rows) of the offline runs under RUN/wandb: the .wandb files are a LevelDB-style
+def wandb_records(run_dir, steps: set[int] = frozenset(), timeout: float = 60.0):
+    """:func:`read_wandb_records`, waiting (up to ``timeout`` s) until the history holds ``steps``: wandb's
+    writer is a separate process (wandb-core) that may still be writing when ``finish()`` returns."""
+    deadline = time.monotonic() + timeout
+    while True:
+        ids, rows = read_wandb_records(run_dir)
+        if steps <= {r.get("_step") for r in rows} or time.monotonic() > deadline:
+            return ids, rows
+        time.sleep(0.5)
+
+
+def read_wandb_records(run_dir):
+    """(run ids, history rows) of the offline runs under RUN/wandb (one run-ID.wandb file per start, in
+    offline-run-TIME-ID folders): the .wandb files are a LevelDB-style
     log of protobuf records (32 KiB blocks, 7-byte record headers after a 7-byte file header)."""
     from wandb.proto import wandb_internal_pb2 as pb
 
     ids, rows = [], []
     for path in sorted(glob.glob(str(run_dir / "wandb" / "offline-run-*" / "run-*.wandb"))):
+        ids.append(path.rsplit("-", 1)[1].removesuffix(".wandb"))  # run-ID.wandb
         data, i, buf = open(path, "rb").read(), 7, b""
         assert data[:4] == b":W&B"
         while i + 7 <= len(data):
@@ -178,8 +191,6 @@ def wandb_records(run_dir):
                 r = pb.Record()
                 r.ParseFromString(buf)
                 buf = b""
-                if r.WhichOneof("record_type") == "run":
-                    ids.append(r.run.run_id)
                 if r.WhichOneof("record_type") == "history":
                     rows.append({"/".join(it.nested_key) or it.key: json.loads(it.value_json) for it in r.history.item})
     return ids, rows
@@ -208,7 +219,7 @@ def test_wandb_gets_the_tensorboard_scalars_and_keeps_its_run_id_across_resume(t
     m.step(2, result, data_wait_s=0.0, lr=1e-3, epoch=0)
     m.close()
 
-    ids, rows = wandb_records(run_dir)
+    ids, rows = wandb_records(run_dir, steps={1, 2})
     assert ids == [first_id, first_id]
     by_step = {r["_step"]: r for r in rows}
     assert by_step[1]["train/loss"] == 1.5 and by_step[1]["train/lr"] == 1e-3

@@ -1,0 +1,14 @@
+"""Names of the files and folders of a run's checkpoints (the layout is described in ds_checkpoint.py).
+
+Its own module so that both the writer (ds_checkpoint) and the universal converter read the same
+names without importing each other.
+"""
+
+COMPLETE = "COMPLETE"
+LATEST = "latest"
+STATE_FILE = "dsclip_state.json"
+MODEL_CONFIG_FILE = "model_config.json"  # {"model_cfg": <resolved model config>}, as dsclip.model.save_model writes
+TOKENIZER_FILE = "tokenizer.model"  # the run's SentencePiece model, copied into the run folder
+TOKENIZER_SPEC_FILE = "tokenizer.json"  # {"tokenizer": "open_clip:NAME"} for non-file tokenizers
+PARTIAL_PREFIX = ".partial."
+TRASH_PREFIX = ".trash."

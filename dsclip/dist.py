@@ -1,0 +1,36 @@
+"""Rank and world size of this process, for code that also runs without a process group.
+
+The one place that asks "is torch.distributed initialised?": every package (the pure ones
+included: losses, eval) reads the rank through here, so a single-process call (tests, tools,
+``dsclip eval`` without a launcher) behaves as rank 0 of a world of 1.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+
+def initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank_world(group=None) -> tuple[int, int]:
+    """``(rank, world_size)`` in ``group``; ``(0, 1)`` when torch.distributed is not initialised."""
+    if initialized():
+        return dist.get_rank(group), dist.get_world_size(group)
+    return 0, 1
+
+
+def barrier() -> None:
+    """Wait for every rank (a no-op in a single process)."""
+    if initialized():
+        dist.barrier()
+
+
+def from_rank0(value):
+    """Rank 0's ``value`` on every rank (a picklable object; collective when a process group exists)."""
+    if not initialized() or dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

@@ -1,0 +1,159 @@
+"""The builders :func:`dsclip.train.loop.build_run` composes: each takes its config section.
+
+Everything here runs once per run, before the first step; nothing here runs per step.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from dsclip.checkpoint.pretrained import load_pretrained_into
+from dsclip.config import ConfigError, RunConfig, dumps, save_run_config
+from dsclip.data import DataConfig, TrainData, build_tokenizer, build_train_data
+from dsclip.engine.build import EngineBundle, autocast_dtype, device_type
+from dsclip.engine.compile import CompileSetupError, check_compile_setup
+from dsclip.engine.ds_config import TrainArgs, load_ds_json, resolve_ds_config
+from dsclip.losses import SIGLIP_INIT_LOGIT_BIAS, LossArgs, build_loss
+from dsclip.model import ModelArgs, create_model
+from dsclip.train.evaluation import TrainingEvaluator
+from dsclip.train.gradcache import GradCacheStep
+from dsclip.train.metrics import LogArgs, MetricsLogger
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("DSCLIP_CACHE", Path.home() / ".cache" / "dsclip"))
+
+
+def check_torchcompile(train: TrainArgs, device_type: str) -> None:
+    """--torchcompile: refuse a backend this machine cannot run before any expensive work."""
+    if not train.torchcompile:
+        return
+    try:
+        check_compile_setup(train.torchcompile_backend, device_type)
+    except CompileSetupError as e:
+        raise ConfigError(str(e)) from e
+
+
+def build_ds_config(cfg: RunConfig, world_size: int) -> dict:
+    """The DeepSpeed JSON of --deepspeed-config with its "auto" values filled from the run config."""
+    return resolve_ds_config(
+        load_ds_json(cfg.train.deepspeed_config), cfg, world_size=world_size, device_type=device_type()
+    )
+
+
+def merge_ds_config(ds_config: dict, changes: dict) -> dict:
+    """``ds_config`` with each block of ``changes`` merged into the block of the same name."""
+    return {**ds_config, **{key: {**ds_config.get(key, {}), **block} for key, block in changes.items()}}
+
+
+def write_run_files(cfg: RunConfig, ds_config: dict) -> None:
+    """Rank 0: the resolved run config and exactly the DeepSpeed config the engine is built from."""
+    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    save_run_config(cfg, cfg.run_dir / "run_config.yaml")
+    (cfg.run_dir / "ds_config.json").write_text(dumps(ds_config))
+
+
+def build_data(
+    data: DataConfig, model_cfg: dict, model: ModelArgs, train: TrainArgs, *, rank: int, world_size: int
+) -> tuple:
+    """(tokenizer, this rank's TrainData); unusable data settings (no shards, no tokenizer...) are ConfigErrors."""
+    context_length = model.context_length or model_cfg["text_cfg"].get("context_length", 77)
+    try:  # the data layer reports unusable settings as ValueError
+        tokenizer = build_tokenizer(data, context_length, cache_dir())
+        train_data = build_train_data(
+            data,
+            tokenizer=tokenizer,
+            image_size=model_cfg["vision_cfg"]["image_size"],
+            batch_size=train.batch_size,
+            rank=rank,
+            world_size=world_size,
+            seed=train.seed,
+        )
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    return tokenizer, train_data
+
+
+@dataclass
+class StepPlan:
+    """How many optimizer steps a run makes, and how many samples each covers."""
+
+    steps_per_epoch: int  # optimizer steps (each takes accum_freq micro-batches of the data)
+    total_steps: int
+    samples_per_step: int  # global: batch × accum_freq × world
+
+    @classmethod
+    def of(cls, train: TrainArgs, data: TrainData, world_size: int) -> StepPlan:
+        k = train.accum_freq
+        steps_per_epoch = data.steps_per_epoch // k
+        if steps_per_epoch < 1:
+            raise ConfigError(
+                f"one optimizer step needs {k} micro-batches of {train.batch_size} per rank, but an epoch has only "
+                f"{data.steps_per_epoch}; lower --accum-freq/--batch-size or add data"
+            )
+        total_steps = train.epochs * steps_per_epoch
+        if train.max_steps is not None:
+            total_steps = min(total_steps, train.max_steps)
+        return cls(steps_per_epoch, total_steps, train.batch_size * k * world_size)
+
+
+def model_factory(
+    model: ModelArgs, loss: LossArgs, model_cfg: dict, tokenizer, *, seed: int
+) -> Callable[[], nn.Module]:
+    """What the engine calls (inside zero.Init under ZeRO-3) to build the model."""
+    context_length = model.context_length or model_cfg["text_cfg"].get("context_length", 77)
+
+    def build() -> nn.Module:
+        torch.manual_seed(seed)  # identical initial weights on every rank
+        return create_model(
+            model_cfg,
+            force_patch_dropout=model.force_patch_dropout,
+            vocab_size=tokenizer.vocab_size,
+            context_length=context_length,
+            eos_id=tokenizer.eos_id,
+            pad_id=tokenizer.pad_id,
+            init_logit_bias=SIGLIP_INIT_LOGIT_BIAS if loss.siglip else None,  # OpenCLIP --siglip: bias -10
+        )
+
+    return build
+
+
+def pretrained_loader(model: ModelArgs) -> Callable[[nn.Module], None] | None:
+    """--pretrained: load the weights into the constructed (possibly partitioned) model."""
+    if not model.pretrained:
+        return None
+    return lambda m: load_pretrained_into(m, model.pretrained)
+
+
+def build_step(bundle: EngineBundle, loss: LossArgs, train: TrainArgs) -> GradCacheStep:
+    """One optimizer step over accum_freq micro-batches, with the run's loss."""
+    loss_fn = build_loss(loss.loss_config())
+    return GradCacheStep(
+        bundle.engine, loss_fn, keep_last_graph=train.keep_last_graph, compute_dtype=autocast_dtype(bundle)
+    )
+
+
+def build_evaluator(
+    log: LogArgs, data: DataConfig, tokenizer, model_cfg: dict, metrics: MetricsLogger, *, run_dir: Path, device
+) -> TrainingEvaluator:
+    image_size = model_cfg["vision_cfg"]["image_size"]
+    return TrainingEvaluator(
+        log, data, tokenizer=tokenizer, image_size=image_size, device=device, run_dir=run_dir, metrics=metrics
+    )
+
+
+def announce(cfg: RunConfig, bundle: EngineBundle, plan: StepPlan, world_size: int) -> None:
+    """Rank 0's one-line summary of what this run is."""
+    t = cfg.train
+    print(
+        f"dsclip: {cfg.model.model} | world {world_size} | ZeRO-{bundle.zero_stage} {bundle.precision} | "
+        f"loss {cfg.loss_name} | batch {t.batch_size} x accum {t.accum_freq} x world {world_size} = "
+        f"{plan.samples_per_step} | {plan.steps_per_epoch} steps/epoch | {plan.total_steps} steps | run {cfg.run_dir}",
+        flush=True,
+    )

@@ -1,0 +1,40 @@
+"""Test fixtures that patch dsclip from outside, in CLI subprocesses (this folder goes on PYTHONPATH).
+
+``DSCLIP_FIXTURE_SLOW_SAVE=SECONDS@STEP``: rank 0 sleeps SECONDS when saving step STEP, after every
+rank's shards are written and before the tag is completed: the window in which
+tests/e2e/test_checkpoint_crash.py kills the job.
+
+``DSCLIP_FIXTURE_DS_RECEIVED=PATH``: the config dict handed to ``deepspeed.initialize`` is written to
+PATH (as JSON, at the call), so a test can compare it with the run folder's ds_config.json.
+"""
+
+import json
+import os
+import time
+
+_slow_save = os.environ.get("DSCLIP_FIXTURE_SLOW_SAVE")
+if _slow_save:
+    from dsclip.checkpoint import ds_checkpoint
+
+    _seconds, _, _step = _slow_save.partition("@")
+    _complete = ds_checkpoint.Checkpointer._complete
+
+    def _slow_complete(self, part_dir, step, state, model_cfg):
+        if step == int(_step):
+            time.sleep(float(_seconds))
+        return _complete(self, part_dir, step, state, model_cfg)
+
+    ds_checkpoint.Checkpointer._complete = _slow_complete
+
+_received = os.environ.get("DSCLIP_FIXTURE_DS_RECEIVED")
+if _received:
+    import deepspeed
+
+    _initialize = deepspeed.initialize
+
+    def _recording_initialize(*args, **kwargs):
+        with open(_received, "w") as f:
+            json.dump(kwargs.get("config"), f, default=str)
+        return _initialize(*args, **kwargs)
+
+    deepspeed.initialize = _recording_initialize
