@@ -6,7 +6,7 @@ setup(
     description="CLIP-style contrastive image-text training on DeepSpeed (ZeRO-2/3, gradient cache, sharded losses)",
     python_requires=">=3.10",
     packages=find_packages(include=["dsclip", "dsclip.*"]),
-    package_data={"dsclip": ["model/configs/*.json", "recipes/*.yaml", "data/*.txt"]},
+    package_data={"dsclip": ["model/configs/*.json", "recipes/*.yaml", "data/*.txt", "ds_configs/*.json"]},
     install_requires=[
         "torch>=2.4",
         "torchvision",

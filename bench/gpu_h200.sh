@@ -142,4 +142,8 @@ for n in (32768, 65536, 131072):
 results["loss"] = lres
 json.dump(results, open(f"{out_dir}/gpu_results.json", "w"), indent=1)
 PYEOF
-echo "results: $OUT/gpu_results.json"
+# Utilisation (issue 17, item 1): this GPU's measured bf16/fp32 GEMM peak at ViT block shapes and the
+# FLOPs per training sample (FlopCounterMode); MFU = the samples/s above x FLOPs / this peak.
+"$PY" bench/utilisation.py --device cuda --models ViT-B-32,ViT-L-14 --json-out "$OUT/utilisation.json" \
+  2>&1 | tee "$OUT/utilisation.log"
+echo "results: $OUT/gpu_results.json $OUT/utilisation.json"

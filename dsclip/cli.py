@@ -41,7 +41,11 @@ class UserError(Exception):
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
-    errors: list[type[BaseException]] = [ConfigError, UserError, FileNotFoundError]
+    # lazy, like dsclip.model below: dsclip.engine.world imports torch. Its errors are launch problems
+    # (bad launcher env, a GPU view no rank can use, MASTER_PORT taken): one line, like config errors.
+    from dsclip.engine.world import WorldDiscoveryError
+
+    errors: list[type[BaseException]] = [ConfigError, UserError, FileNotFoundError, WorldDiscoveryError]
     try:  # lazy: dsclip.model imports torch, which `dsclip --help` and the light commands need not load
         from dsclip.model import UnknownModelError
 

@@ -1,6 +1,6 @@
 """``dsclip plan``: what fits on each GPU, and how fast it runs, before a big job is queued.
 
-    dsclip plan --model ViT-bigG-14 --gpus 256 --gpu-memory 80 --batch-size 32768 \
+    dsclip plan --model ViT-bigG-14 --gpus 256 --gpu-memory 80 --batch-size 32768 | --max-batch \
         [--zero 2|3] [--precision bf16] [--grad-checkpointing] [--patch-dropout 0.5] \
         [--loss infonce|infonce_local|infonce_tiled|siglip] [--mfu 0.4] [--peak-tflops 790]
 
@@ -38,6 +38,7 @@ from dsclip.model import create_model, get_model_config, resolve_model_config
 
 GiB = 2**30
 ROOT = Path(__file__).resolve().parents[1]
+SHIPPED_DS_CONFIGS = Path(__file__).resolve().parent / "ds_configs"  # package data (as engine/ds_config.py)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -314,9 +315,9 @@ class Plan:
 
 def shipped_ds_config(zero: int, precision: str) -> tuple[str, dict]:
     name = f"ds_configs/zero{zero}_{precision}.json"
-    path = ROOT / name
+    path = SHIPPED_DS_CONFIGS / f"zero{zero}_{precision}.json"
     if not path.exists():
-        path = ROOT / f"ds_configs/zero{zero}.json"
+        path = SHIPPED_DS_CONFIGS / f"zero{zero}.json"
         name = f"ds_configs/zero{zero}.json"
     try:
         return name, json.loads(path.read_text())
@@ -475,6 +476,53 @@ def _plan_notes(plan: Plan, losses: dict[str, float], tile: int, gpus_per_node: 
         notes.append("fp16 needs loss scaling; bf16 is the recommended precision on A100/H100/H200")
 
 
+def largest_batch(
+    model: str | dict,
+    *,
+    gpus: int,
+    gpu_memory_gb: float,
+    zero: int = 3,
+    precision: str = "bf16",
+    grad_checkpointing: bool = True,
+    patch_dropout: float = 0.0,
+    loss: str = "infonce_tiled",
+    tile: int = 4096,
+    reserve_gb: float = 2.0,
+    micro_batch: int = 32,
+) -> int:
+    """The largest global contrastive batch (a multiple of gpus × micro_batch) whose step fits in memory.
+
+    With the gradient cache only the cached embeddings (and, for the tiled/ring losses, O(rows·D) loss
+    buffers) grow with the batch; model states, communication buckets and one micro-batch of
+    activations do not. So the limit is where ``embedding_cache_bytes + loss_bytes`` fill what the
+    fixed costs leave. The same accounting as :func:`make_plan` (which is called on the answer).
+    """
+    arch = load_arch(model, patch_dropout)
+    _, ds_cfg = shipped_ds_config(zero, precision)
+    fixed = (
+        sum(model_state_bytes(arch.params, gpus, zero, precision, arch.largest_layer_params).values())
+        + bucket_bytes(ds_cfg, precision)
+        + reserve_gb * GiB
+        + activation_bytes(arch, precision, grad_checkpointing)["peak"] * micro_batch
+    )
+
+    def fits(local: int) -> bool:
+        need = embedding_cache_bytes(local, arch.embed_dim) + loss_bytes(
+            loss, local, local * gpus, arch.embed_dim, tile
+        )
+        return fixed + need <= gpu_memory_gb * GiB
+
+    if not fits(micro_batch):
+        return 0
+    lo, hi = 1, 2  # in units of micro_batch rows per GPU: lo fits, hi does not
+    while fits(hi * micro_batch):
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid * micro_batch) else (lo, mid)
+    return lo * micro_batch * gpus
+
+
 def _suggest(model, plan: Plan, tile: int, gpus_per_node: int) -> str:
     tries = []
     if not plan.grad_checkpointing:
@@ -516,7 +564,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="architecture name (dsclip/model/configs) or JSON path")
     p.add_argument("--gpus", type=int, required=True, help="total number of GPUs (ranks)")
     p.add_argument("--gpu-memory", type=float, default=80.0, help="memory per GPU in GiB")
-    p.add_argument("--batch-size", type=int, required=True, help="global contrastive batch per optimizer step")
+    p.add_argument("--batch-size", type=int, help="global contrastive batch per optimizer step")
+    p.add_argument(
+        "--max-batch",
+        action="store_true",
+        help="find the largest contrastive batch that fits (micro-batch --micro-batch per GPU, gradient cache) "
+        "and plan that batch",
+    )
+    p.add_argument("--micro-batch", type=int, default=32, help="with --max-batch: micro-batch per GPU to keep room for")
     p.add_argument("--zero", type=int, default=2, choices=(1, 2, 3), help="ZeRO stage")
     p.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
     p.add_argument("--grad-checkpointing", action="store_true", help="activation checkpointing of every block")
@@ -573,7 +628,34 @@ def format_plan(p: Plan) -> str:
 
 
 def main_plan(argv: list[str]) -> int:
-    a = build_parser().parse_args(argv)
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    if (a.batch_size is None) == (not a.max_batch):
+        parser.error("give --batch-size N (plan that batch) or --max-batch (find the largest that fits), not both")
+    if a.max_batch:
+        a.batch_size = largest_batch(
+            a.model,
+            gpus=a.gpus,
+            gpu_memory_gb=a.gpu_memory,
+            zero=a.zero,
+            precision=a.precision,
+            grad_checkpointing=a.grad_checkpointing,
+            patch_dropout=a.patch_dropout,
+            loss=a.loss,
+            tile=a.loss_tile_size,
+            reserve_gb=a.reserve,
+            micro_batch=a.micro_batch,
+        )
+        if not a.json:
+            print(
+                f"largest contrastive batch: {a.batch_size} ({a.batch_size // a.gpus} per GPU, micro-batch "
+                f"{a.micro_batch}, loss {a.loss}, ZeRO-{a.zero} {a.precision}"
+                + (", grad-checkpointing" if a.grad_checkpointing else "")
+                + ")\n"
+            )
+        if a.batch_size == 0:
+            print(f"not even one micro-batch of {a.micro_batch} per GPU fits; lower --micro-batch or add GPUs")
+            return 1
     plan = make_plan(
         a.model,
         gpus=a.gpus,

@@ -9,7 +9,11 @@
 #       NODE_RANK=1 HOSTFILE=launch/hostfile launch/deepspeed_hostfile.sh ...   # on the 2nd host
 #
 # Every variable below can be set in the environment; trailing arguments go to `dsclip train`
-# (e.g. --epochs 3 --batch-size 256 --resume latest).
+# (e.g. --epochs 3 --batch-size 256 --resume latest). Options for the DeepSpeed launcher itself
+# (--include, --exclude, --num_nodes, --bind_cores_to_rank, ...) go in DS_LAUNCHER_ARGS or before a
+# `--` separator:
+#       launch/deepspeed_hostfile.sh --include node1:0,1@node2:0,1 -- --epochs 3
+#       DS_LAUNCHER_ARGS="--bind_cores_to_rank" launch/deepspeed_hostfile.sh --epochs 3
 set -euo pipefail
 
 # ---- knobs -------------------------------------------------------------------------------------
@@ -28,21 +32,39 @@ LOGS=${LOGS:-$PWD/logs}                    # run folders go to $LOGS/$NAME
 NAME=${NAME:-$(basename "$RECIPE" .yaml)}  # same NAME + --resume latest continues a run
 MODULE=${MODULE:-dsclip}                   # python -m $MODULE train ... on every rank
 DEEPSPEED_TIMEOUT=${DEEPSPEED_TIMEOUT:-}   # process-group timeout in minutes (dsclip: 30)
+DS_LAUNCHER_ARGS=${DS_LAUNCHER_ARGS:-}     # extra `deepspeed` launcher options (word-split)
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV=${VENV:-$REPO/.venv}                  # activated here; remote ranks get its PATH
 # Variables remote ranks need besides PYTHON*/NCCL*/UCX* (which DeepSpeed forwards by itself):
-# written to DS_ENV_FILE, which DeepSpeed reads and exports on every node. DSCLIP_* are added.
+# written to DS_ENV_FILE, which DeepSpeed reads and exports on every node. DSCLIP_* and TORCH_NCCL_*
+# (TORCH_NCCL_ASYNC_ERROR_HANDLING, ...) are added.
 DS_ENV_VARS=${DS_ENV_VARS:-"PATH LD_LIBRARY_PATH TORCH_EXTENSIONS_DIR OMP_NUM_THREADS DEEPSPEED_TIMEOUT
   CUDA_HOME HF_HOME TRITON_CACHE_DIR GLOO_SOCKET_IFNAME TP_SOCKET_IFNAME"}
 # -------------------------------------------------------------------------------------------------
 
 die() { echo "deepspeed_hostfile.sh: $*" >&2; exit 2; }
 
+# launcher options: DS_LAUNCHER_ARGS, plus everything before a `--` (then the rest is dsclip's)
+read -r -a launcher_args <<<"$DS_LAUNCHER_ARGS"
+for a in "$@"; do
+  if [[ $a == -- ]]; then
+    while [[ $1 != -- ]]; do launcher_args+=("$1"); shift; done
+    shift
+    break
+  fi
+done
+
 [[ -f $HOSTFILE ]] || die "no hostfile at $HOSTFILE (copy launch/hostfile.example)"
 HOSTFILE=$(cd "$(dirname "$HOSTFILE")" && pwd)/$(basename "$HOSTFILE")
 first_host=$(awk '!/^[[:space:]]*(#|$)/ {print $1; exit}' "$HOSTFILE")
 [[ -n $first_host ]] || die "$HOSTFILE lists no host"
 MASTER_ADDR=${MASTER_ADDR:-$first_host}
+if [[ -n $NUM_GPUS ]]; then
+  # deepspeed takes the first NUM_GPUS slots of every host: more than a host has cannot start
+  short=$(awk -v n="$NUM_GPUS" '!/^[[:space:]]*(#|$)/ {s = 1; for (i = 2; i <= NF; i++) if ($i ~ /^slots=/) s = substr($i, 7)
+    if (s + 0 < n + 0) {print $1 " has slots=" s; exit}}' "$HOSTFILE")
+  [[ -z $short ]] || die "NUM_GPUS=$NUM_GPUS but in $HOSTFILE $short; set NUM_GPUS to at most the smallest slots (or empty: the hostfile's slots), or fix the hostfile"
+fi
 
 if [[ -f $VENV/bin/activate ]]; then
   # shellcheck disable=SC1091
@@ -63,7 +85,7 @@ else
   # pdsh starts remote ranks with a bare environment: hand them ours through DS_ENV_FILE.
   env_file=$(mktemp "${TMPDIR:-/tmp}/dsclip-ds-env.XXXXXX")
   trap 'rm -f "$env_file"' EXIT
-  for v in $DS_ENV_VARS $(compgen -e | grep '^DSCLIP_' || true); do
+  for v in $DS_ENV_VARS $(compgen -e | grep -E '^(DSCLIP_|TORCH_NCCL_)' || true); do
     [[ -n ${!v:-} ]] && printf '%s=%s\n' "$v" "${!v}" >>"$env_file"
   done
   export DS_ENV_FILE=$env_file             # an absolute path: DeepSpeed's os.path.join keeps it
@@ -76,7 +98,7 @@ echo "deepspeed_hostfile.sh: hosts $(awk '!/^[[:space:]]*(#|$)/ {printf "%s ", $
   "$MASTER_ADDR:$MASTER_PORT | ${NODE_RANK:+node_rank $NODE_RANK (no ssh) | }run $LOGS/$NAME" >&2
 if [[ -z $NODE_RANK ]]; then
   # not exec: the EXIT trap removes the env file. deepspeed exits with the failing rank's code.
-  deepspeed "${ds_args[@]}" --module "$MODULE" "${train_args[@]}" "$@"
+  deepspeed "${ds_args[@]}" ${launcher_args[@]+"${launcher_args[@]}"} --module "$MODULE" "${train_args[@]}" "$@"
   exit
 fi
 
@@ -84,5 +106,10 @@ fi
 # --signal, --signal=USR1@T): the ranks handle SIGUSR1 (checkpoint, exit 85, requeue), but
 # DeepSpeed's launcher processes do not and would die of it. An ignored signal stays ignored across
 # exec, so they inherit SIG_IGN; the ranks install their own handler.
-trap '' USR1
-exec deepspeed "${ds_args[@]}" --module "$MODULE" "${train_args[@]}" "$@"
+# SIGTERM likewise: DeepSpeed's runner would die of it at once and the step would take the ranks
+# with it before they saved (launch.py, which handles TERM itself, gives them 30 s).
+trap '' USR1 TERM
+# launch.py renumbers the node's GPUs 0..N-1 in CUDA_VISIBLE_DEVICES; the ranks map the ids back
+# onto the ones SLURM (or whoever set CUDA_VISIBLE_DEVICES for this node) gave us.
+[[ -n ${CUDA_VISIBLE_DEVICES:-} ]] && export DSCLIP_NODE_GPUS=$CUDA_VISIBLE_DEVICES
+exec deepspeed "${ds_args[@]}" ${launcher_args[@]+"${launcher_args[@]}"} --module "$MODULE" "${train_args[@]}" "$@"

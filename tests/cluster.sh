@@ -6,7 +6,8 @@
 #
 #   up      install what is missing (apt-get), then start, each recorded by PID under $ROOT:
 #             munged (unless one already answers), slurmctld, slurmd -N node1, slurmd -N node2
-#             (Debian's slurm supports several slurmd per machine), and one sshd on 127.0.0.2 and
+#             (Debian's slurm supports several slurmd per machine; each node declares fake GPU gres
+#             and the machine's cores, bound with task/affinity), and one sshd on 127.0.0.2 and
 #             one on 127.0.0.3 (`node1`, `node2` in /etc/hosts, marked lines) with a private key;
 #             pre-build DeepSpeed's CPU shm comm op into $TORCH_EXTENSIONS_DIR;
 #             write $ROOT/env.sh (SLURM_CONF, PATH with an `ssh` wrapper using a private config,
@@ -19,7 +20,7 @@
 #
 # Knobs (environment): DSCLIP_CLUSTER_ROOT (/tmp/dsclip-cluster), DSCLIP_CLUSTER_SSH_PORT (2222),
 # DSCLIP_CLUSTER_SLURMCTLD_PORT (6817), DSCLIP_CLUSTER_SLURMD_PORTS (6818-6819),
-# DSCLIP_VENV (repo's .venv), TORCH_EXTENSIONS_DIR (~/.cache/dsclip/torch_extensions: kept across
+# DSCLIP_CLUSTER_GPUS (4 fake GPUs per node), DSCLIP_VENV (repo's .venv), TORCH_EXTENSIONS_DIR (~/.cache/dsclip/torch_extensions: kept across
 # up/down on purpose, the JIT build of the shm op costs 30-80 s on 2 cores).
 #
 # Only files outside $ROOT that it touches: marked lines in /etc/hosts (removed by down),
@@ -35,6 +36,7 @@ SLURMD_PORTS=${DSCLIP_CLUSTER_SLURMD_PORTS:-6818-6819}
 VENV=${DSCLIP_VENV:-$REPO/.venv}
 EXT_DIR=${TORCH_EXTENSIONS_DIR:-$HOME/.cache/dsclip/torch_extensions}
 NODES=(node1 node2)
+GPUS=${DSCLIP_CLUSTER_GPUS:-4}   # fake GPUs per node
 ADDRS=(127.0.0.2 127.0.0.3)
 
 log() { printf '[cluster %(%T)T] %s\n' -1 "$*" >&2; }
@@ -135,7 +137,8 @@ SlurmctldLogFile=$ROOT/slurm/log/slurmctld.log
 SlurmdLogFile=$ROOT/slurm/log/slurmd-%n.log
 MpiDefault=none
 ProctrackType=proctrack/pgid
-TaskPlugin=task/none
+# CPU binding as on a real cluster: each task is pinned to the cores it asked for (--cpus-per-task)
+TaskPlugin=task/affinity
 SwitchType=switch/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
@@ -150,8 +153,24 @@ KillWait=5
 MinJobAge=4
 # lets the virtual nodes declare the CPUs of the machine twice
 SlurmdParameters=config_overrides
-NodeName=node[1-2] NodeHostname=${host} Port=${SLURMD_PORTS} CPUs=${cpus} RealMemory=${mem} State=UNKNOWN
+# ${GPUS} fake GPUs per node (gres.conf): SLURM hands them out by index, sets CUDA_VISIBLE_DEVICES /
+# SLURM_STEP_GPUS and applies --gpus-per-task / --gpu-bind, as it does with real ones.
+GresTypes=gpu
+NodeName=node[1-2] NodeHostname=${host} Port=${SLURMD_PORTS} CPUs=${cpus} Sockets=1 CoresPerSocket=${cpus} ThreadsPerCore=1 RealMemory=${mem} Gres=gpu:${GPUS} State=UNKNOWN
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+EOF
+  # Device files SLURM can hand out: slurmd insists on character devices (a plain file is "not a
+  # valid character or block device" and the gres is dropped) but never opens them. Major 240 is in
+  # the "local/experimental" range, so no driver is behind them; there is no CUDA here either (dsclip
+  # reports the index it would bind on a CPU machine). AutoDetect=off: no NVML to ask.
+  mkdir -p "$ROOT/slurm/gpus"
+  local i
+  for ((i = 0; i < GPUS; i++)); do
+    [[ -c $ROOT/slurm/gpus/nvidia$i ]] || mknod "$ROOT/slurm/gpus/nvidia$i" c 240 "$i"
+  done
+  cat >"$ROOT/slurm/gres.conf" <<EOF
+AutoDetect=off
+NodeName=node[1-2] Name=gpu File=$ROOT/slurm/gpus/nvidia[0-$((GPUS - 1))]
 EOF
 }
 

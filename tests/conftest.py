@@ -4,11 +4,20 @@ from __future__ import annotations
 
 import glob
 import os
+import sys
 
 import pytest
 import torch
 
 SHM_PATTERN = "/dev/shm/deepspeed_allreduce_buffer_*"
+
+# Every subprocess (deepspeed launcher, ranks, the launch scripts, which activate the venv) must find
+# the venv's ninja first: DeepSpeed JIT-builds its CPU shm op with whichever `ninja` is on PATH, and
+# two ninja binaries alternating on one TORCH_EXTENSIONS_DIR rebuild it from scratch each time
+# (minutes on 2 cores; longer inside a SLURM task bound to one core).
+_venv_bin = os.path.dirname(sys.executable)
+if os.environ.get("PATH", "").split(os.pathsep)[0] != _venv_bin:
+    os.environ["PATH"] = _venv_bin + os.pathsep + os.environ.get("PATH", "")
 
 
 def _mapped_files() -> set[str]:

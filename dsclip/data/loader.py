@@ -36,28 +36,66 @@ def mix_seed(*parts: int) -> int:
 
 
 class TrainData:
-    """Base class; subclasses set ``num_samples``, ``steps_per_epoch``, ``batch_size`` and ``_iterate``."""
+    """Base class; subclasses set ``num_samples``, ``steps_per_epoch``, ``batch_size`` and ``_open``.
+
+    ``_open(epoch, start_step)`` returns one stream of ``(images, tokens, stats)`` that runs on past the
+    end of ``epoch`` into the following epochs without a break. ``batches`` reads each epoch from that
+    one stream, so the workers produce the next epoch's first batches while the current one ends
+    (and while evaluation and checkpointing run at the boundary) instead of restarting cold: no
+    epoch-boundary stall. The content of every step is unchanged, because it depends only on
+    (seed, epoch, step); a request for any other position reopens the stream there.
+    """
 
     num_samples: int  # samples per epoch, all ranks together (= steps_per_epoch * batch_size * world_size)
     steps_per_epoch: int  # micro-batches per epoch on each rank (an optimizer step takes accum_freq of them)
     batch_size: int
+    # A requested position at most this many batches ahead of the open stream is reached by reading
+    # (the loop leaves steps_per_epoch % accum_freq batches of an epoch unused); further: reopen.
+    max_skip = 16
 
     def __init__(self) -> None:
         self._stats: Counter = Counter()
+        self._stream: Iterator | None = None
+        self._pos: tuple[int, int] | None = None  # (epoch, step) of the stream's next batch
 
     def batches(self, epoch: int, start_step: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         if not 0 <= start_step <= self.steps_per_epoch:
             raise ValueError(f"start_step {start_step} outside [0, {self.steps_per_epoch}]")
-        n = 0
-        for images, tokens, stats in self._iterate(epoch, start_step):
+        return self._epoch(epoch, start_step)
+
+    def _epoch(self, epoch: int, start_step: int):
+        want = self.steps_per_epoch - start_step
+        if want == 0:
+            return
+        self._seek(epoch, start_step)
+        for n in range(want):
+            item = next(self._stream, None)
+            if item is None:  # would desynchronize ranks: fail loudly instead
+                self._stream = self._pos = None
+                raise RuntimeError(f"data produced {n} batches, expected {want}")
+            self._advance()
+            images, tokens, stats = item
             if stats:
                 self._stats.update(stats)
-            n += 1
             yield images, tokens
-        if n != self.steps_per_epoch - start_step:  # would desynchronize ranks: fail loudly instead
-            raise RuntimeError(f"data produced {n} batches, expected {self.steps_per_epoch - start_step}")
 
-    def _iterate(self, epoch: int, start_step: int):
+    def _advance(self) -> None:
+        e, s = self._pos
+        self._pos = (e + 1, 0) if s + 1 == self.steps_per_epoch else (e, s + 1)
+
+    def _seek(self, epoch: int, start_step: int) -> None:
+        if self._pos is not None:
+            ahead = (epoch - self._pos[0]) * self.steps_per_epoch + start_step - self._pos[1]
+            if 0 <= ahead <= self.max_skip:
+                for _ in range(ahead):  # read and drop: cheaper than restarting the workers cold
+                    if next(self._stream, None) is None:
+                        break
+                    self._advance()
+                else:
+                    return
+        self._stream, self._pos = self._open(epoch, start_step), (epoch, start_step)
+
+    def _open(self, epoch: int, start_step: int) -> Iterator:
         raise NotImplementedError
 
     def stats(self) -> dict[str, int]:
@@ -65,16 +103,17 @@ class TrainData:
         return dict(self._stats)
 
     def close(self) -> None:
-        pass
+        self._stream = self._pos = None
 
 
 class EpochBatchSampler(Sampler):
     """Per-epoch permutation split across ranks: rank r's step k = perm[(k*world + r)*B : +B].
 
-    Only full global batches are used (drop_last), so every rank gets ``steps`` batches of B.
+    Only full global batches are used (drop_last), so every rank gets ``steps`` batches of B per epoch.
     Yields lists of ``(epoch, index)`` keys so a dataset can seed its augmentations per sample.
-    ``set_epoch`` is called in the main process before each iteration; with persistent workers the
-    sampler is still iterated in the main process, so this works across epochs.
+    Iteration starts at ``set_epoch(epoch, start_step)`` and runs on through the following epochs
+    (each with its own permutation), so the DataLoader keeps prefetching across epoch boundaries.
+    The sampler is iterated in the main process, also with persistent workers.
     """
 
     def __init__(self, num_samples: int, batch_size: int, rank: int, world_size: int, seed: int):
@@ -87,16 +126,16 @@ class EpochBatchSampler(Sampler):
         self.epoch, self.start_step = int(epoch), int(start_step)
 
     def __iter__(self):
-        g = torch.Generator()
-        g.manual_seed(mix_seed(self.seed, self.epoch, 0x5A17))
-        perm = torch.randperm(self.num_samples, generator=g)
+        epoch, start = self.epoch, self.start_step
         b, w = self.batch_size, self.world_size
-        for step in range(self.start_step, self.steps):
-            base = (step * w + self.rank) * b
-            yield [(self.epoch, int(i)) for i in perm[base : base + b]]
-
-    def __len__(self) -> int:
-        return self.steps - self.start_step
+        while True:
+            g = torch.Generator()
+            g.manual_seed(mix_seed(self.seed, epoch, 0x5A17))
+            perm = torch.randperm(self.num_samples, generator=g)
+            for step in range(start, self.steps):
+                base = (step * w + self.rank) * b
+                yield [(epoch, int(i)) for i in perm[base : base + b]]
+            epoch, start = epoch + 1, 0
 
 
 class TokenizingCollate:
@@ -170,13 +209,12 @@ class MapStyleTrainData(TrainData):
             **kw,
         )
 
-    def _iterate(self, epoch: int, start_step: int):
+    def _open(self, epoch: int, start_step: int):
         self.sampler.set_epoch(epoch, start_step)
-        if start_step == self.steps_per_epoch:
-            return
-        yield from self.loader
+        return iter(self.loader)  # persistent workers: a new iterator reuses them
 
     def close(self) -> None:
+        super().close()
         shutdown_loader(self.loader)
 
 

@@ -182,17 +182,12 @@ class WdsBatches(IterableDataset):
         bad.counts[TRUNCATED] += cut  # counted, not warned per sample: the trainer warns once on the share
         return torch.stack(images), tokens
 
-    def __iter__(self):
-        info = get_worker_info()
-        slot = info.id if info is not None else 0
-        if info is not None and info.num_workers != self.num_slots:
-            raise RuntimeError(f"expected {self.num_slots} workers, got {info.num_workers}")
-        epoch, start = int(self.state[0]), int(self.state[1])
-        # DataLoader worker w serves logical slot (w + start) % W so that fetch order = step order.
-        slot = (slot + start) % self.num_slots
+    def _epoch_batches(self, epoch: int, slot: int, start: int, bad: BadData):
+        """Logical slot ``slot``'s batches of ``epoch`` from step ``start`` on (steps slot, slot+W, ...)."""
         steps = [k for k in range(start, self.steps_per_epoch) if k % self.num_slots == slot]
+        if not steps:
+            return
         n_skip = len(range(slot, min(start, self.steps_per_epoch), self.num_slots))  # its steps before start
-        bad = BadData()
         stream = self._raw_stream(epoch, slot, bad)
         B = self.batch_size
         for _ in range(n_skip * B):  # resume: skip raw samples, no decoding
@@ -204,6 +199,24 @@ class WdsBatches(IterableDataset):
                 out = self._decode_batch([next(stream) for _ in range(B)], epoch, step, bad)
             yield out[0], out[1], bad.take()
 
+    def __iter__(self):
+        """From (epoch, start_step) in ``state`` on, through the following epochs without end.
+
+        The DataLoader takes item n from worker n % W. Item n is step s of epoch e where
+        n = offset_e + s, offset_e = (e - epoch0)·steps_per_epoch - start_step; so in epoch e worker w
+        serves logical slot (w - offset_e) % W, and fetch order = step order across epoch boundaries.
+        """
+        info = get_worker_info()
+        worker = info.id if info is not None else 0
+        if info is not None and info.num_workers != self.num_slots:
+            raise RuntimeError(f"expected {self.num_slots} workers, got {info.num_workers}")
+        epoch, start = int(self.state[0]), int(self.state[1])
+        offset = -start
+        bad = BadData()
+        while True:
+            yield from self._epoch_batches(epoch, (worker - offset) % self.num_slots, start, bad)
+            epoch, start, offset = epoch + 1, 0, offset + self.steps_per_epoch
+
 
 class WdsTrainData(TrainData):
     def __init__(self, dataset: WdsBatches, loader: DataLoader, num_samples: int):
@@ -213,13 +226,12 @@ class WdsTrainData(TrainData):
         self.steps_per_epoch = dataset.steps_per_epoch
         self.num_samples = num_samples
 
-    def _iterate(self, epoch: int, start_step: int):
+    def _open(self, epoch: int, start_step: int):
         self.dataset.state[0], self.dataset.state[1] = epoch, start_step
-        if start_step >= self.steps_per_epoch:
-            return
-        yield from self.loader
+        return iter(self.loader)  # persistent workers read the new state when the iterator resets them
 
     def close(self) -> None:
+        super().close()
         shutdown_loader(self.loader)
 
 

@@ -10,6 +10,7 @@ import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import deepspeed
@@ -21,7 +22,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from dsclip.dist import rank_world
-from dsclip.engine import optim
+from dsclip.engine import optim, world
 from dsclip.engine.compile import compile_towers
 from dsclip.engine.ds_config import precision_of, zero_stage
 from dsclip.engine.world import release_shm_workspace
@@ -43,6 +44,12 @@ class EngineBundle:
 
 def device_type() -> str:
     return get_accelerator().device_name()  # "cuda" | "cpu" | ...
+
+
+def optimizer_offloaded(ds_config: dict) -> bool:
+    """ZeRO-Offload of the optimizer: its states and step live in host memory."""
+    off = ds_config.get("zero_optimization", {}).get("offload_optimizer") or {}
+    return off.get("device", "none") not in ("none", None)
 
 
 def construction_context(ds_config: dict):
@@ -110,7 +117,14 @@ def build_engine(
     if "optimizer" in ds_config:
         kwargs["model_parameters"] = optim.param_groups(model, cfg.optim.wd)
     else:
-        kwargs["optimizer"] = optim.build_optimizer(model, cfg.optim, device_type())
+        kwargs["optimizer"] = optim.build_optimizer(
+            model, cfg.optim, device_type(), cpu_offload=optimizer_offloaded(ds_config)
+        )
+    # DeepSpeed binds set_device(LOCAL_RANK) unless told otherwise: with one GPU per task
+    # (--gpus-per-task=1) local rank 3 would ask for device 3 of 1. Hand it the index world.py bound.
+    dev = world.device_rank()
+    if dev is not None:
+        kwargs["args"] = SimpleNamespace(device_rank=dev)
     engine, _, _, _ = deepspeed.initialize(**kwargs)
     return EngineBundle(engine, zero_stage(ds_config), precision_of(ds_config).name)
 

@@ -211,15 +211,31 @@ def normalize_precision(p: str) -> str:
     return p  # fp32 | auto
 
 
+# Shipped inside the package (package data), so an installed dsclip has them from any directory.
+SHIPPED_DS_CONFIGS = Path(__file__).resolve().parents[1] / "ds_configs"
+
+
+def shipped_ds_config_path(name: str | Path) -> Path | None:
+    """``zero3_bf16``, ``zero3_bf16.json`` or ``ds_configs/zero3_bf16.json`` → the shipped file (None if none)."""
+    stem = Path(name).name
+    for cand in (stem, f"{stem}.json"):
+        if (SHIPPED_DS_CONFIGS / cand).is_file():
+            return SHIPPED_DS_CONFIGS / cand
+    return None
+
+
 def load_ds_json(path: str | Path) -> dict[str, Any]:
+    """A DeepSpeed JSON: an existing path (relative to the working directory), else a shipped config
+    by name (``zero3_bf16``; the historical ``ds_configs/<name>.json`` spelling works from any cwd)."""
     p = Path(path)
-    if not p.exists():
-        shipped = Path(__file__).resolve().parents[2] / "ds_configs"
-        if (shipped / p.name).exists():
-            p = shipped / p.name
-        else:
-            avail = ", ".join(sorted(x.name for x in shipped.glob("*.json"))) if shipped.exists() else "none"
-            raise ConfigError(f"DeepSpeed config not found: {path} (shipped: {avail})")
+    if not p.is_file():
+        shipped = shipped_ds_config_path(p)
+        if shipped is None or (p.parent != Path(".") and p.parent.name != "ds_configs"):
+            avail = ", ".join(sorted(x.stem for x in SHIPPED_DS_CONFIGS.glob("*.json")))
+            raise ConfigError(
+                f"DeepSpeed config not found: {path} (not a file relative to {Path.cwd()}; shipped names: {avail})"
+            )
+        p = shipped
     try:
         return json.loads(p.read_text())
     except json.JSONDecodeError as e:
@@ -370,10 +386,9 @@ def _fill_optimizer(ds: dict[str, Any], o: OptimArgs, where: str) -> None:
                 "--momentum: dsclip's default optimizer is AdamW, which takes no momentum (its first moment is "
                 "--beta1); drop --momentum, or give the DeepSpeed JSON an optimizer block of type SGD or MuSGD"
             )
-        # We hand DeepSpeed a torch AdamW; ZeRO wants this acknowledged explicitly.
+        # We hand DeepSpeed our own AdamW (engine/optim.py: torch's, or DeepSpeedCPUAdam under
+        # offload_optimizer, which ZeRO-Offload then accepts as its own); ZeRO wants this acknowledged.
         ds.setdefault("zero_allow_untested_optimizer", True)
-        if ds["zero_optimization"].get("offload_optimizer", {}).get("device", "none") not in ("none", None):
-            ds.setdefault("zero_force_ds_cpu_optimizer", False)
 
 
 # DeepSpeed optimizer types whose params take "momentum" (DeepSpeed's MuSGD, or torch.optim.SGD that it

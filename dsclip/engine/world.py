@@ -27,11 +27,12 @@ at once (gloo: "Connection closed by peer"), they exit non-zero, and the launche
 ``DSCLIP_DIST_TIMEOUT`` (seconds), ``DEEPSPEED_TIMEOUT`` (minutes, DeepSpeed's convention), the
 ``timeout_s`` argument, or 30 minutes — first one set wins.
 
-Preemption (SLURM ``--signal=B:USR1@120`` → batch script forwards ``SIGUSR1`` to the ranks):
-:func:`install_preemption_handler` records ``SIGUSR1``/``SIGTERM``; the training loop polls
-:func:`preemption_requested` (collective: every rank must call it at the same step), saves a
-checkpoint and exits with :data:`EXIT_REQUEUE`, and the batch script requeues the job, which then
-resumes with ``--resume latest``.
+Stop requests (SLURM ``--signal=B:USR1@120`` → batch script forwards ``SIGUSR1`` to the ranks;
+``scancel`` → ``SIGTERM``): :func:`install_preemption_handler` records them; the gradient cache folds
+:func:`local_stop_flags` into the all-reduce it makes every step, so every rank sees the same
+:func:`stop_reason` at the same step without an extra host sync; the loop saves a checkpoint and
+exits :data:`EXIT_REQUEUE` (USR1: the batch script requeues, the job resumes with ``--resume
+latest``) or :data:`EXIT_TERMINATED` (TERM: not requeued).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -263,6 +265,194 @@ def export_env(info: WorldInfo, env=None) -> None:
     )
 
 
+# --- device binding (which GPU this rank uses, in its own view) -------------------------------------
+
+
+class DeviceBindingError(WorldDiscoveryError):
+    """This task cannot be given a GPU of its own (names the rank and the fix)."""
+
+
+@dataclass(frozen=True)
+class DeviceBinding:
+    """The GPU a rank binds, as an index valid in the task's own view.
+
+    ``index`` is what ``set_device`` and DeepSpeed's ``device_rank`` get; ``visible`` the task's
+    ``CUDA_VISIBLE_DEVICES`` entries (None when unset: the node's GPUs in order), so ``physical`` —
+    the entry ``index`` points at — names the node's GPU. On a CPU-only machine nothing is bound but
+    the same rule runs on ``CUDA_VISIBLE_DEVICES``, so a launch can be checked without GPUs.
+    """
+
+    index: int | None  # None: a CPU run whose CUDA_VISIBLE_DEVICES names no usable GPU (nothing to bind)
+    count: int  # GPUs in the task's view
+    visible: tuple[str, ...] | None
+    on_gpu: bool
+
+    @property
+    def physical(self) -> str:
+        if self.index is None:
+            return "-"
+        return self.visible[self.index] if self.visible is not None else str(self.index)
+
+    def describe(self) -> str:
+        vis = (",".join(self.visible) or "none") if self.visible is not None else "all"
+        bind = "none" if self.index is None else f"cuda:{self.index}"
+        return f"device {'cuda' if self.on_gpu else 'cpu'} bind {bind} gpu {self.physical} visible {vis}"
+
+
+def _visible(env) -> tuple[str, ...] | None:
+    v = env.get("CUDA_VISIBLE_DEVICES")
+    if v is None:
+        return None
+    v = v.strip()
+    # SLURM writes NoDevFiles when a step has GPUs it cannot map to device files; -1 hides all
+    if v in ("", "-1", "NoDevFiles"):
+        return ()
+    return tuple(x.strip() for x in v.split(","))
+
+
+def remap_launcher_devices(env=None) -> None:
+    """Per-node DeepSpeed launcher under SLURM: ``launch.py`` sets ``CUDA_VISIBLE_DEVICES`` to hostfile
+    slot ids (``0,1,..``), which ignores the GPUs SLURM gave the node's task (``DSCLIP_NODE_GPUS``, saved
+    by launch/deepspeed_hostfile.sh before the launcher overwrote it). Translate the ids back into the
+    SLURM set, before CUDA initialises, so a rank never uses a GPU of another job."""
+    env = os.environ if env is None else env
+    node = env.get("DSCLIP_NODE_GPUS")
+    ids = _visible(env)
+    if not node or ids is None:
+        return
+    node_gpus = tuple(x.strip() for x in node.split(","))
+    if node_gpus == ids:
+        return
+    try:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(node_gpus[int(i)] for i in ids)
+    except (ValueError, IndexError):
+        raise DeviceBindingError(
+            f"rank {env.get('RANK', '?')}: the DeepSpeed launcher assigned GPU ids {','.join(ids)} but SLURM gave this "
+            f"node only {node} ({len(node_gpus)} GPUs); set GPUS_PER_NODE / hostfile slots to at most {len(node_gpus)} "
+            "or request more GPUs (--gpus-per-node)"
+        ) from None
+    env["DSCLIP_LAUNCHER_GPU_IDS"] = ",".join(ids)
+
+
+def resolve_device(info: WorldInfo, env=None, *, cuda_count: int | None = None) -> DeviceBinding:
+    """Which GPU index this rank binds, valid in its own view (see :class:`DeviceBinding`).
+
+    ``cuda_count``: ``torch.cuda.device_count()`` on a GPU run, None on a CPU-only machine (the view
+    is then counted from ``CUDA_VISIBLE_DEVICES``). Rule, with n GPUs visible and L ranks on the node:
+    n == 1 → 0 (``--gpus-per-task=1``, ``--gpu-bind=single``, ``map_gpu``); n >= L → the local rank (each
+    rank sees the whole node: deepspeed, torchrun, plain srun); n < L with L a multiple of n → local rank
+    mod n (``--gpu-bind=closest``: each socket's tasks see that socket's GPUs); anything else is an error
+    on a GPU run (on a CPU run: nothing to bind, ``index`` None).
+    """
+    env = os.environ if env is None else env
+    visible = _visible(env)
+    on_gpu = cuda_count is not None
+    if on_gpu:
+        n = cuda_count
+    else:
+        n = len(visible) if visible is not None else info.local_world_size
+    local, lws = info.local_rank, info.local_world_size
+    who = f"rank {info.rank} (local {local}/{lws}, host {socket.gethostname()})"
+    cvd = "unset" if visible is None else repr(env.get("CUDA_VISIBLE_DEVICES"))
+    if n == 0:
+        if not on_gpu:  # CUDA_VISIBLE_DEVICES="" is the usual way to force a CPU run
+            return DeviceBinding(None, 0, visible, False)
+        raise DeviceBindingError(
+            f"{who}: no GPU visible to this task (CUDA_VISIBLE_DEVICES={cvd}); request GPUs for every task "
+            "(--gpus-per-task=1 or --gpus-per-node) or unset CUDA_VISIBLE_DEVICES"
+        )
+    if n == 1:
+        index = 0
+    elif n >= lws:
+        index = local
+    elif lws % n == 0:
+        index = local % n
+    elif not on_gpu:
+        return DeviceBinding(None, n, visible, False)  # a CPU run: nothing is bound, nothing to refuse
+    else:
+        raise DeviceBindingError(
+            f"{who}: sees {n} GPUs (CUDA_VISIBLE_DEVICES={cvd}) for {lws} ranks on this node, so ranks would share "
+            "a GPU; start one rank per GPU (--ntasks-per-node / --num_gpus = GPUs per node) or give each task its "
+            "own GPU (--gpus-per-task=1)"
+        )
+    return DeviceBinding(index, n, visible, on_gpu)
+
+
+def cpu_affinity() -> list[int]:
+    """The cores this process may run on (SLURM task/affinity or cgroup binding, taskset, ...)."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return list(range(os.cpu_count() or 1))
+
+
+def format_cpus(cpus: list[int]) -> str:
+    """[0, 1, 2, 5] → "0-2,5" (the cpuset list syntax of taskset / Cpus_allowed_list)."""
+    parts, i = [], 0
+    while i < len(cpus):
+        j = i
+        while j + 1 < len(cpus) and cpus[j + 1] == cpus[j] + 1:
+            j += 1
+        parts.append(str(cpus[i]) if i == j else f"{cpus[i]}-{cpus[j]}")
+        i = j + 1
+    return ",".join(parts)
+
+
+def _line(msg: str) -> None:
+    """One stderr line in one write: the ranks of a node share a pipe, and under ``python -u`` print()
+    writes the text and its newline separately, so two ranks' lines would interleave."""
+    sys.stderr.write(msg + "\n")
+    sys.stderr.flush()
+
+
+def check_workers(workers: int, rank: int | None = None) -> str | None:
+    """One warning line when ``--workers`` data workers (plus the rank itself) exceed the rank's cores."""
+    cores = len(cpu_affinity())
+    if workers <= cores:
+        return None
+    rank = (_state["info"].rank if _state["info"] else 0) if rank is None else rank
+    msg = (
+        f"[dsclip] rank {rank}: WARNING --workers {workers} exceeds the {cores} core(s) this rank may use "
+        f"(affinity {format_cpus(cpu_affinity())}); lower --workers to {cores} or request more cores per task "
+        "(--cpus-per-task; srun needs -c or SRUN_CPUS_PER_TASK since Slurm 22.05)"
+    )
+    _line(msg)
+    return msg
+
+
+def check_master_port(info: WorldInfo, env=None) -> None:
+    """Rank 0 hosts the rendezvous store on MASTER_PORT: fail with one line if another process holds it
+    (the other ranks would otherwise wait for the full timeout, or join a stranger's store)."""
+    env = os.environ if env is None else env
+    if info.rank != 0 or info.world_size == 1 or info.source == "torchrun" or "TORCHELASTIC_USE_AGENT_STORE" in env:
+        return  # torchrun's agent already listens on MASTER_PORT on purpose
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT leftovers are fine
+        try:
+            s.bind(("", info.master_port))
+        except OSError:
+            raise WorldDiscoveryError(
+                f"rank 0 (host {socket.gethostname()}): MASTER_PORT {info.master_port} is already in use on "
+                f"{info.master_addr} (another job?); set MASTER_PORT to a free port"
+            ) from None
+
+
+# The network settings the launch scripts forward and README documents, as each rank sees them.
+NET_VARS = (
+    "NCCL_SOCKET_IFNAME",
+    "NCCL_IB_HCA",
+    "NCCL_DEBUG",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    "GLOO_SOCKET_IFNAME",
+)
+
+
+def net_settings(env=None) -> str:
+    """``NCCL_SOCKET_IFNAME=ib0,NCCL_DEBUG=WARN`` (the set ones of :data:`NET_VARS`), or ``-``."""
+    env = os.environ if env is None else env
+    return ",".join(f"{k}={env[k]}" for k in NET_VARS if env.get(k)) or "-"
+
+
 def resolve_timeout(timeout_s: float | None = None, env=None) -> timedelta:
     """Process-group timeout: DSCLIP_DIST_TIMEOUT (s) > DEEPSPEED_TIMEOUT (min) > ``timeout_s`` > 30 min."""
     env = os.environ if env is None else env
@@ -273,7 +463,7 @@ def resolve_timeout(timeout_s: float | None = None, env=None) -> timedelta:
     return timedelta(seconds=DEFAULT_TIMEOUT_S if timeout_s is None else float(timeout_s))
 
 
-_state = {"info": None, "failed": False, "atexit": False, "prev_excepthook": None}
+_state = {"info": None, "binding": None, "failed": False, "atexit": False, "prev_excepthook": None}
 
 
 def _excepthook(tp, value, tb):
@@ -293,11 +483,16 @@ def init_distributed(timeout_s: float | None = None, backend: str | None = None)
         return _state["info"]
     info = discover_world()
     export_env(info)
+    remap_launcher_devices()  # before CUDA initialises: it reads CUDA_VISIBLE_DEVICES once
+    on_gpu = torch.cuda.is_available()
+    binding = resolve_device(info, cuda_count=torch.cuda.device_count() if on_gpu else None)
     backend = backend or os.environ.get("DSCLIP_DIST_BACKEND")
     if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
+        backend = "nccl" if on_gpu else "gloo"
+    if on_gpu:
+        torch.cuda.set_device(binding.index)
+    _state["binding"] = binding
+    check_master_port(info)
     timeout = resolve_timeout(timeout_s)
 
     # lazy: launchers' stand-ins and the CLI's error path import this module; deepspeed takes seconds to load
@@ -308,13 +503,12 @@ def init_distributed(timeout_s: float | None = None, backend: str | None = None)
     _state["info"] = info
     if os.environ.get("DSCLIP_LOG_WORLD", "1") != "0":
         # one line per rank: the first thing to look at when a launch misbehaves
-        print(
+        _line(
             f"[dsclip] rank {info.rank}/{info.world_size} local {info.local_rank}/{info.local_world_size} "
             f"host {socket.gethostname()} node {os.environ.get('SLURMD_NODENAME', '-')} "
             f"source {info.source} master {info.master_addr}:{info.master_port} backend {backend} "
-            f"timeout {int(timeout.total_seconds())}s",
-            file=sys.stderr,
-            flush=True,
+            f"timeout {int(timeout.total_seconds())}s {binding.describe()} "
+            f"cpus {format_cpus(cpu_affinity())} ({len(cpu_affinity())}) net {net_settings()}"
         )
     if not _state["atexit"]:
         _state["atexit"] = True
@@ -356,6 +550,12 @@ def release_shm_workspace() -> bool:
         return False
 
 
+def device_rank() -> int | None:
+    """The device index :func:`init_distributed` bound (DeepSpeed's ``device_rank``), None before it."""
+    b = _state["binding"]
+    return None if b is None else b.index
+
+
 def world_info() -> WorldInfo | None:
     """The WorldInfo of :func:`init_distributed`, or None before it."""
     return _state["info"]
@@ -394,38 +594,75 @@ def _shutdown_at_exit() -> None:
         )
 
 
-# --- preemption (SLURM --signal, scancel --signal, kill) -------------------------------------------
+# --- stop requests: SIGUSR1 (requeue), SIGTERM (stop, no requeue), a second SIGTERM (now) --------------
+#
+# One meaning per signal, the same for every launcher and documented in README ("Signals"):
+#   SIGUSR1  time-limit warning (sbatch --signal=B:USR1@120, forwarded by the batch scripts): finish
+#            the step, save a checkpoint, exit EXIT_REQUEUE (85); the batch scripts requeue on 85 only.
+#   SIGTERM  scancel, scheduler preemption, the time limit itself: finish the step, save, exit
+#            EXIT_TERMINATED (143 = 128 + SIGTERM); never requeued.
+#   SIGTERM again, more than TERM_REPEAT_S after the first one (or after SIGUSR1): stop now (default
+#            action). SLURM delivers one scancel twice within milliseconds (to the step and through
+#            srun's forwarding), which must not count as a second request.
+# TERM wins over USR1 when ranks disagree (someone cancelled the job).
 
-_preempt = {"signum": None}
+EXIT_TERMINATED = 128 + signal.SIGTERM
+TERM_REPEAT_S = 1.0
+STOP_NONE, STOP_REQUEUE, STOP_TERMINATE = None, "requeue", "terminate"
+
+_preempt = {"signum": None, "usr1": False, "term": False, "first_at": None}
 
 
 def install_preemption_handler(signals=PREEMPT_SIGNALS) -> None:
-    """Record (not act on) ``SIGUSR1``/``SIGTERM``; the loop checks :func:`preemption_requested`.
-
-    Only the first signal is deferred; after it, SIGTERM gets its default action back, so SLURM's
-    SIGTERM at the time limit (after the USR1 warning) or a second ``scancel`` ends the process at
-    once. A repeated SIGUSR1 (SLURM may deliver it to a rank both directly and via the batch
-    script) stays harmless."""
+    """Record ``SIGUSR1``/``SIGTERM`` (the loop acts at the end of the step, on every rank together);
+    a later ``SIGTERM`` ends the process at once (see the table above)."""
 
     def handler(signum, frame):
+        now = time.monotonic()
+        first = _preempt["first_at"]
+        if signum == signal.SIGTERM and first is not None and now - first > TERM_REPEAT_S:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # asked twice: stop now
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        if first is None:
+            _preempt["first_at"] = now
         _preempt["signum"] = signum
-        if signal.SIGTERM in signals:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        _preempt["usr1" if signum == signal.SIGUSR1 else "term"] = True
 
     for s in signals:
         signal.signal(s, handler)
 
 
-def preemption_requested(sync: bool = True) -> bool:
-    """True once any rank got a preemption signal. With ``sync`` (default) this is a collective
-    (MAX all-reduce of one int) so all ranks stop at the same step — call it on every rank."""
-    local = _preempt["signum"] is not None
-    if not sync:
-        return local
+def local_stop_flags() -> tuple[float, float]:
+    """(SIGUSR1 seen, SIGTERM seen) on this rank, as numbers to fold into a collective the step makes."""
+    return float(_preempt["usr1"]), float(_preempt["term"])
 
+
+def stop_reason(flags) -> str | None:
+    """``STOP_*`` from flags summed over all ranks (every rank gets the same answer from the same sums)."""
+    usr1, term = (float(f) for f in flags)
+    if term > 0:
+        return STOP_TERMINATE
+    if usr1 > 0:
+        return STOP_REQUEUE
+    return STOP_NONE
+
+
+def exit_code(reason: str | None) -> int:
+    return {STOP_REQUEUE: EXIT_REQUEUE, STOP_TERMINATE: EXIT_TERMINATED}.get(reason, 0)
+
+
+def preemption_requested(sync: bool = True) -> str | None:
+    """The stop reason (truthy) once any rank got SIGUSR1/SIGTERM. With ``sync`` (default) this is a
+    collective (a SUM all-reduce of two numbers plus a host sync) so all ranks stop at the same step —
+    call it on every rank. The training loop does not: the gradient cache folds the same flags into
+    the all-reduce every step already makes (see dsclip/train/gradcache.py, bench/host_syncs.py)."""
+    local = local_stop_flags()
+    if not sync:
+        return stop_reason(local)
     if rank_world()[1] == 1:
-        return local
+        return stop_reason(local)
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    flag = torch.tensor([int(local)], dtype=torch.int32, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
+    flags = torch.tensor(local, dtype=torch.float32, device=device)
+    dist.all_reduce(flags, op=dist.ReduceOp.SUM)
+    return stop_reason(flags.tolist())

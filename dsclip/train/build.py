@@ -16,6 +16,7 @@ from torch import nn
 from dsclip.checkpoint.pretrained import load_pretrained_into
 from dsclip.config import ConfigError, RunConfig, dumps, save_run_config
 from dsclip.data import DataConfig, TrainData, build_tokenizer, build_train_data
+from dsclip.engine import world
 from dsclip.engine.build import EngineBundle, autocast_dtype, device_type
 from dsclip.engine.compile import CompileSetupError, check_compile_setup
 from dsclip.engine.ds_config import TrainArgs, load_ds_json, resolve_ds_config
@@ -135,7 +136,11 @@ def build_step(bundle: EngineBundle, loss: LossArgs, train: TrainArgs) -> GradCa
     """One optimizer step over accum_freq micro-batches, with the run's loss."""
     loss_fn = build_loss(loss.loss_config())
     return GradCacheStep(
-        bundle.engine, loss_fn, keep_last_graph=train.keep_last_graph, compute_dtype=autocast_dtype(bundle)
+        bundle.engine,
+        loss_fn,
+        keep_last_graph=train.keep_last_graph,
+        compute_dtype=autocast_dtype(bundle),
+        extra_flags=world.local_stop_flags,  # stop signals ride on the step's own all-reduce
     )
 
 

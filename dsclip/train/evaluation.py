@@ -7,6 +7,7 @@ all ranks and gathered by dsclip.eval. Results go to the console, TensorBoard, m
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
@@ -52,12 +53,18 @@ class TrainingEvaluator:
         if not (due_zs or due_val):
             return
         engine.eval()
+        t0 = time.perf_counter()
         with torch.no_grad():
-            if due_zs:
-                self._log(step, epoch, "zeroshot", self.evaluator.zeroshot(engine.module))
-            if due_val:
-                self._log(step, epoch, "retrieval", self.evaluator.retrieval(engine.module))
+            for due, name, fn in (
+                (due_zs, "zeroshot", self.evaluator.zeroshot),
+                (due_val, "retrieval", self.evaluator.retrieval),
+            ):
+                if due:
+                    t = time.perf_counter()
+                    res = fn(engine.module)
+                    self._log(step, epoch, name, {**res, "eval_s": time.perf_counter() - t})  # its cost, in the log
         engine.train()
+        self.metrics.exclude(time.perf_counter() - t0)  # training throughput stays training throughput
 
     def final(self, engine, step: int, epoch: int) -> dict:
         """End of training: the demo's held-out zero-shot (shape and colour prompts) for demo data."""

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from dsclip.dist import rank_world
+from dsclip.engine.grad_hooks import hooks_removable, zero_grad_hooks_suspended
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # images (B,3,H,W), tokens (B,L)
 
@@ -49,6 +50,7 @@ class StepResult:
     grad_norm: float | None
     applied: bool  # False when the step was skipped (fp16 overflow, non-finite features)
     skip_reason: str | None = None
+    flags: tuple[float, ...] = ()  # ``extra_flags`` summed over all ranks (the stop-signal flags)
 
 
 def snapshot_rng(device: torch.device) -> dict:
@@ -90,9 +92,13 @@ class GradCacheStep:
         keep_last_graph: bool = True,
         compute_dtype: torch.dtype = torch.float32,
         reduction: str = "auto",
+        extra_flags: Callable[[], Sequence[float]] = tuple,
     ):
         self.engine = engine
         self.loss_fn = loss_fn
+        # Numbers every step sums over the ranks for the caller, riding on the all-reduce the step makes
+        # anyway (the non-finite check): the stop-signal flags, without a second collective + host sync.
+        self.extra_flags = extra_flags
         self.keep_last_graph = keep_last_graph
         self.compute_dtype = compute_dtype
         self.device = engine.device if isinstance(engine.device, torch.device) else torch.device(engine.device)
@@ -101,6 +107,8 @@ class GradCacheStep:
         if reduction not in ("coalesced", "boundary"):
             raise ValueError(f"unknown reduction {reduction!r}")
         self.reduction = reduction
+        # ZeRO-1/2 hooks do nothing useful inside a coalesced block (dsclip/engine/grad_hooks.py)
+        self.skip_zero_hooks = reduction == "coalesced" and hooks_removable(engine)
 
     def _coalescing_supported(self) -> bool:
         e = self.engine
@@ -143,7 +151,8 @@ class GradCacheStep:
         k = len(micro_batches)
         e = self.engine
         ctx = e.coalesce_grad_reduction() if self.reduction == "coalesced" else contextlib.nullcontext()
-        with ctx:
+        hooks = zero_grad_hooks_suspended(e) if self.skip_zero_hooks else contextlib.nullcontext()
+        with ctx, hooks:  # hooks re-registered before the coalesced reduction runs
             for i in range(k):
                 final = i == k - 1
                 e.set_gradient_accumulation_boundary(final)
@@ -179,14 +188,19 @@ class GradCacheStep:
 
         # Non-finite embeddings (fp16 forward overflow): every rank must agree to skip, or the
         # others would block in the loss's collectives.
-        bad = torch.tensor(
-            [float(not (torch.isfinite(torch.cat(img_cache)).all() and torch.isfinite(torch.cat(txt_cache)).all()))],
-            device=self.device,
-        )
-        if _all_reduce(bad).item() > 0:
+        finite = torch.isfinite(torch.cat(img_cache)).all() & torch.isfinite(torch.cat(txt_cache)).all()
+        flags = torch.cat([(~finite).float().reshape(1), torch.tensor([*self.extra_flags()], device=self.device)])
+        bad, *summed = _all_reduce(flags).tolist()  # (1 + F,): the one host sync before the loss
+        if bad > 0:
             live = None  # nothing was back-propagated: the step is skipped on every rank together
             return StepResult(
-                float("nan"), scale.item(), None if bias is None else bias.item(), None, False, "non-finite embeddings"
+                float("nan"),
+                scale.item(),
+                None if bias is None else bias.item(),
+                None,
+                False,
+                "non-finite embeddings",
+                tuple(summed),
             )
 
         # ---- the loss, once, over all cached embeddings (fp32) ----
@@ -210,10 +224,12 @@ class GradCacheStep:
         self._second_pass(micro_batches, rng_states, live, (g_img, g_txt, g_scale, g_bias))
         restore_rng(rng_after, self.device)
         live = None
-        report = torch.tensor([loss.detach().float().item()], device=self.device)
+        report = loss.detach().float().reshape(1).clone()  # stays on the device: no host sync here
         report = _all_reduce(report) / _world()
         if not optimizer_step:
-            return StepResult(report.item(), scale.item(), None if bias is None else bias.item(), None, True)
+            return StepResult(
+                report.item(), scale.item(), None if bias is None else bias.item(), None, True, None, tuple(summed)
+            )
         e = self.engine
         e.step()
 
@@ -228,4 +244,5 @@ class GradCacheStep:
             grad_norm=grad_norm,
             applied=applied,
             skip_reason=None if applied else "fp16 overflow (loss scale reduced)",
+            flags=tuple(summed),
         )

@@ -94,19 +94,22 @@ def train(cfg: RunConfig) -> dict:
         preempted or cfg.checkpoint.save_frequency or cfg.checkpoint.save_every_n_steps
     ):
         run.checkpointer.save(run.engine, step, run.client_state(step))
-    summary = {"step": step, "run_dir": str(cfg.run_dir), "preempted": preempted}
+    summary = {"step": step, "run_dir": str(cfg.run_dir), "preempted": bool(preempted)}
     if not preempted:
         summary.update(run.evaluator.final(run.engine, step, step // run.plan.steps_per_epoch))
     run.metrics.close()
     run.data.close()
     if preempted and run.rank == 0:
-        print(f"preempted: checkpoint saved at step {step}; exiting with {world.EXIT_REQUEUE} to requeue", flush=True)
-    summary["exit_code"] = world.EXIT_REQUEUE if preempted else 0
+        what = "to requeue (SIGUSR1)" if preempted == world.STOP_REQUEUE else "(SIGTERM: not requeued)"
+        print(
+            f"preempted: checkpoint saved at step {step}; exiting with {world.exit_code(preempted)} {what}", flush=True
+        )
+    summary["exit_code"] = world.exit_code(preempted)
     return summary
 
 
-def fit(run: Run) -> tuple[int, bool]:
-    """Optimizer steps from ``run.start_step`` to ``run.plan.total_steps`` (or a preemption signal)."""
+def fit(run: Run) -> tuple[int, str | None]:
+    """Optimizer steps from ``run.start_step`` to ``run.plan.total_steps`` (or a stop signal)."""
     cfg, engine, k = run.cfg, run.engine, run.cfg.train.accum_freq
     step, preempted = run.start_step, False
     epoch, in_epoch = divmod(step, run.plan.steps_per_epoch)
@@ -136,7 +139,8 @@ def fit(run: Run) -> tuple[int, bool]:
             run.checkpointer.maybe_save(engine, step, run.client_state(step), epoch_end=epoch_end, epoch=epoch)
             if epoch_end:
                 run.evaluator.epoch_end(engine, step, epoch)
-            preempted = world.preemption_requested()  # collective: all ranks stop at the same step
+            # the stop flags were summed over all ranks inside the step: every rank stops at the same step
+            preempted = world.stop_reason(result.flags)
             if step >= run.plan.total_steps or epoch_end or preempted:
                 break
             t_wait = time.perf_counter()
@@ -153,6 +157,7 @@ def build_run(cfg: RunConfig) -> Run:
     world.install_preemption_handler()
     cfg = settle_run_name(cfg)  # the clock's default, decided on rank 0 (collective)
     validate(cfg)
+    world.check_workers(cfg.data.workers)
     model_cfg = get_model_config(cfg.model.model)
     if cfg.model.force_quick_gelu:  # kept in the model's config, so checkpoints and `dsclip convert` carry it
         model_cfg = {**model_cfg, "quick_gelu": True}

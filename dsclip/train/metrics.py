@@ -232,6 +232,10 @@ class MetricsLogger:
             self._scalars(scalars, step)
         self._reset_window()
 
+    def exclude(self, seconds: float) -> None:
+        """Leave ``seconds`` (an evaluation, logged with its own time) out of the throughput window."""
+        self.window_start += seconds
+
     def write_line(self, line: str) -> None:
         if self.rank != 0:
             return

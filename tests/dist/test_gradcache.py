@@ -72,16 +72,19 @@ def make_model(patch_dropout=0.0):
 
 
 def ds_json_path(stage) -> str:
-    """Shipped JSON for ZeRO-2/3; derived ones (written to a temp dir) for ZeRO-0/1 and ZeRO-3 offload."""
+    """Shipped JSON for ZeRO-2/3; derived ones (written to a temp dir) for ZeRO-0/1 and ZeRO-2/3 offload."""
     import json
     import tempfile
 
     if stage in (2, 3):
         return f"ds_configs/zero{stage}_fp32.json"
-    raw = json.loads(open("ds_configs/zero3_fp32.json" if stage == "3off" else "ds_configs/zero2_fp32.json").read())
-    if stage == "3off":
+    from dsclip.engine.ds_config import load_ds_json
+
+    raw = load_ds_json("zero3_fp32" if stage == "3off" else "zero2_fp32")
+    if stage in ("2off", "3off"):
         raw["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
-        raw["zero_optimization"]["offload_param"] = {"device": "cpu"}
+        if stage == "3off":
+            raw["zero_optimization"]["offload_param"] = {"device": "cpu"}
     else:
         raw["zero_optimization"] = {"stage": stage}
     path = tempfile.NamedTemporaryFile("w", suffix=f"_zero{stage}.json", delete=False).name
@@ -171,6 +174,11 @@ def _rank_step(rank, world, stage, k, reduction, patch_dropout, keep_last, compi
         "same_embeddings": same_embeddings,
         "initial": initial,
         "compiled_graphs": counters["stats"]["unique_graphs"],
+        "optimizer": type(getattr(engine.optimizer, "optimizer", engine.optimizer)).__name__,
+        # ZeRO-1/2: DeepSpeed's per-parameter hooks were left out of the K backwards and are back afterwards
+        "hooks_skipped": step.skip_zero_hooks,
+        "hooks_restored": len(getattr(engine.optimizer, "_grad_acc_hooks", []))
+        == sum(p.requires_grad for p in engine.module.parameters()),
     }
 
 
@@ -252,13 +260,18 @@ def assert_matches(results, ref, world, k, lr=LR, grad_slack=1.0):
 @pytest.mark.parametrize("k", [1, 2, 4])
 def test_gradcache_equals_big_batch(world, stage, k):
     results = run_world(_rank_step, world, stage, k, "auto", 0.0, True)
+    if stage == 2:
+        assert all(r["hooks_skipped"] and r["hooks_restored"] for r in results)
     assert_matches(results, reference_step(results[0]["initial"], world, k), world, k)
 
 
-@pytest.mark.parametrize("stage", [0, 1, "3off"])
+@pytest.mark.parametrize("stage", [0, 1, "2off", "3off"])
 def test_gradcache_other_zero_stages_and_offload(stage):
-    """ZeRO-0/1 reduce at the boundary (no coalescing needed); ZeRO-3 with CPU offload coalesces."""
+    """ZeRO-0/1 reduce at the boundary (no coalescing needed); ZeRO-2/3 with CPU offload coalesce, and
+    their offloaded step is DeepSpeed's CPU Adam, whose weights must equal torch AdamW's reference."""
     results = run_world(_rank_step, 2, stage, 2, "auto", 0.0, True)
+    expected = "DeepSpeedCPUAdam" if str(stage).endswith("off") else "AdamW"
+    assert all(r["optimizer"] == expected for r in results), [r["optimizer"] for r in results]
     assert_matches(results, reference_step(results[0]["initial"], 2, 2), 2, 2)
 
 

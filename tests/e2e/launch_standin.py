@@ -79,13 +79,13 @@ def main(argv: list[str]) -> int:
                     + "\n"
                 )
         time.sleep(args.step_sleep)
-        if world.preemption_requested():
-            preempted = True
+        preempted = world.preemption_requested()  # collective: every rank gets the same reason
+        if preempted:
             break
     save()
     if preempted and info.rank == 0:
         print(f"preempted at step {step}", flush=True)
-    return world.EXIT_REQUEUE if preempted else 0
+    return world.exit_code(preempted)
 
 
 if __name__ == "__main__":

@@ -409,3 +409,154 @@ def test_sbatch_preemption_requeues_and_resumes(cluster_env, tmp_path, runs, scr
     assert resumed and 2 <= int(resumed.group(1)) < steps, out[-4000:]
     logged = [r["step"] for r in run.metrics()]
     assert logged[-1] == steps and int(resumed.group(1)) + 1 in logged, logged
+
+
+# ---- GPU and CPU binding on the cluster's fake GPUs (tests/cluster.sh: gres gpu:4, task/affinity) ----
+
+RANK_LINE = re.compile(
+    r"\[dsclip\] rank (?P<rank>\d+)/(?P<world>\d+) local (?P<local>\d+)/(?P<lws>\d+) host \S+ node (?P<node>\S+) "
+    r".* device (?P<device>\w+) bind cuda:(?P<index>\d+) gpu (?P<gpu>\S+) visible (?P<visible>\S+) "
+    r"cpus (?P<cpus>\S+) \((?P<ncpus>\d+)\) net (?P<net>\S+)"
+)
+
+
+def rank_reports(output: str) -> dict[int, dict]:
+    reports = {}
+    for line in output.splitlines():
+        m = RANK_LINE.search(line)
+        if m:
+            reports[int(m["rank"])] = m.groupdict()
+    return reports
+
+
+def cpu_set(spec: str) -> set[int]:
+    out = set()
+    for part in spec.split(","):
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def check_binding(output: str, world: int, cores: int, *, own_cores: bool) -> dict[int, dict]:
+    """Every rank's own report: a distinct (node, GPU) pair, an index valid in the rank's own view of
+    CUDA_VISIBLE_DEVICES, and the cores asked for (disjoint between the ranks of a node when each task
+    is bound on its own)."""
+    reps = rank_reports(output)
+    assert sorted(reps) == list(range(world)), output[-4000:]
+    pairs = set()
+    for r in reps.values():
+        visible = r["visible"].split(",")
+        assert r["device"] == "cpu" and 0 <= int(r["index"]) < len(visible), r
+        assert visible[int(r["index"])] == r["gpu"], r
+        pairs.add((r["node"], r["gpu"]))
+        assert int(r["ncpus"]) == cores == len(cpu_set(r["cpus"])), r
+    assert len(pairs) == world, f"two ranks resolved the same (node, GPU): {sorted(pairs)}"
+    assert {n for n, _ in pairs} == {"node1", "node2"}
+    if own_cores:
+        for node in ("node1", "node2"):
+            sets = [cpu_set(r["cpus"]) for r in reps.values() if r["node"] == node]
+            assert sum(map(len, sets)) == len(set().union(*sets)), f"ranks on {node} share cores: {sets}"
+    return reps
+
+
+def sbatch_res(run: Run, script: str, res: list[str], timeout: float = 300):
+    out = run.tmp / "slurm-%j.out"
+    cmd = ["sbatch", "--parsable", "--wait", "--nodes=2", "--time=10", f"--output={out}", f"--job-name=t-{run.name}"]
+    r = subprocess.run(
+        [*cmd, *res, script, *run.extra], cwd=REPO, env=run.env, capture_output=True, text=True, timeout=timeout
+    )
+    return r.returncode, slurm_output(run) + r.stdout + r.stderr
+
+
+GPU_CASES = {
+    # one GPU per task: every rank sees exactly its own GPU (CUDA_VISIBLE_DEVICES = one id); SLURM wants
+    # --gpus-per-node (the script's #SBATCH line) consistent with it
+    "gpus-per-task": (
+        "train.sbatch",
+        ["--ntasks-per-node=2", "--gpus-per-node=2", "--gpus-per-task=1", "--cpus-per-task=1"],
+        1,
+        "dsclip",
+    ),
+    # a permuted pick of the node's 4 GPUs: local task 0 gets GPU 3, task 1 GPU 1. The binding is
+    # world.init_distributed's, the same in the stand-in trainer, which starts in a fraction of the time
+    # (the real trainer's device_rank hand-off is the case above and tests/unit/test_device_binding.py)
+    "gpu-bind-map": (
+        "train.sbatch",
+        ["--ntasks-per-node=2", "--gpus-per-node=4", "--gpu-bind=map_gpu:3,1", "--cpus-per-task=1"],
+        1,
+        "standin",
+    ),
+    # one DeepSpeed launcher per node with 2 GPUs and 2 cores, 2 ranks each
+    "per-node": (
+        "train_per_node.sbatch",
+        ["--ntasks-per-node=1", "--gpus-per-node=2", "--cpus-per-task=2"],
+        2,
+        "dsclip",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(GPU_CASES))
+def test_sbatch_binds_distinct_gpus_and_cores(cluster_env, tmp_path, runs, case):
+    script, res, cores, trainer = GPU_CASES[case]
+    run = Run(cluster_env, tmp_path, "bind-" + case, ["--max-steps", "2"])
+    if trainer == "standin":
+        run.env["MODULE"] = "tests.e2e.launch_standin"
+    run.env.update(GPUS_PER_NODE="2", NCCL_SOCKET_IFNAME="lo", TORCH_NCCL_ASYNC_ERROR_HANDLING="1")
+    runs.append(run)
+    rc, out = sbatch_res(run, f"launch/slurm/{script}", res)
+    assert rc == 0, out[-4000:]
+    reps = check_binding(out, 4, cores, own_cores=script == "train.sbatch")
+    if case == "gpus-per-task":
+        assert {r["visible"] for r in reps.values()} == {"0", "1"} and {r["index"] for r in reps.values()} == {"0"}
+    if case == "gpu-bind-map":
+        assert {(r["local"], r["gpu"]) for r in reps.values()} == {("0", "3"), ("1", "1")}
+    if case == "per-node":
+        assert {(r["local"], r["index"], r["gpu"]) for r in reps.values()} == {("0", "0", "0"), ("1", "1", "1")}
+    # NCCL settings reach every rank (SLURM exports the environment; DeepSpeed forwards NCCL_*)
+    assert all(r["net"] == "NCCL_SOCKET_IFNAME=lo,TORCH_NCCL_ASYNC_ERROR_HANDLING=1" for r in reps.values())
+    assert [r["step"] for r in run.metrics()] == [1, 2]
+
+
+def test_scancel_term_saves_and_does_not_requeue(cluster_env, tmp_path, runs):
+    """A plain `scancel` (SIGTERM to the batch shell and to every task, twice for a rank: from SLURM and
+    through srun): the ranks finish the step, save, exit 143, and the batch script does not requeue."""
+    run = Run(cluster_env, tmp_path, "term", LONG_STANDIN if STANDIN else LONG)
+    runs.append(run)
+    proc = sbatch(run, "launch/slurm/train.sbatch", ["--ntasks-per-node=1"], wait=False)
+    try:
+        deadline = time.monotonic() + 180
+        job = None
+        while job is None or len(run.metrics()) < 2:
+            assert proc.poll() is None, slurm_output(run)[-4000:]
+            assert time.monotonic() < deadline, slurm_output(run)[-4000:]
+            if job is None:
+                q = subprocess.run(
+                    ["squeue", "-h", "-n", f"t-{run.name}", "-o", "%i"], env=run.env, capture_output=True, text=True
+                )
+                job = q.stdout.split()[0] if q.stdout.split() else None
+            time.sleep(0.2)
+        subprocess.run(["scancel", job], env=run.env, check=True)
+        proc.wait(timeout=120)
+        time.sleep(1)  # the batch script's last lines
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = slurm_output(run)
+    m = re.search(r"checkpoint saved at step (\d+); exiting with 143", out)
+    assert m and int(m.group(1)) >= 2, out[-4000:]
+    assert "requeueing" not in out and "restart 1" not in out, out[-4000:]
+    assert (run.dir / "checkpoints" / "latest").exists()
+    info = subprocess.run(["scontrol", "show", "job", job], env=run.env, capture_output=True, text=True).stdout
+    assert "Restarts=1" not in info
+
+
+def test_per_node_more_ranks_than_slurm_gpus_is_one_line_before_launching(cluster_env, tmp_path, runs):
+    run = Run(cluster_env, tmp_path, "toomany")
+    run.env["GPUS_PER_NODE"] = "3"
+    runs.append(run)
+    res = ["--ntasks-per-node=1", "--gpus-per-node=2", "--cpus-per-task=1"]
+    rc, out = sbatch_res(run, "launch/slurm/train_per_node.sbatch", res, timeout=60)
+    assert rc == 2, out[-3000:]
+    assert "GPUS_PER_NODE=3 but SLURM gave each node 2 GPUs; set GPUS_PER_NODE=2" in out
+    assert "[dsclip] rank" not in out

@@ -20,7 +20,7 @@ def resolve(raw, world=2, device="cpu", **kw):
     return resolve_ds_config(raw, cfg(**kw), world_size=world, device_type=device)
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "ds_configs").glob("*.json")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", sorted((ROOT / "dsclip" / "ds_configs").glob("*.json")), ids=lambda p: p.name)
 def test_shipped_configs_resolve(path):
     raw = load_ds_json(path)
     precision = "auto"
@@ -86,8 +86,23 @@ def test_invalid_json_and_missing_file(tmp_path):
     bad.write_text('{"train_batch_size": 4,,}')
     with pytest.raises(ConfigError, match="not valid JSON: .* line 1"):
         load_ds_json(bad)
-    with pytest.raises(ConfigError, match="DeepSpeed config not found.*zero2.json"):
+    with pytest.raises(ConfigError, match="DeepSpeed config not found.*shipped names: .*zero2_bf16"):
         load_ds_json(tmp_path / "nope.json")
+
+
+def test_shipped_configs_by_name_from_any_directory(tmp_path, monkeypatch):
+    """`--deepspeed-config zero3_bf16` (and the ds_configs/... spelling) from a directory that is not
+    the checkout: the JSONs are package data next to the code."""
+    shipped = json.loads((ROOT / "dsclip" / "ds_configs" / "zero3_bf16.json").read_text())
+    monkeypatch.chdir(tmp_path)
+    assert load_ds_json("zero3_bf16") == shipped
+    assert load_ds_json("zero3_bf16.json") == shipped
+    assert load_ds_json("ds_configs/zero3_bf16.json") == shipped
+    own = tmp_path / "zero3_bf16.json"  # a file of the same name in the cwd wins: it is a path
+    own.write_text('{"zero_optimization": {"stage": 1}}')
+    assert load_ds_json("zero3_bf16.json") == {"zero_optimization": {"stage": 1}}
+    with pytest.raises(ConfigError, match="not found: elsewhere/zero3_bf16.json"):
+        load_ds_json("elsewhere/zero3_bf16.json")  # an explicit other folder is not silently replaced
 
 
 def test_cpu_checkpointing_dropped_on_cpu_kept_on_gpu():

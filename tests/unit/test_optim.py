@@ -61,3 +61,35 @@ def test_const_and_const_cooldown():
     assert f(80) == pytest.approx(1.0)
     assert f(90) == pytest.approx(0.55)
     assert f(100) == pytest.approx(0.1)
+
+
+def test_offload_optimizer_is_deepspeed_cpu_adam_with_adamw_semantics():
+    """Under offload_optimizer dsclip hands ZeRO DeepSpeedCPUAdam: same groups (decay only on matrices),
+    same lr/betas/eps, decoupled decay. Three steps on the same gradients must give torch AdamW's weights;
+    a wrong group, coupled (L2) decay or a dropped bias correction moves them by ~lr (1e-2 here)."""
+    import torch
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    from dsclip.engine.build import optimizer_offloaded
+    from dsclip.engine.optim import build_optimizer
+
+    o = make_run_config({"name": "t", "lr": 1e-2, "wd": 0.5, "beta1": 0.8, "beta2": 0.95, "eps": 1e-6}).optim
+    assert optimizer_offloaded({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})
+    assert not optimizer_offloaded({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "none"}}})
+    assert not optimizer_offloaded({"zero_optimization": {"stage": 2}})
+    models = [create_model("tiny") for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    fast = build_optimizer(models[0], o, "cpu", cpu_offload=True)
+    ref = build_optimizer(models[1], o, "cpu")
+    assert isinstance(fast, DeepSpeedCPUAdam) and isinstance(ref, torch.optim.AdamW)
+    assert [g["weight_decay"] for g in fast.param_groups] == [0.0, 0.5]
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        for p0, p1 in zip(models[0].parameters(), models[1].parameters()):
+            grad = torch.randn(p0.shape, generator=g)
+            p0.grad, p1.grad = grad.clone(), grad.clone()
+        fast.step()
+        ref.step()
+    for (n, p0), p1 in zip(models[0].named_parameters(), models[1].parameters()):
+        # float32: |w| <= ~1 and each step moves a weight by <= ~lr, so rounding stays far below 1e-6
+        torch.testing.assert_close(p0, p1, atol=1e-6, rtol=1e-5, msg=lambda m, n=n: f"{n}: {m}")

@@ -246,3 +246,20 @@ def test_bad_input_is_a_config_error():
         P.make_plan("ViT-B-32", gpus=3, gpu_memory_gb=80, batch_size=1000)
     with pytest.raises(ConfigError, match="--loss"):
         P.make_plan("ViT-B-32", gpus=1, gpu_memory_gb=80, batch_size=8, loss="nope")
+
+
+def test_largest_contrastive_batch_vit_l14_on_8x80gb_is_past_a_million(capsys):
+    """Inf-CL reports 448k for ViT-L/14 on 8 x 80 GB (OpenCLIP 152k). With the gradient cache and the tiled
+    loss only O(rows x D) buffers grow with the batch; the answer is the exact edge of the planner's budget."""
+    kw = dict(gpus=8, gpu_memory_gb=80, zero=3, precision="bf16", grad_checkpointing=True, loss="infonce_tiled")
+    n = P.largest_batch("ViT-L-14", micro_batch=32, **kw)
+    assert n >= 1_000_000 and n % (8 * 32) == 0
+    at = P.make_plan("ViT-L-14", batch_size=n, **kw)
+    assert at.fits and at.max_micro_batch >= 32 and at.memory_gb["total"] <= 80
+    # one more micro-batch of rows per GPU leaves no room for a micro-batch of 32
+    assert P.make_plan("ViT-L-14", batch_size=n + 8 * 32, **kw).max_micro_batch < 32
+    # the global logit matrix (plain infonce) cannot get anywhere near it
+    assert P.largest_batch("ViT-L-14", micro_batch=32, **{**kw, "loss": "infonce"}) < 200_000
+    argv = ["--model", "ViT-L-14", "--gpus", "8", "--gpu-memory", "80", "--zero", "3", "--grad-checkpointing"]
+    assert P.main_plan([*argv, "--loss", "infonce_tiled", "--max-batch"]) == 0
+    assert f"largest contrastive batch: {n} " in capsys.readouterr().out

@@ -228,24 +228,3 @@ def test_resolve_timeout_precedence():
     assert resolve_timeout(90, {"DEEPSPEED_TIMEOUT": "2"}) == timedelta(minutes=2)
     both = {"DEEPSPEED_TIMEOUT": "2", "DSCLIP_DIST_TIMEOUT": "15"}
     assert resolve_timeout(90, both) == timedelta(seconds=15)
-
-
-def test_preemption_flag_unsynced(monkeypatch):
-    import os
-    import signal
-
-    monkeypatch.setitem(world._preempt, "signum", None)
-    old = {s: signal.getsignal(s) for s in world.PREEMPT_SIGNALS}
-    try:
-        world.install_preemption_handler()
-        assert not world.preemption_requested(sync=False)
-        os.kill(os.getpid(), signal.SIGUSR1)
-        assert world.preemption_requested(sync=False)
-        assert world.preemption_requested()  # no process group: local answer
-        # after the first signal, SIGTERM kills again; a repeated SIGUSR1 is still only recorded
-        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
-        os.kill(os.getpid(), signal.SIGUSR1)
-        assert world.preemption_requested(sync=False)
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)

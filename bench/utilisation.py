@@ -1,0 +1,225 @@
+"""Utilisation against the machine's limit: measured GEMM peak, model FLOPs, MFU of dsclip and OpenCLIP.
+
+1. Peak: sustained matmul rate of this machine (fp32 and bf16, all threads torch uses) at the GEMM
+   shapes a ViT block runs (qkv, attention projection, MLP up/down for the model's width, B·T rows);
+   the best shape's rate is "peak". On a GPU (``--device cuda``) the same with the GPU's bf16 GEMM.
+2. Model FLOPs per training sample: ``torch.utils.flop_counter.FlopCounterMode`` over one forward of
+   the model (math SDPA: the counter has no formula for the CPU flash kernel), times 3 (forward +
+   backward), the MFU convention.
+3. MFU = achieved model FLOP/s / peak, where achieved = samples/s of a real training step × FLOPs
+   per sample, for dsclip (``build_engine`` + ``GradCacheStep``, ZeRO-2, as ``dsclip train`` runs it)
+   and OpenCLIP in the same run, alternated: world 1 = ``open_clip_train.train.train_one_epoch``
+   (bench/vs_openclip.py), world 2 = OpenCLIP's algorithm under DDP with --local-loss
+   --gather-with-grad (bench/accumulation.py; open_clip_train itself cannot start 2 CPU processes).
+   Each process has 1 thread; peak is the whole machine's (both cores), so world 2 can reach 100 %.
+4. Per-phase breakdown of one dsclip step (world 1): wall time in the engine's forward, the loss,
+   backward, the coalesced gradient reduction, the optimizer step, and the rest (host syncs, Python).
+
+    flock /tmp/dsclip-bench.lock env OMP_NUM_THREADS=1 .venv/bin/python bench/utilisation.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import accumulation as A  # noqa: E402
+import vs_openclip as V  # noqa: E402
+
+from dsclip.model import create_model, get_model_config  # noqa: E402
+
+
+def vit_gemm_shapes(cfg: dict, rows: int) -> list[tuple[int, int, int]]:
+    w = cfg["vision_cfg"]["width"]
+    hidden = int(w * cfg["vision_cfg"].get("mlp_ratio", 4.0))
+    return [(rows, w, 3 * w), (rows, w, w), (rows, w, hidden), (rows, hidden, w)]
+
+
+def gemm_peak(shapes, dtype, device, seconds: float = 1.0) -> dict:
+    """Best sustained rate over ``shapes`` (TFLOP/s), and each shape's."""
+    per = {}
+    for m, k, n in shapes:
+        a = torch.randn(m, k, device=device, dtype=dtype)
+        b = torch.randn(k, n, device=device, dtype=dtype)
+        for _ in range(3):
+            a @ b
+        sync(device)
+        reps, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            a @ b
+            reps += 1
+            if device.type == "cuda" and reps % 50:
+                continue
+            sync(device)
+        sync(device)
+        per[f"{m}x{k}x{n}"] = 2 * m * k * n * reps / (time.perf_counter() - t0) / 1e12
+    return {"peak": max(per.values()), "shapes": per}
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def train_flops_per_sample(cfg: dict) -> float:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = create_model(cfg).eval()
+    batch = V.synthetic_batches(1, 2, cfg, seed=0)[0]
+    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as fc:
+        model(image=batch[0], text=batch[1])
+    return 3 * fc.get_total_flops() / 2
+
+
+def _phases_rank(rank, world, cfg, batch, steps):
+    """Per-phase wall time of dsclip steps: wrap the engine's forward/backward/step, the loss, the flush."""
+    from dsclip.losses import build_loss
+    from dsclip.train.gradcache import GradCacheStep
+
+    V.one_thread()
+    engine, _, _ = V.dsclip_engine("fp32", batch, 1, cfg, world)
+    acc = {"forward": 0.0, "loss (fwd+bwd)": 0.0, "backward": 0.0, "gradient reduction": 0.0, "optimizer step": 0.0}
+
+    def timed(name, fn):
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                acc[name] += time.perf_counter() - t
+
+        return wrapper
+
+    loss = build_loss("infonce")
+    step_fn = GradCacheStep(engine, timed("loss (fwd+bwd)", lambda *a: loss(*a)))
+    data = V.synthetic_batches(steps + 1, batch, cfg, seed=3)
+    engine.train()
+    step_fn(data[:1])  # warm-up
+    engine.forward = timed("forward", engine.forward)
+    engine.backward = timed("backward", engine.backward)
+    engine.step = timed("optimizer step", engine.step)
+    flush = engine._flush_coalesced_reduction_zero12
+    engine._flush_coalesced_reduction_zero12 = timed("gradient reduction", flush)
+    for k in acc:
+        acc[k] = 0.0
+    t0 = time.perf_counter()
+    for i in range(steps):
+        step_fn(data[1 + i : 2 + i])
+    total = time.perf_counter() - t0
+    # the loss's autograd.grad runs inside the loss wrapper's caller, not in it: attribute it separately
+    acc["other (loss backward, host syncs, Python)"] = total - sum(acc.values())
+    return {"total_s": total / steps, **{k: v / steps for k, v in acc.items()}}
+
+
+def _worker(spec: dict) -> dict:
+    kind = spec.pop("kind")
+    cfg = get_model_config(spec.pop("model"))
+    if kind == "dsclip":
+        return V.dsclip_worker("fp32", spec["batch"], spec["warmup"], spec["steps"], cfg, spec["world"])
+    if kind == "openclip" and spec["world"] == 1:
+        return V.openclip_worker("fp32", spec["batch"], spec["warmup"], spec["steps"], cfg)
+    if kind == "openclip":
+        return A.openclip_style_worker(spec["batch"], 1, spec["warmup"], spec["steps"], cfg, world=spec["world"])
+    if kind == "phases":
+        from tests.distutil import run_world
+
+        return run_world(_phases_rank, 1, cfg, spec["batch"], spec["steps"])[0]
+    raise ValueError(kind)
+
+
+def run_worker(spec: dict) -> dict:
+    import os
+    import subprocess
+
+    # vs_openclip writes the model JSON under $TMPDIR/dsclip-bench: a private TMPDIR keeps other benches'
+    # concurrent writes of that file out of this run's models
+    tmp = Path(tempfile.gettempdir()) / f"dsclip-utilisation-{os.getpid()}"
+    tmp.mkdir(exist_ok=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(V.ROOT), TMPDIR=str(tmp))
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(V.ROOT / ".cache" / "torch_extensions"))
+    p = subprocess.run(
+        [sys.executable, __file__, "--worker", json.dumps(spec)], cwd=V.ROOT, env=env, capture_output=True, text=True
+    )
+    for line in reversed(p.stdout.splitlines()):
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    raise RuntimeError(f"worker {spec} failed ({p.returncode}):\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--models", default="demo,ViT-B-32")
+    ap.add_argument("--batch", type=int, default=16, help="micro-batch per process")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--worlds", default="1,2")
+    ap.add_argument("--device", default="cpu", help="cpu: all of the above; cuda: peak bf16 GEMM and FLOPs only")
+    ap.add_argument("--json-out")
+    a = ap.parse_args(argv)
+    if a.worker:
+        print("RESULT " + json.dumps(_worker(json.loads(a.worker))), flush=True)
+        return 0
+    device = torch.device(a.device)
+    report: dict = {"device": a.device, "threads": torch.get_num_threads(), "models": {}}
+    for name in a.models.split(","):
+        cfg = get_model_config(name)
+        tokens = (cfg["vision_cfg"]["image_size"] // cfg["vision_cfg"]["patch_size"]) ** 2 + 1
+        rows = a.batch * tokens if a.device == "cpu" else 32768
+        shapes = vit_gemm_shapes(cfg, rows)
+        peaks = {"fp32": gemm_peak(shapes, torch.float32, device), "bf16": gemm_peak(shapes, torch.bfloat16, device)}
+        flops = train_flops_per_sample(cfg)
+        m = report["models"][name] = {"peak_tflops": peaks, "train_gflop_per_sample": flops / 1e9}
+        print(
+            f"== {name}: peak fp32 {peaks['fp32']['peak']:.3f} / bf16 {peaks['bf16']['peak']:.3f} TFLOP/s "
+            f"({rows} rows); {flops / 1e9:.2f} GFLOP per training sample",
+            flush=True,
+        )
+        if a.device != "cpu":
+            continue
+        common = {"model": name, "batch": a.batch, "warmup": a.warmup, "steps": a.steps}
+        specs = {}
+        for w in (int(x) for x in a.worlds.split(",")):
+            specs[f"dsclip world {w}"] = {"kind": "dsclip", "world": w, **common}
+            specs[f"openclip world {w}"] = {"kind": "openclip", "world": w, **common}
+        res = V.alternate(specs, a.rounds, runner=run_worker)
+        peak = peaks["fp32"]["peak"] * 1e12
+        m["mfu"] = {}
+        for n, runs in res.items():
+            mfu = sorted(r["samples_per_s"] * flops / peak for r in runs)
+            m["mfu"][n] = {"median": statistics.median(mfu), "min": mfu[0], "max": mfu[-1]}
+        m["phases"] = run_worker({"kind": "phases", "model": name, "batch": a.batch, "steps": a.steps})
+    print("\n| model | world | trainer | MFU fp32 (median, min-max) | dsclip / OpenCLIP |")
+    print("|---|---:|---|---:|---:|")
+    for name, m in report["models"].items():
+        for n, v in m.get("mfu", {}).items():
+            trainer, w = n.rsplit(" world ", 1)
+            ratio = v["median"] / m["mfu"][f"openclip world {w}"]["median"]
+            print(
+                f"| {name} | {w} | {trainer} | {100 * v['median']:.1f}% ({100 * v['min']:.1f}-{100 * v['max']:.1f}%) "
+                f"| {ratio:.2f}× |"
+            )
+    for name, m in report["models"].items():
+        if "phases" in m:
+            ph = m["phases"]
+            print(f"\n{name}, one dsclip step at world 1 (micro-batch {a.batch}): {ph['total_s']:.3f} s")
+            for k, v in ph.items():
+                if k != "total_s":
+                    print(f"  {k:<44} {v:8.3f} s  {100 * v / ph['total_s']:5.1f}%")
+    if a.json_out:
+        Path(a.json_out).write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

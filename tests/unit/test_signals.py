@@ -1,0 +1,69 @@
+"""One meaning per signal (README "Signals"): SIGUSR1 = save + exit 85 (the batch scripts requeue),
+SIGTERM = save + exit 143 (not requeued), a second SIGTERM = stop now. Duplicate deliveries of one
+scancel (within TERM_REPEAT_S) count once."""
+
+from __future__ import annotations
+
+import pytest
+
+from dsclip.engine import world
+
+
+@pytest.fixture
+def handlers(monkeypatch):
+    import signal
+
+    for k, v in {"signum": None, "usr1": False, "term": False, "first_at": None}.items():
+        monkeypatch.setitem(world._preempt, k, v)
+    old = {s: signal.getsignal(s) for s in world.PREEMPT_SIGNALS}
+    world.install_preemption_handler()
+    yield
+    for s, h in old.items():
+        signal.signal(s, h)
+
+
+def test_usr1_means_save_and_requeue(handlers):
+    import os
+    import signal
+
+    assert world.preemption_requested(sync=False) is None
+    os.kill(os.getpid(), signal.SIGUSR1)
+    assert world.preemption_requested() == world.STOP_REQUEUE  # no process group: local answer
+    assert world.exit_code(world.STOP_REQUEUE) == world.EXIT_REQUEUE == 85
+    os.kill(os.getpid(), signal.SIGUSR1)  # SLURM may deliver it twice: still only recorded
+    assert world.local_stop_flags() == (1.0, 0.0)
+
+
+def test_term_means_save_and_do_not_requeue(handlers):
+    import os
+    import signal
+
+    os.kill(os.getpid(), signal.SIGTERM)
+    os.kill(os.getpid(), signal.SIGTERM)  # the same scancel delivered twice (step + srun): still alive
+    assert world.preemption_requested(sync=False) == world.STOP_TERMINATE
+    assert world.exit_code(world.STOP_TERMINATE) == world.EXIT_TERMINATED == 143
+    # TERM wins over USR1 when ranks disagree: the sums of all ranks' flags decide on every rank
+    assert world.stop_reason((1.0, 1.0)) == world.STOP_TERMINATE
+    assert world.stop_reason((2.0, 0.0)) == world.STOP_REQUEUE
+    assert world.stop_reason((0.0, 0.0)) is None
+
+
+@pytest.mark.parametrize("first", ["TERM", "USR1"])
+def test_a_second_term_stops_now(first, tmp_path):
+    import subprocess
+    import sys
+
+    code = f"""
+import os, signal, time
+from dsclip.engine import world
+world.install_preemption_handler()
+os.kill(os.getpid(), signal.SIG{first})
+time.sleep(world.TERM_REPEAT_S + 0.3)
+print("alive after the first signal", flush=True)
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(5)
+print("survived the second TERM", flush=True)
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == -15, (r.returncode, r.stdout, r.stderr)
+    assert r.stdout.strip() == "alive after the first signal"
