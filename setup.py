@@ -26,7 +26,16 @@ setup(
     ],
     extras_require={
         # open_clip_torch is only a test dependency: interop tests load our exports with OpenCLIP itself.
-        "dev": ["pytest", "pytest-timeout", "pytest-xdist", "ruff", "open_clip_torch", "transformers", "tokenizers"],
+        "dev": [
+            "pytest",
+            "pytest-timeout",
+            "pytest-xdist",
+            "ruff",
+            "open_clip_torch",
+            "transformers",
+            "tokenizers",
+            "wandb",
+        ],
         "openclip": ["open_clip_torch", "tokenizers"],
     },
     entry_points={"console_scripts": ["dsclip=dsclip.cli:main"]},

@@ -187,18 +187,18 @@ def build_arg_parser(prog: str = "dsclip train") -> argparse.ArgumentParser:
         group = parser.add_argument_group(section)
         hints = get_type_hints(cls)
         for f in dataclasses.fields(cls):
-            flag = "--" + f.name.replace("_", "-")
+            flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
             base, _ = _base_type(hints[f.name])
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             kw: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": f.metadata.get("help", "")}
             kw["help"] += f" [default: {default}]"
             if base is bool:
-                group.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
+                group.add_argument(*flags, action=argparse.BooleanOptionalAction, **kw)
             else:
                 kw["metavar"] = f.name.upper()
                 if "choices" in f.metadata:
                     kw["choices"] = f.metadata["choices"]
-                group.add_argument(flag, **kw)
+                group.add_argument(*flags, **kw)
     return parser
 
 

@@ -14,11 +14,13 @@ class ConfigError(ValueError):
     """A user-facing configuration problem; the CLI prints it as one line and exits non-zero."""
 
 
-def opt(default, help: str, choices: tuple | None = None, **kw):
-    """A dataclass field carrying its --help text (and optional choices)."""
+def opt(default, help: str, choices: tuple | None = None, aliases: tuple[str, ...] = (), **kw):
+    """A dataclass field carrying its --help text (and optional choices, and other flag spellings)."""
     meta = {"help": help}
     if choices is not None:
         meta["choices"] = choices
+    if aliases:
+        meta["aliases"] = aliases
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=meta, **kw)
     return field(default=default, metadata=meta, **kw)

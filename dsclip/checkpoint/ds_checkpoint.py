@@ -141,6 +141,11 @@ class CheckpointArgs:
     resume: str | None = opt(None, "'latest' (the newest complete checkpoint of this run) or a checkpoint path.")
     keep_last: int = opt(0, "Keep only the newest N checkpoints (0: keep all). Pruning happens after a save completes.")
     delete_previous_checkpoint: bool = opt(False, "OpenCLIP's flag: same as --keep-last 1.")
+    save_most_recent: bool = opt(
+        False,
+        "Also save at every epoch end, removing the previous checkpoint saved only for this (OpenCLIP's "
+        "epoch_latest.pt); --resume latest loads the newest.",
+    )
 
     def __post_init__(self):
         if self.delete_previous_checkpoint and self.keep_last == 0:  # OpenCLIP's spelling of --keep-last 1
@@ -163,14 +168,25 @@ class Checkpointer:
     """Owns saving (its cadence: the loop calls ``maybe_save`` after every step and ``save`` at the end)
     and resuming (:meth:`prepare_resume` before the engine exists, :meth:`resume` after)."""
 
-    def __init__(self, run_dir: Path, *, every_n_steps: int, every_n_epochs: int, keep_last: int, rank: int):
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        every_n_steps: int,
+        every_n_epochs: int,
+        keep_last: int,
+        rank: int,
+        most_recent: bool = False,
+    ):
         self.run_dir = run_dir
         self.dir = run_dir / "checkpoints"
         self.every_n_steps = every_n_steps
         self.every_n_epochs = every_n_epochs
         self.keep_last = keep_last
         self.rank = rank
+        self.most_recent = most_recent  # OpenCLIP --save-most-recent: a checkpoint at every epoch end
         self.last_saved_step: int | None = None
+        self._recent_only: str | None = None  # the tag saved only because of most_recent, removed by the next
         self.resume_point: ResumePoint | None = None
 
     @classmethod
@@ -181,6 +197,7 @@ class Checkpointer:
             every_n_epochs=args.save_frequency,
             keep_last=args.keep_last,
             rank=rank,
+            most_recent=args.save_most_recent,
         )
 
     def prepare_resume(self, resume: str | None, *, world_size: int) -> dict[str, Any]:
@@ -215,6 +232,9 @@ class Checkpointer:
         return start_step
 
     def due(self, step: int, *, epoch_end: bool, epoch: int) -> bool:
+        return self._due_by_cadence(step, epoch_end=epoch_end, epoch=epoch) or (epoch_end and self.most_recent)
+
+    def _due_by_cadence(self, step: int, *, epoch_end: bool, epoch: int) -> bool:
         if self.every_n_steps and step % self.every_n_steps == 0:
             return True
         return bool(epoch_end and self.every_n_epochs and (epoch + 1) % self.every_n_epochs == 0)
@@ -222,7 +242,9 @@ class Checkpointer:
     def maybe_save(self, engine, step: int, state: dict[str, Any], *, epoch_end: bool, epoch: int) -> bool:
         if self.last_saved_step == step or not self.due(step, epoch_end=epoch_end, epoch=epoch):
             return False
+        recent_only = not self._due_by_cadence(step, epoch_end=epoch_end, epoch=epoch)
         self.save(engine, step, state)
+        self._recent_only = tag_for_step(step) if recent_only else None
         return True
 
     def save(self, engine, step: int, state: dict[str, Any]) -> Path:
@@ -255,6 +277,8 @@ class Checkpointer:
         os.replace(part_dir, tag_dir)
         _fsync_dir(self.dir)
         _atomic_write(self.dir / LATEST, tag)
+        if self._recent_only and self._recent_only != tag:  # OpenCLIP overwrites epoch_latest.pt
+            self._remove_tag(self._recent_only)
         self._prune(keep=tag)
         self._remove_leftovers()
 
@@ -268,9 +292,14 @@ class Checkpointer:
             return
         tags = [t for t in complete_tags(self.dir) if t <= keep]
         for old in tags[: -self.keep_last]:
-            trash = self.dir / (TRASH_PREFIX + old)
-            os.replace(self.dir / old, trash)  # atomic: it stops being a complete tag before any file goes
-            shutil.rmtree(trash, ignore_errors=True)
+            self._remove_tag(old)
+
+    def _remove_tag(self, tag: str) -> None:
+        if not (self.dir / tag).is_dir():
+            return
+        trash = self.dir / (TRASH_PREFIX + tag)
+        os.replace(self.dir / tag, trash)  # atomic: it stops being a complete tag before any file goes
+        shutil.rmtree(trash, ignore_errors=True)
 
 
 def load(engine, ckpt_dir: Path, tag: str, *, load_optimizer_states: bool = True) -> dict[str, Any]:

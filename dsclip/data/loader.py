@@ -19,6 +19,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from .tokenizer import TRUNCATED, tokenize_counting
+
 log = logging.getLogger(__name__)
 
 
@@ -144,8 +146,8 @@ class TokenizingCollate:
 
     def __call__(self, samples):
         images = torch.stack([s[0] for s in samples])
-        tokens = self.tokenizer([s[1] for s in samples])
-        stats: Counter = Counter()
+        tokens, cut = tokenize_counting(self.tokenizer, [s[1] for s in samples])
+        stats: Counter = Counter({TRUNCATED: cut} if cut else {})
         for s in samples:
             if len(s) > 2 and s[2]:
                 stats.update(s[2])

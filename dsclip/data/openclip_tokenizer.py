@@ -51,3 +51,9 @@ class OpenCLIPTokenizer:
         if isinstance(texts, str):
             texts = [texts]
         return self.tok(list(texts), context_length=context_length or self.context_length).long()
+
+    def tokenize_counting(self, texts: list[str]) -> tuple[torch.Tensor, int]:
+        """``(tokens, rows that fill the whole context)``: OpenCLIP's tokenizers pad with 0 after EOT and
+        do not report truncation, so a caption that fits exactly is counted as cut too."""
+        tokens = self(texts)
+        return tokens, int((tokens[:, -1] != 0).sum())

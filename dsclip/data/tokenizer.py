@@ -69,14 +69,20 @@ class SentencePieceTokenizer:
         return self.sp.EncodeAsIds(text)
 
     def __call__(self, texts: str | list[str], context_length: int | None = None) -> torch.Tensor:
+        return self.tokenize_counting(texts, context_length)[0]
+
+    def tokenize_counting(self, texts: str | list[str], context_length: int | None = None) -> tuple[torch.Tensor, int]:
+        """``(tokens, number of texts cut)``: a text is cut when its pieces + EOS exceed the context."""
         if isinstance(texts, str):
             texts = [texts]
         length = context_length or self.context_length
         out = torch.full((len(texts), length), self.pad_id, dtype=torch.long)
+        cut = 0
         for i, ids in enumerate(self.sp.EncodeAsIds(list(texts))):
+            cut += len(ids) > length - 1
             ids = ids[: length - 1] + [self.eos_id]  # truncation keeps EOS
             out[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-        return out
+        return out, cut
 
     def decode(self, tokens) -> list[str]:
         """Inverse of ``__call__`` (row-wise; stops at EOS)."""
@@ -90,6 +96,40 @@ class SentencePieceTokenizer:
                 row = row[: row.index(self.eos_id)]
             out.append(self.sp.DecodeIds([t for t in row if t != self.pad_id]))
         return out
+
+
+# bad-data counter key of captions cut by the context length (counted apart from skipped samples)
+TRUNCATED = "truncated_caption"
+
+
+def tokenize_counting(tokenizer, texts: list[str]) -> tuple[torch.Tensor, int]:
+    """``(tokens, captions cut by the context length)`` for any dsclip tokenizer."""
+    if hasattr(tokenizer, "tokenize_counting"):
+        return tokenizer.tokenize_counting(texts)
+    tokens = tokenizer(texts)
+    return tokens, 0
+
+
+def length_summary(tokenizer: SentencePieceTokenizer, texts: Iterable[str], *, limit: int = 200_000) -> str:
+    """The caption length distribution (pieces + EOS) and the share cut at the tokenizer's context."""
+    lengths = []
+    for text in texts:
+        lengths.append(len(tokenizer.encode(text)) + 1)
+        if len(lengths) >= limit:
+            break
+    if not lengths:
+        return "no captions to measure"
+    lengths.sort()
+    n, ctx = len(lengths), tokenizer.context_length
+    cut = sum(v > ctx for v in lengths)
+
+    def q(p: float) -> int:
+        return lengths[min(n - 1, int(p * n))]
+
+    return (
+        f"caption length in tokens incl. EOS over {n} captions: min {lengths[0]}, median {q(0.5)}, "
+        f"p90 {q(0.9)}, p99 {q(0.99)}, max {lengths[-1]}; cut at context length {ctx}: {cut} ({100 * cut / n:.1f}%)"
+    )
 
 
 def train_sentencepiece(

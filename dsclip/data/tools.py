@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from .csv_data import read_csv
 from .shards import BadData, captions_of, decode_image, expand_urls, image_bytes, iter_tar, parse_sources, split_key
-from .tokenizer import SentencePieceTokenizer, train_sentencepiece
+from .tokenizer import SentencePieceTokenizer, length_summary, train_sentencepiece
 
 log = logging.getLogger("dsclip.data")
 
@@ -394,7 +394,12 @@ def main_tokenizer(argv: list[str]) -> int:
     t.add_argument("--csv-caption-key", default="title")
     t.add_argument("--csv-separator", default="\t")
     t.add_argument("--hard-vocab-limit", action="store_true", help="Fail if the corpus can't fill the vocab.")
-    t.add_argument("--context-length", type=int, default=77, help="Only for the summary printed at the end.")
+    t.add_argument(
+        "--context-length",
+        type=int,
+        default=77,
+        help="For the summary printed at the end: caption length distribution and the share cut at this length.",
+    )
     a = p.parse_args(argv)
 
     try:
@@ -413,6 +418,7 @@ def main_tokenizer(argv: list[str]) -> int:
             hard_vocab_limit=a.hard_vocab_limit,
         )
         tok = SentencePieceTokenizer(path, a.context_length)
+        summary = length_summary(tok, texts())
     except (DataToolError, ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"dsclip tokenizer: error: {e}", file=sys.stderr)
         return 2
@@ -420,6 +426,7 @@ def main_tokenizer(argv: list[str]) -> int:
         f"wrote {path}: vocab_size={tok.vocab_size} pad_id={tok.pad_id} eos_id={tok.eos_id} "
         f"(text_cfg: vocab_size {tok.vocab_size}, pool_type 'eos', eos_id {tok.eos_id}, pad_id {tok.pad_id})"
     )
+    print(summary)
     return 0
 
 

@@ -46,6 +46,7 @@ from .shards import (
     iter_tar,
 )
 from .shards import parse_sources as parse_sources
+from .tokenizer import TRUNCATED, tokenize_counting
 from .transforms import image_transform
 
 log = logging.getLogger("dsclip.data")
@@ -177,7 +178,9 @@ class WdsBatches(IterableDataset):
         for j in bad_idx:  # keep B rows and the batch composition: reuse a good sample of this batch
             k = good[rng.randrange(len(good))]
             images[j], captions[j] = images[k], captions[k]
-        return torch.stack(images), self.tokenizer(captions)
+        tokens, cut = tokenize_counting(self.tokenizer, captions)
+        bad.counts[TRUNCATED] += cut  # counted, not warned per sample: the trainer warns once on the share
+        return torch.stack(images), tokens
 
     def _epoch_batches(self, epoch: int, slot: int, start: int, bad: BadData):
         """Logical slot ``slot``'s batches of ``epoch`` from step ``start`` on (steps slot, slot+W, ...)."""

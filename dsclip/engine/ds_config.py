@@ -26,6 +26,8 @@ from dsclip.config_base import ConfigError, opt
 from dsclip.engine.optim import OptimArgs
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16", "amp", "amp_bf16", "amp_bfloat16", "pure_bf16", "pure_fp16")
+# OpenCLIP's pure_* keep no fp32 master copy; DeepSpeed's bf16/fp16 always do, so these are refused.
+PURE_PRECISIONS = ("pure_bf16", "pure_fp16")
 
 
 @dataclass
@@ -45,7 +47,8 @@ class TrainArgs:
     )
     precision: str = opt(
         "auto",
-        "Numeric precision; 'auto' takes it from the DeepSpeed JSON (fp32 if that says auto too).",
+        "Numeric precision; 'auto' takes it from the DeepSpeed JSON (fp32 if that says auto too). amp = DeepSpeed "
+        "fp16, amp_bf16 = DeepSpeed bf16, both with fp32 master weights; pure_* (no master weights) are refused.",
         choices=PRECISIONS,
     )
     seed: int = opt(0, "Random seed (model init, data order, dropout; derived per step and rank).")
@@ -65,6 +68,9 @@ class TrainArgs:
         "with restored RNG and ZeRO hooks run between blocks).",
         choices=("default", "max-autotune-no-cudagraphs"),
     )
+    ddp_static_graph: bool = opt(
+        False, "Accepted for OpenCLIP command lines; no effect: DeepSpeed, not DDP, reduces the gradients."
+    )
 
     def check(self) -> None:
         for key, v in (("batch_size", self.batch_size), ("accum_freq", self.accum_freq), ("epochs", self.epochs)):
@@ -72,6 +78,12 @@ class TrainArgs:
                 raise ConfigError(f"'{key}' must be >= 1, got {v}")
         if self.max_steps is not None and self.max_steps < 1:
             raise ConfigError(f"'max_steps' must be >= 1, got {self.max_steps}")
+        if self.precision in PURE_PRECISIONS:
+            alt = "bf16" if "bf16" in self.precision else "fp16"
+            raise ConfigError(
+                f"--precision {self.precision} (half-precision weights without fp32 master weights) has no DeepSpeed "
+                f"equivalent here; use --precision {alt} (DeepSpeed {alt}: fp32 master weights, as OpenCLIP's amp)"
+            )
 
 
 # Top-level keys DeepSpeed 0.19 reads (docs: deepspeed.ai/docs/config-json). Anything else is a typo.
@@ -366,12 +378,31 @@ def _fill_optimizer(ds: dict[str, Any], o: OptimArgs, where: str) -> None:
         params = ds["optimizer"].setdefault("params", {})
         _fill(params, "lr", o.lr, f"{where} optimizer.params", what="--lr")
         _fill(params, "weight_decay", o.wd, f"{where} optimizer.params", what="--wd")
-        _fill(params, "betas", [o.beta1, o.beta2], f"{where} optimizer.params", what="--beta1/--beta2")
-        _fill(params, "eps", o.eps, f"{where} optimizer.params", what="--eps")
+        kind = str(ds["optimizer"].get("type", "")).lower()
+        if kind not in MOMENTUM_OPTIMIZERS:  # SGD takes neither betas nor eps
+            _fill(params, "betas", [o.beta1, o.beta2], f"{where} optimizer.params", what="--beta1/--beta2")
+            _fill(params, "eps", o.eps, f"{where} optimizer.params", what="--eps")
+        if o.momentum is not None:
+            if kind not in MOMENTUM_OPTIMIZERS:
+                raise ConfigError(
+                    f"--momentum: the optimizer of {where} ({ds['optimizer'].get('type')}) takes no momentum; "
+                    f"drop --momentum (Adam-type momentum is --beta1)"
+                )
+            _fill(params, "momentum", o.momentum, f"{where} optimizer.params", what="--momentum")
     else:
+        if o.momentum is not None:
+            raise ConfigError(
+                "--momentum: dsclip's default optimizer is AdamW, which takes no momentum (its first moment is "
+                "--beta1); drop --momentum, or give the DeepSpeed JSON an optimizer block of type SGD or MuSGD"
+            )
         # We hand DeepSpeed our own AdamW (engine/optim.py: torch's, or DeepSpeedCPUAdam under
         # offload_optimizer, which ZeRO-Offload then accepts as its own); ZeRO wants this acknowledged.
         ds.setdefault("zero_allow_untested_optimizer", True)
+
+
+# DeepSpeed optimizer types whose params take "momentum" (DeepSpeed's MuSGD, or torch.optim.SGD that it
+# falls back to for names it does not know); they take no betas/eps.
+MOMENTUM_OPTIMIZERS = ("sgd", "musgd")
 
 
 def zero_stage(ds: dict[str, Any]) -> int:

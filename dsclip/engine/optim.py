@@ -29,6 +29,14 @@ class OptimArgs:
     lr_cooldown_power: float = opt(1.0, "const-cooldown: power of the polynomial cool-down.")
     lr_cooldown_end: float = opt(0.0, "const-cooldown: learning rate at the end of the cool-down.")
     grad_clip_norm: float | None = opt(None, "Clip the global gradient norm to this value.")
+    skip_scheduler: bool = opt(
+        False, "Keep the learning rate at --lr throughout: no warm-up, no schedule (OpenCLIP's)."
+    )
+    momentum: float | None = opt(
+        None,
+        "Momentum for an optimizer that takes one (the DeepSpeed JSON's optimizer block: SGD, MuSGD); "
+        "AdamW's is --beta1.",
+    )
 
     def check(self) -> None:
         if self.lr <= 0 or not math.isfinite(self.lr):
@@ -93,6 +101,8 @@ def lr_multiplier(o: OptimArgs, total_steps: int, steps_per_epoch: int) -> Calla
     Same shapes as open_clip_train/scheduler.py: linear warm-up (step+1)/warmup, then cosine to 0,
     constant, or constant with a polynomial cool-down over the last ``epochs_cooldown`` epochs.
     """
+    if o.skip_scheduler:  # OpenCLIP --skip-scheduler: the optimizer keeps --lr, warm-up included
+        return lambda step: 1.0
     warmup = o.warmup
 
     def warm(step: int) -> float | None:

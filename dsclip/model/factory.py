@@ -41,7 +41,10 @@ class ModelArgs:
         "Activation checkpointing of every transformer block (DeepSpeed's implementation, configured by "
         "the activation_checkpointing block of the DeepSpeed JSON).",
     )
-    context_length: int | None = opt(None, "Override the text context length of the architecture.")
+    context_length: int | None = opt(
+        None, "Override the text context length of the architecture.", aliases=("--force-context-length",)
+    )
+    force_quick_gelu: bool = opt(False, "Use QuickGELU activations whatever the architecture JSON says (OpenCLIP's).")
 
     def check(self) -> None:
         if self.force_patch_dropout is not None and not 0.0 <= self.force_patch_dropout < 1.0:

@@ -69,7 +69,9 @@ def prepare(cfg: RunConfig, *, rank: int = 0) -> Finetune:
                 print(f"dsclip: --pretrained {cfg.model.pretrained}: tokenizer {r.tokenizer}", flush=True)
     if model_cfg is None:
         model_cfg = get_model_config(cfg.model.model)
-    if quick_gelu:  # OpenCLIP's pretrained cfg says so (OpenAI weights), as open_clip.create_model does
+    # OpenCLIP's pretrained cfg says so (OpenAI weights), as open_clip.create_model does, or --force-quick-gelu;
+    # kept in the model's config, so checkpoints and `dsclip convert` carry it
+    if quick_gelu or cfg.model.force_quick_gelu:
         model_cfg["quick_gelu"] = True
     size = cfg.data.force_image_size
     if size is not None:

@@ -19,7 +19,7 @@ from dsclip.config import RunConfig, settle_run_name, validate
 from dsclip.data import TrainData
 from dsclip.engine import world
 from dsclip.engine.build import build_engine, device_type
-from dsclip.train import finetune
+from dsclip.train import finetune, runlog, wandb_sink
 from dsclip.train.build import (
     StepPlan,
     announce,
@@ -36,7 +36,7 @@ from dsclip.train.build import (
 )
 from dsclip.train.evaluation import TrainingEvaluator
 from dsclip.train.gradcache import GradCacheStep
-from dsclip.train.metrics import MetricsLogger
+from dsclip.train.metrics import MetricsLogger, data_counters
 
 if TYPE_CHECKING:  # annotation only: importing deepspeed here would load it for every user of step_seed
     from deepspeed import DeepSpeedEngine
@@ -133,7 +133,7 @@ def fit(run: Run) -> tuple[int, str | None]:
                 data_wait_s=data_wait,
                 lr=engine.get_lr()[0],
                 epoch=epoch,
-                extra={"bad_samples": sum(run.data.stats().values())},
+                extra=data_counters(run.data.stats()),
             )
             run.checkpointer.maybe_save(engine, step, run.client_state(step), epoch_end=epoch_end, epoch=epoch)
             if epoch_end:
@@ -157,9 +157,8 @@ def build_run(cfg: RunConfig) -> Run:
     cfg = settle_run_name(cfg)  # the clock's default, decided on rank 0 (collective)
     validate(cfg)
     world.check_workers(cfg.data.workers)
-    ft = finetune.prepare(cfg, rank=rank)  # --pretrained by name, --force-image-size, locking flags
-    cfg = ft.cfg  # + the pretrained weights' architecture name and tokenizer
-    model_cfg = ft.model_cfg
+    ft = finetune.prepare(cfg, rank=rank)  # --pretrained by name, --force-image-size, locking, quick_gelu
+    cfg, model_cfg = ft.cfg, ft.model_cfg  # + the pretrained weights' architecture name and tokenizer
     check_torchcompile(cfg.train, device_type())
     ds_config = build_ds_config(cfg.train, cfg.optim, world_size)
     checkpointer = Checkpointer.from_args(cfg.checkpoint, cfg.run_dir, rank=rank)
@@ -169,20 +168,19 @@ def build_run(cfg: RunConfig) -> Run:
     if rank == 0:
         write_run_files(cfg, ds_config)  # exactly what deepspeed.initialize receives below
         record_tokenizer(cfg.run_dir, tokenizer)  # `dsclip convert` ships it with the weights
+    runlog.start(cfg.log, cfg.run_dir, rank, resuming=cfg.checkpoint.resume is not None)  # out.log, --copy-codebase
     plan = StepPlan.of(cfg.train, data, world_size)
     bundle = build_engine(
-        ds_config,
-        cfg.train,
-        cfg.optim,
-        model_factory(cfg.model, cfg.loss, model_cfg, tokenizer, seed=cfg.train.seed),
-        total_steps=plan.total_steps,
-        steps_per_epoch=plan.steps_per_epoch,
-        grad_checkpointing=cfg.model.grad_checkpointing,
-        after_construction=ft.after_construction,  # pretrained weights, then locking
-    )
+        ds_config, cfg.train, cfg.optim, model_factory(cfg.model, cfg.loss, model_cfg, tokenizer, seed=cfg.train.seed),
+        total_steps=plan.total_steps, steps_per_epoch=plan.steps_per_epoch,
+        grad_checkpointing=cfg.model.grad_checkpointing, after_construction=ft.after_construction,  # weights, locking
+    )  # fmt: skip
     step_fn = build_step(bundle, cfg.loss, cfg.train)
     device = bundle.engine.device
-    metrics = MetricsLogger.from_args(cfg.log, cfg.run_dir, rank=rank, world_size=world_size, plan=plan, device=device)
+    metrics = MetricsLogger.from_args(
+        cfg.log, cfg.run_dir, rank=rank, world_size=world_size, plan=plan, device=device,
+        wandb=wandb_sink.for_run(cfg, rank), context_length=tokenizer.context_length,
+    )  # fmt: skip
     evaluator = build_evaluator(cfg.log, cfg.data, tokenizer, model_cfg, metrics, run_dir=cfg.run_dir, device=device)
     start_step = checkpointer.resume(
         bundle.engine, global_batch=plan.samples_per_step, steps_per_epoch=plan.steps_per_epoch

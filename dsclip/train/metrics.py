@@ -7,7 +7,9 @@ fraction says how much of the window the step waited for the loader. Only rank 0
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import logging
 import resource
 import sys
 import time
@@ -18,8 +20,18 @@ import torch
 from tqdm import tqdm
 
 from dsclip.config_base import ConfigError, opt
+from dsclip.data.tokenizer import TRUNCATED
 
-REPORTERS = ("tensorboard",)
+REPORTERS = ("tensorboard", "wandb", "all")  # all: tensorboard and wandb, as OpenCLIP
+
+# Console lines also go to the run's log file (train/runlog.py); propagate=False keeps a root console
+# handler from printing them twice.
+log = logging.getLogger("dsclip.console")
+log.propagate = False
+
+# share of captions cut by the context length above which the run warns (once): a cut caption
+# loses its last words, which in short captions often carry the label
+TRUNCATION_WARN_SHARE = 0.01
 
 
 @dataclass
@@ -29,18 +41,38 @@ class LogArgs:
     logs: str = opt("./logs", "Folder that holds run folders.")
     name: str | None = opt(None, "Run folder name (default: date-model-lr-batch).")
     log_every_n_steps: int = opt(100, "Console/TensorBoard/jsonl logging interval in optimizer steps.")
-    report_to: str = opt("", "Comma-separated extra loggers: 'tensorboard'. metrics.jsonl is always written.")
+    report_to: str = opt(
+        "", "Comma-separated extra loggers: tensorboard, wandb (all: both). metrics.jsonl is always written."
+    )
+    wandb_project_name: str = opt("open-clip", "wandb project (OpenCLIP's default name, so runs land side by side).")
+    wandb_notes: str = opt("", "wandb run notes.")
     zeroshot_frequency: int = opt(1, "Zero-shot evaluation every N epochs (0: only at the end for the demo).")
     val_frequency: int = opt(1, "Retrieval evaluation on --val-data every N epochs.")
+    log_local: bool = opt(
+        False, "Every rank writes its own log file RUN/out-RANK.log (else rank 0 writes RUN/out.log)."
+    )
+    debug: bool = opt(False, "DEBUG-level logging.")
+    copy_codebase: bool = opt(False, "Copy the dsclip package into RUN/code before training (reproducibility).")
 
     def check(self) -> None:
         if self.log_every_n_steps < 1:
             raise ConfigError("'log_every_n_steps' must be >= 1")
-        for r in filter(None, self.report_to.split(",")):
-            if r.strip() not in REPORTERS:
-                raise ConfigError(f"--report-to {r!r} is not supported (supported: {', '.join(REPORTERS)})")
+        reporters = {r.strip() for r in self.report_to.split(",") if r.strip()}
+        unknown = sorted(reporters - set(REPORTERS))
+        if unknown:
+            raise ConfigError(f"--report-to {unknown[0]!r} is not supported (supported: {', '.join(REPORTERS)})")
+        if reporters & {"wandb", "all"} and importlib.util.find_spec("wandb") is None:
+            raise ConfigError("--report-to wandb needs the wandb package: pip install wandb (or drop wandb)")
         if self.name is not None and "/" in self.name:
             raise ConfigError(f"--name must be a folder name, not a path: {self.name!r}")
+
+
+def data_counters(stats: dict[str, int]) -> dict[str, int]:
+    """This rank's cumulative data counters as logged: skipped samples, and captions cut by the context."""
+    return {
+        "bad_samples": sum(v for k, v in stats.items() if k != TRUNCATED),
+        "truncated_captions": stats.get(TRUNCATED, 0),
+    }
 
 
 def peak_memory_gb(device: torch.device) -> float:
@@ -52,8 +84,20 @@ def peak_memory_gb(device: torch.device) -> float:
 
 class MetricsLogger:
     @classmethod
-    def from_args(cls, args: LogArgs, run_dir: Path, *, rank: int, world_size: int, plan, device) -> MetricsLogger:
-        """``plan``: the run's dsclip.train.build.StepPlan (samples per step, total steps)."""
+    def from_args(
+        cls,
+        args: LogArgs,
+        run_dir: Path,
+        *,
+        rank: int,
+        world_size: int,
+        plan,
+        device,
+        wandb=None,
+        context_length: int | None = None,
+    ) -> MetricsLogger:
+        """``plan``: the run's dsclip.train.build.StepPlan (samples per step, total steps); ``wandb``: the
+        rank's dsclip.train.wandb_sink.WandbSink or None; ``context_length``: for the truncation warning."""
         return cls(
             run_dir,
             rank=rank,
@@ -63,6 +107,8 @@ class MetricsLogger:
             samples_per_step=plan.samples_per_step,
             total_steps=plan.total_steps,
             device=device,
+            wandb=wandb,
+            context_length=context_length,
         )
 
     def __init__(
@@ -76,6 +122,8 @@ class MetricsLogger:
         samples_per_step: int,
         total_steps: int,
         device: torch.device,
+        wandb=None,
+        context_length: int | None = None,
     ):
         self.rank = rank
         self.world_size = world_size
@@ -83,12 +131,16 @@ class MetricsLogger:
         self.samples_per_step = samples_per_step  # global: batch × accum_freq × world
         self.total_steps = total_steps
         self.device = device
+        self.context_length = context_length
+        self.steps_here = 0  # steps this process ran (the data counters restart on resume)
+        self.truncation_warned = False
         self.jsonl = None
         self.tb = None
+        self.wandb = wandb  # train/wandb_sink.WandbSink on rank 0 with --report-to wandb
         self.bar = None
         if rank == 0:
             self.jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
-            if "tensorboard" in {r.strip() for r in report_to.split(",")}:
+            if {r.strip() for r in report_to.split(",")} & {"tensorboard", "all"}:
                 # lazy: only with --report-to tensorboard; loading the tensorboard writer takes seconds
                 from torch.utils.tensorboard import SummaryWriter
 
@@ -107,6 +159,9 @@ class MetricsLogger:
     def step(self, step: int, result, *, data_wait_s: float, lr: float, epoch: int, extra: dict | None = None) -> None:
         """Record a finished optimizer step (1-based ``step``); log when the window is full."""
         self.window_steps += 1
+        self.steps_here += 1
+        if extra and not self.truncation_warned:
+            self._check_truncation(extra.get("truncated_captions", 0))
         self.window_data_wait += data_wait_s
         if result.applied:
             self.window_losses.append(result.loss)
@@ -117,6 +172,18 @@ class MetricsLogger:
             self.bar.set_postfix(loss=f"{result.loss:.4f}")
         if step % self.every == 0 or step == self.total_steps:
             self.flush(step, result, lr=lr, epoch=epoch, extra=extra)
+
+    def _check_truncation(self, cut: int) -> None:
+        captions = self.steps_here * self.samples_per_step // self.world_size  # this rank's, like the counter
+        if not captions or cut <= TRUNCATION_WARN_SHARE * captions:
+            return
+        self.truncation_warned = True
+        ctx = f" {self.context_length}" if self.context_length else ""
+        self.write_line(
+            f"warning: {100 * cut / captions:.1f}% of captions ({cut} of {captions} on rank {self.rank} so far) are "
+            f"longer than the context length{ctx} and lose their end; raise --context-length (the text tower's "
+            f"positions) or shorten the captions (dsclip tokenizer train --context-length N shows the distribution)"
+        )
 
     def flush(self, step: int, result, *, lr: float, epoch: int, extra: dict | None = None) -> None:
         elapsed = max(time.perf_counter() - self.window_start, 1e-9)
@@ -154,15 +221,15 @@ class MetricsLogger:
             )
             if self.window_skipped:
                 line += f" | skipped {self.window_skipped}"
-            for k in ("bad_samples",):
+            for k in ("bad_samples", "truncated_captions"):
                 if extra and extra.get(k):
                     line += f" | {k} {extra[k]}"
             self.write_line(line)
             self.jsonl.write(json.dumps(record) + "\n")
-            if self.tb is not None:
-                for k, v in record.items():
-                    if isinstance(v, (int, float)) and v is not None and k not in ("step", "time"):
-                        self.tb.add_scalar(f"train/{k}", v, step)
+            scalars = {
+                f"train/{k}": v for k, v in record.items() if isinstance(v, (int, float)) and k not in ("step", "time")
+            }
+            self._scalars(scalars, step)
         self._reset_window()
 
     def exclude(self, seconds: float) -> None:
@@ -172,6 +239,7 @@ class MetricsLogger:
     def write_line(self, line: str) -> None:
         if self.rank != 0:
             return
+        log.info(line)  # into RUN/out.log (train/runlog.py); the console gets it below
         if self.bar is not None:
             self.bar.write(line)
         else:
@@ -185,15 +253,22 @@ class MetricsLogger:
             + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if isinstance(v, (int, float)))
         )
         self.jsonl.write(json.dumps({"step": step, prefix: metrics, "time": time.time()}) + "\n")
+        self._scalars({f"{prefix}/{k}": v for k, v in metrics.items() if isinstance(v, (int, float))}, step)
+
+    def _scalars(self, scalars: dict, step: int) -> None:
+        """The same scalars, under the same names, to TensorBoard and wandb."""
         if self.tb is not None:
-            for k, v in metrics.items():
-                if isinstance(v, (int, float)):
-                    self.tb.add_scalar(f"{prefix}/{k}", v, step)
+            for k, v in scalars.items():
+                self.tb.add_scalar(k, v, step)
+        if self.wandb is not None:
+            self.wandb.log(scalars, step)
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.close()
         if self.jsonl is not None:
             self.jsonl.close()

@@ -1,0 +1,80 @@
+"""The run folder's text log and code snapshot (OpenCLIP's --log-local, --debug, --copy-codebase).
+
+Rank 0 writes ``RUN/out.log``; with ``--log-local`` every rank writes ``RUN/out-RANK.log`` (what
+OpenCLIP does), which is where a rank's own warnings go when only one rank misbehaves. The file gets
+every ``dsclip`` log record and the console lines of :class:`~dsclip.train.metrics.MetricsLogger`.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+import dsclip
+from dsclip.config_base import ConfigError
+from dsclip.train.metrics import LogArgs
+
+FORMAT = "%(asctime)s | rank %(rank)s | %(levelname)s | %(name)s | %(message)s"
+
+
+class _RankFilter(logging.Filter):
+    def __init__(self, rank: int):
+        super().__init__()
+        self.rank = rank
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.rank = self.rank
+        return True
+
+
+def log_file(run_dir: Path, rank: int, log_local: bool) -> Path | None:
+    if log_local:
+        return run_dir / f"out-{rank}.log"
+    return run_dir / "out.log" if rank == 0 else None
+
+
+def setup(log: LogArgs, run_dir: Path, rank: int) -> logging.Handler | None:
+    """Attach this rank's log file to the ``dsclip`` logger; DEBUG level with ``--debug``."""
+    logger = logging.getLogger("dsclip")
+    logger.setLevel(logging.DEBUG if log.debug else logging.INFO)
+    path = log_file(run_dir, rank, log.log_local)
+    if path is None:
+        return None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter(FORMAT))
+    handler.addFilter(_RankFilter(rank))
+    handler._dsclip_run_log = True
+    # dsclip.console (the metrics lines) does not propagate, so that a root console handler does not
+    # print them twice: it gets the file handler itself.
+    for lg in (logger, logging.getLogger("dsclip.console")):
+        # A second run in the same process (tests, notebooks) must not write into the first run's file.
+        for old in [h for h in lg.handlers if getattr(h, "_dsclip_run_log", False)]:
+            lg.removeHandler(old)
+            old.close()
+        lg.addHandler(handler)
+    logger.debug("logging to %s", path)
+    return handler
+
+
+def start(log: LogArgs, run_dir: Path, rank: int, *, resuming: bool) -> None:
+    """What a run's start needs of this module: rank 0 copies the code (--copy-codebase), every rank its log file."""
+    if rank == 0 and log.copy_codebase:
+        copy_codebase(run_dir, resuming=resuming)
+    setup(log, run_dir, rank)
+
+
+def copy_codebase(run_dir: Path, *, resuming: bool) -> Path:
+    """Copy the dsclip package that is running into ``RUN/code/dsclip`` (rank 0 only calls it).
+
+    A resumed run keeps the copy its first start made (a requeued job must not fail here); a new run
+    whose folder already has one is refused, as OpenCLIP does."""
+    src = Path(dsclip.__file__).resolve().parent
+    dst = run_dir / "code" / "dsclip"
+    if dst.exists():
+        if resuming:
+            return dst
+        raise ConfigError(f"{dst} already exists: --copy-codebase needs a new run (--name) or --resume")
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    return dst

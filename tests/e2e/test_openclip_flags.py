@@ -1,0 +1,85 @@
+"""OpenCLIP's options through `dsclip train` itself: the run-folder effects of --log-local,
+--copy-codebase, --save-most-recent, --skip-scheduler, --force-quick-gelu and --report-to wandb
+(offline) across a --resume, and their bad values as one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from dsclip.checkpoint import ds_checkpoint as dc
+from tests.e2e.test_train_cli import run_cli
+
+
+def test_openclip_flags_through_a_run_and_its_resume(tmp_path, monkeypatch):
+    pytest.importorskip("wandb", reason="wandb is in the dev extra")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run_dir = tmp_path / "oc"
+
+    def args(epochs):
+        return (
+            ["train", "--config", "tiny", "--logs", str(tmp_path), "--name", "oc", "--resume", "latest"]
+            + ["--demo-num-samples", "64", "--max-steps", "100", "--epochs", str(epochs), "--save-frequency", "2"]
+            + ["--save-most-recent", "--skip-scheduler", "--force-quick-gelu", "--log-local", "--copy-codebase"]
+            + ["--ddp-static-graph", "--report-to", "tensorboard,wandb", "--wandb-notes", "e2e", "--debug"]
+        )
+
+    run_cli(args(2))  # 64 samples / batch 16 = 4 steps per epoch
+    ckpts = run_dir / "checkpoints"
+    # epoch 1's save exists only for --save-most-recent and gave way to epoch 2's (--save-frequency 2)
+    assert dc.complete_tags(ckpts) == ["step_000000008"]
+    run_cli(args(3))
+    assert dc.complete_tags(ckpts) == ["step_000000008", "step_000000012"]
+    assert (ckpts / "latest").read_text() == "step_000000012"
+
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    lrs = {r["step"]: r["lr"] for r in records if "lr" in r}
+    assert sorted(lrs) == list(range(1, 13)) and set(lrs.values()) == {2.0e-3}  # no warm-up, no decay
+    model_cfg = json.loads((ckpts / "step_000000012" / dc.MODEL_CONFIG_FILE).read_text())["model_cfg"]
+    assert model_cfg["quick_gelu"] is True  # tiny.json says false
+    log = (run_dir / "out-0.log").read_text()
+    assert "step 1/" in log and "step 12/" in log and "| DEBUG |" in log
+    assert (run_dir / "code" / "dsclip" / "compat.py").exists()
+
+    from tests.unit.test_parity_flags import wandb_records
+
+    ids, rows = wandb_records(run_dir, steps=set(range(1, 13)))
+    assert len(ids) == 2 and ids[0] == ids[1] == (run_dir / "wandb_id").read_text().strip()
+    steps = sorted({r["_step"] for r in rows if "train/loss" in r})
+    assert steps == list(range(1, 13))
+    assert sum("demo_zeroshot/shape_top1" in r for r in rows) == 2  # eval scalars too, once per run
+
+
+@pytest.mark.parametrize(
+    "extra, expect",
+    [
+        (["--report-to", "tensorboard,mlflow"], "--report-to 'mlflow' is not supported"),
+        (["--precision", "pure_bf16"], "use --precision bf16"),
+        (["--momentum", "0.9"], "--momentum: dsclip's default optimizer is AdamW"),
+    ],
+    ids=["report_to", "pure_precision", "momentum"],
+)
+def test_bad_openclip_values_are_one_line_and_nonzero(tmp_path, extra, expect):
+    p = run_cli(["train", "--config", "tiny", "--logs", str(tmp_path), "--name", "bad", *extra], check=False)
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert "Traceback" not in p.stderr
+    err = [line for line in p.stderr.splitlines() if line.startswith("dsclip train: error:")]
+    assert len(err) == 1 and expect in err[0], p.stderr[-3000:]
+    assert not (tmp_path / "bad" / "checkpoints").exists() and os.path.isdir(tmp_path)
+
+
+def test_training_counts_cut_captions_and_warns_once(tmp_path):
+    # the demo's captions are longer than 4 tokens: nearly all are cut at --context-length 4
+    base = ["train", "--config", "tiny", "--logs", str(tmp_path), "--max-steps", "3"]
+    assert "warning:" not in run_cli(base + ["--name", "cut"]).stdout
+    out = run_cli(base + ["--name", "cut4", "--force-context-length", "4"]).stdout
+    assert out.count("warning:") == 1 and "longer than the context length 4" in out
+    counts = {}
+    for name in ("cut", "cut4"):
+        recs = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        counts[name] = [r["truncated_captions"] for r in recs if "truncated_captions" in r]
+    assert counts["cut"] == [0, 0, 0]
+    assert counts["cut4"][-1] > 0.9 * 3 * 16 and counts["cut4"] == sorted(counts["cut4"])  # cumulative
