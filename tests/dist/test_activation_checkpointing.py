@@ -51,7 +51,15 @@ def _engine(tmp, stage, checkpointing, profile):
         }
     )
     ds = resolve_ds_config(load_ds_json(path), cfg.train, cfg.optim, world_size=1, device_type="cpu")
-    return build_engine(ds, cfg.train, cfg.optim, _model, grad_checkpointing=cfg.model.grad_checkpointing, total_steps=1, steps_per_epoch=1).engine
+    return build_engine(
+        ds,
+        cfg.train,
+        cfg.optim,
+        _model,
+        grad_checkpointing=cfg.model.grad_checkpointing,
+        total_steps=1,
+        steps_per_epoch=1,
+    ).engine
 
 
 def _counting(forward, calls):

@@ -63,7 +63,9 @@ def _engine(world, ds_config, after_construction=None):
             "deepspeed_config": f"ds_configs/{ds_config}.json",
         }
     )
-    ds = resolve_ds_config(load_ds_json(cfg.train.deepspeed_config), cfg.train, cfg.optim, world_size=world, device_type="cpu")
+    ds = resolve_ds_config(
+        load_ds_json(cfg.train.deepspeed_config), cfg.train, cfg.optim, world_size=world, device_type="cpu"
+    )
     return build_engine(
         ds, cfg.train, cfg.optim, _model, total_steps=10, steps_per_epoch=10, after_construction=after_construction
     )
@@ -86,9 +88,7 @@ def _rank_train_and_save(rank, world, ds_config, run_dir):
 
     bundle = _engine(world, ds_config)
     engine = bundle.engine
-    step = GradCacheStep(
-        engine, build_loss("infonce"), compute_dtype=torch.bfloat16 if "bf16" in ds_config else None
-    )
+    step = GradCacheStep(engine, build_loss("infonce"), compute_dtype=torch.bfloat16 if "bf16" in ds_config else None)
     g = torch.Generator().manual_seed(SEED + rank)
     for _ in range(2):
         images = torch.randn(B, 3, 32, 32, generator=g)
@@ -179,9 +179,7 @@ def test_openclip_checkpoint_imported_under_zero_embeds_like_openclip(tmp_path, 
             p.add_(0.01 * torch.randn_like(p))
     # OpenCLIP's training checkpoint format: DDP "module." prefixes inside "state_dict"
     path = tmp_path / "epoch_1.pt"
-    torch.save(
-        {"epoch": 1, "name": "x", "state_dict": {f"module.{k}": v for k, v in oc.state_dict().items()}}, path
-    )
+    torch.save({"epoch": 1, "name": "x", "state_dict": {f"module.{k}": v for k, v in oc.state_dict().items()}}, path)
     results = run_world(_rank_import_openclip, 2, str(path), ds_config)
     images, tokens = _inputs()
     oc.eval()

@@ -137,8 +137,12 @@ def _rank_step(rank, world, stage, k, reduction, patch_dropout, keep_last, compi
     from dsclip.train.gradcache import GradCacheStep
 
     cfg = make_cfg(stage, k, compile_backend=compile_backend)
-    ds = resolve_ds_config(load_ds_json(cfg.train.deepspeed_config), cfg.train, cfg.optim, world_size=world, device_type="cpu")
-    bundle = build_engine(ds, cfg.train, cfg.optim, lambda: make_model(patch_dropout), total_steps=10, steps_per_epoch=10)
+    ds = resolve_ds_config(
+        load_ds_json(cfg.train.deepspeed_config), cfg.train, cfg.optim, world_size=world, device_type="cpu"
+    )
+    bundle = build_engine(
+        ds, cfg.train, cfg.optim, lambda: make_model(patch_dropout), total_steps=10, steps_per_epoch=10
+    )
     engine = bundle.engine
 
     def full_param(p):  # ZeRO-0 keeps plain fp32 parameters: DeepSpeed's accessor returns None there

@@ -11,9 +11,9 @@ import torch
 from dsclip.model import create_model  # noqa: F401  (imported before zero.Init patches torch.Tensor)
 from dsclip.model.lock import LockConfig, apply_locking
 from tests.dist.test_gradcache import (
-    B,
     EPS,
     SEED,
+    B,
     ds_json_path,
     grad_terms,
     make_batches,
@@ -71,7 +71,9 @@ def _rank_steps(rank, world, stage):
     from dsclip.train.gradcache import GradCacheStep
 
     cfg = _cfg(stage)
-    ds = resolve_ds_config(load_ds_json(cfg.train.deepspeed_config), cfg.train, cfg.optim, world_size=world, device_type="cpu")
+    ds = resolve_ds_config(
+        load_ds_json(cfg.train.deepspeed_config), cfg.train, cfg.optim, world_size=world, device_type="cpu"
+    )
     counts = {}
     bundle = build_engine(
         ds,
@@ -99,9 +101,7 @@ def _rank_steps(rank, world, stage):
         engine.step()
     final = {n: _full(p) for n, p in params.items()}
     # optimizer state exists only for trainable parameters (ZeRO pads partitions by a few elements)
-    state_numel = sum(
-        int(st["exp_avg"].numel()) for st in engine.optimizer.optimizer.state.values() if "exp_avg" in st
-    )
+    state_numel = sum(int(st["exp_avg"].numel()) for st in engine.optimizer.optimizer.state.values() if "exp_avg" in st)
     t = torch.tensor([state_numel])
     dist.all_reduce(t)
     return {

@@ -69,7 +69,9 @@ def _build_partitioned(rank, world, model):
     from dsclip.engine.ds_config import load_ds_json, resolve_ds_config
 
     cfg = _run_config(model)
-    ds = resolve_ds_config(load_ds_json(cfg.train.deepspeed_config), cfg.train, cfg.optim, world_size=world, device_type="cpu")
+    ds = resolve_ds_config(
+        load_ds_json(cfg.train.deepspeed_config), cfg.train, cfg.optim, world_size=world, device_type="cpu"
+    )
     import deepspeed
 
     # Without this explicit call zero.Init's DeepSpeedConfig saw world size 1 here (train_batch_size 4 !=
@@ -129,7 +131,9 @@ def _train_step(rank, world, model="ViT-H-14"):
     from dsclip.train.loop import step_seed
 
     cfg = _run_config(model, grad_checkpointing=True)
-    ds = resolve_ds_config(load_ds_json(cfg.train.deepspeed_config), cfg.train, cfg.optim, world_size=world, device_type="cpu")
+    ds = resolve_ds_config(
+        load_ds_json(cfg.train.deepspeed_config), cfg.train, cfg.optim, world_size=world, device_type="cpu"
+    )
     ds["bf16"].update(bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
     # Bound ZeRO-3's transient memory on a RAM-limited CPU box: the optimizer steps one sub-group at a
     # time (its temporaries scale with sub_group_size, 1e9 elements by default = the whole partition
@@ -146,7 +150,15 @@ def _train_step(rank, world, model="ViT-H-14"):
         torch.manual_seed(0)
         return create_model(model)
 
-    bundle = build_engine(ds, cfg.train, cfg.optim, factory, grad_checkpointing=cfg.model.grad_checkpointing, total_steps=10, steps_per_epoch=10)
+    bundle = build_engine(
+        ds,
+        cfg.train,
+        cfg.optim,
+        factory,
+        grad_checkpointing=cfg.model.grad_checkpointing,
+        total_steps=10,
+        steps_per_epoch=10,
+    )
     engine = bundle.engine
     step = GradCacheStep(engine, build_loss("infonce"), keep_last_graph=True, compute_dtype=autocast_dtype(bundle))
     g = torch.Generator().manual_seed(rank)

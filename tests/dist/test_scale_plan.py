@@ -39,7 +39,9 @@ def _measure(rank, world, stage):
         },
         world_size=world,
     )
-    ds = resolve_ds_config(load_ds_json(cfg.train.deepspeed_config), cfg.train, cfg.optim, world_size=world, device_type="cpu")
+    ds = resolve_ds_config(
+        load_ds_json(cfg.train.deepspeed_config), cfg.train, cfg.optim, world_size=world, device_type="cpu"
+    )
     if stage == 3:
         ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # partition every parameter
 
@@ -47,7 +49,15 @@ def _measure(rank, world, stage):
         torch.manual_seed(0)
         return create_model("demo", vocab_size=1000)
 
-    bundle = build_engine(ds, cfg.train, cfg.optim, factory, grad_checkpointing=cfg.model.grad_checkpointing, total_steps=10, steps_per_epoch=10)
+    bundle = build_engine(
+        ds,
+        cfg.train,
+        cfg.optim,
+        factory,
+        grad_checkpointing=cfg.model.grad_checkpointing,
+        total_steps=10,
+        steps_per_epoch=10,
+    )
     engine = bundle.engine
     step = GradCacheStep(engine, build_loss("infonce"), compute_dtype=autocast_dtype(bundle))
     g = torch.Generator().manual_seed(rank)

@@ -26,10 +26,17 @@ def _rank(rank, world, send_signal):
     from tests.dist.test_gradcache import make_batches, make_cfg, rank_chunks
 
     cfg = make_cfg(2, 2)
-    ds = resolve_ds_config(load_ds_json(cfg.train.deepspeed_config), cfg.train, cfg.optim, world_size=world, device_type="cpu")
+    ds = resolve_ds_config(
+        load_ds_json(cfg.train.deepspeed_config), cfg.train, cfg.optim, world_size=world, device_type="cpu"
+    )
     mcfg = get_model_config("tiny")
     engine = build_engine(
-        ds, cfg.train, cfg.optim, lambda: create_model(mcfg, vocab_size=256, eos_id=2, pad_id=0), total_steps=10, steps_per_epoch=10
+        ds,
+        cfg.train,
+        cfg.optim,
+        lambda: create_model(mcfg, vocab_size=256, eos_id=2, pad_id=0),
+        total_steps=10,
+        steps_per_epoch=10,
     ).engine
     images, tokens = make_batches(world, 2)
     chunks = rank_chunks(images, tokens, rank, world, 2)
