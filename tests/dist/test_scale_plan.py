@@ -36,8 +36,7 @@ def _measure(rank, world, stage):
             "warmup": 0,
             "lr_scheduler": "const",
             "deepspeed_config": f"ds_configs/zero{stage}_bf16.json",
-        },
-        world_size=world,
+        }
     )
     ds = resolve_ds_config(
         load_ds_json(cfg.train.deepspeed_config), cfg.train, cfg.optim, world_size=world, device_type="cpu"
