@@ -195,6 +195,7 @@ def dsclip_engine(
     ds_overrides: dict | None = None,
     model_kwargs: dict | None = None,
     grad_checkpointing=False,
+    device_type="cpu",
 ):
     """(engine, bundle, run config) built exactly as dsclip/train/loop.py does."""
     import torch
@@ -219,7 +220,7 @@ def dsclip_engine(
     values.update(extra or {})
     rc = make_run_config(values)
     ds = resolve_ds_config(
-        load_ds_json(rc.train.deepspeed_config), rc.train, rc.optim, world_size=world, device_type="cpu"
+        load_ds_json(rc.train.deepspeed_config), rc.train, rc.optim, world_size=world, device_type=device_type
     )
     for k, v in (ds_overrides or {}).items():
         if isinstance(v, dict):

@@ -1,0 +1,249 @@
+"""dsclip vs open_clip_train on one GPU: samples/s, peak memory and MFU, alternated in one process.
+
+Run by ``bench/gpu_h200.sh`` on the device machine; ``--device cpu --models demo`` runs the same code
+paths here (that is how the script is checked before the device time is spent).
+
+For each model: one micro-batch size for both trainers (``--batch NAME=B``; halved on OOM), then
+``--rounds`` rounds alternating the two trainers, each ``--steps`` timed steps after two warm-up steps.
+Both train in bf16 autocast / bf16 DeepSpeed with fused AdamW on identical synthetic batches, plain
+InfoNCE, no accumulation. MFU = 3 x forward FLOPs per sample (FlopCounterMode, bench/utilisation.py)
+x samples/s / the bf16 GEMM rate measured at the start (8192^3 products).
+Then the loss alone: tiled vs local InfoNCE forward+backward at large N (time and memory above baseline).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import utilisation as U  # noqa: E402
+import vs_openclip as V  # noqa: E402
+
+from dsclip.model import get_model_config  # noqa: E402
+
+
+def sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def peak_mem_gb(dev):
+    return torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else float("nan")
+
+
+def reset_mem(dev):
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def bf16_peak_tflops(dev) -> float:
+    n = 8192 if dev.type == "cuda" else 512
+    a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    b = torch.randn_like(a)
+    for _ in range(3):
+        a @ b
+    sync(dev)
+    reps = 20 if dev.type == "cuda" else 3
+    t = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    sync(dev)
+    return 2 * n**3 * reps / (time.perf_counter() - t) / 1e12
+
+
+def make_batches(cfg, bs, n, dev):
+    s = cfg["vision_cfg"]["image_size"]
+    ctx, vocab = cfg["text_cfg"].get("context_length", 77), cfg["text_cfg"].get("vocab_size", 49408)
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(n):
+        img = torch.randn(bs, 3, s, s, generator=g).to(dev)
+        tok = torch.randint(1, vocab - 1, (bs, ctx), generator=g)
+        end = min(20, ctx - 1)
+        tok[:, end] = vocab - 1  # EOT (argmax pooling in OpenCLIP's text tower)
+        tok[:, end + 1 :] = 0
+        out.append((img, tok.to(dev)))
+    return out
+
+
+def openclip_run(name, cfg, bs, steps, dev):
+    import open_clip
+    from open_clip.loss import ClipLoss
+    from open_clip_train.train import train_one_epoch
+
+    precision = "amp_bf16" if dev.type == "cuda" else "fp32"
+    # The same architecture JSON dsclip builds from, registered under a name OpenCLIP resolves.
+    open_clip.add_model_config(str(V.write_model_json(cfg, f"gpu-bench-{name}")))
+    torch.manual_seed(0)
+    model = open_clip.create_model(f"gpu-bench-{name}", precision=precision, device=dev, output_dict=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=dev.type == "cuda")
+    args = SimpleNamespace(
+        device=str(dev),
+        precision=precision,
+        accum_freq=1,
+        distill=False,
+        skip_scheduler=True,
+        horovod=False,
+        grad_clip_norm=None,
+        log_every_n_steps=10**9,
+        batch_size=bs,
+        world_size=1,
+        rank=0,
+        local_rank=0,
+        wandb=False,
+        save_logs=False,
+    )
+
+    class Loader(list):
+        num_batches = property(len)
+        num_samples = property(lambda self: len(self) * bs)
+
+    def epoch(batches):
+        data = {"train": SimpleNamespace(dataloader=Loader(batches), set_epoch=lambda e: None)}
+        train_one_epoch(model, data, ClipLoss(), 0, opt, None, None, None, args)
+
+    epoch(make_batches(cfg, bs, 2, dev))
+    sync(dev)
+    reset_mem(dev)
+    batches = make_batches(cfg, bs, steps, dev)
+    sync(dev)
+    t = time.perf_counter()
+    epoch(batches)
+    sync(dev)
+    sps = steps * bs / (time.perf_counter() - t)
+    return sps, peak_mem_gb(dev)  # model and optimizer are freed on return
+
+
+def dsclip_run(name, cfg, bs, steps, dev):
+    from dsclip.engine.build import autocast_dtype
+    from dsclip.losses import build_loss
+    from dsclip.train.gradcache import GradCacheStep
+
+    precision = "bf16" if dev.type == "cuda" else "fp32"
+    engine, bundle, _ = V.dsclip_engine(precision, bs, 1, cfg, 1, device_type=dev.type)
+    step = GradCacheStep(engine, build_loss("infonce"), compute_dtype=autocast_dtype(bundle))
+    for b in make_batches(cfg, bs, 2, dev):
+        step([b])
+    sync(dev)
+    reset_mem(dev)
+    batches = make_batches(cfg, bs, steps, dev)
+    sync(dev)
+    t = time.perf_counter()
+    for b in batches:
+        step([b])
+    sync(dev)
+    sps = steps * bs / (time.perf_counter() - t)
+    mem = peak_mem_gb(dev)
+    engine.destroy()
+    del engine, step, bundle
+    return sps, mem
+
+
+def fitting_batch(name, cfg, bs, dev):
+    """``bs`` or the largest power-of-two fraction of it with which both trainers run a step."""
+    while bs >= 1:
+        try:
+            for fn in (openclip_run, dsclip_run):
+                fn(name, cfg, bs, 1, dev)
+                reset_mem(dev)
+            return bs
+        except torch.OutOfMemoryError:
+            reset_mem(dev)
+            print(f"{name}: batch {bs} does not fit, halving", flush=True)
+            bs //= 2
+    raise RuntimeError(f"{name}: not even batch 1 fits")
+
+
+def loss_memory(dev, sizes, dim):
+    from dsclip.losses import build_loss
+
+    res = {}
+    for n in sizes:
+        for mode in ("infonce_local", "infonce_tiled"):
+            key = f"{mode} {n}"
+            try:
+                reset_mem(dev)
+                g = torch.Generator(device=dev).manual_seed(0)
+                x = torch.nn.functional.normalize(torch.randn(n, dim, device=dev, generator=g), dim=-1)
+                y = torch.nn.functional.normalize(torch.randn(n, dim, device=dev, generator=g), dim=-1)
+                x.requires_grad_()
+                y.requires_grad_()
+                scale = torch.tensor(14.0, device=dev, requires_grad=True)
+                base = torch.cuda.memory_allocated() if dev.type == "cuda" else 0
+                fn = build_loss(mode)
+                sync(dev)
+                t = time.perf_counter()
+                fn(x, y, scale).backward()
+                sync(dev)
+                extra = (torch.cuda.max_memory_allocated() - base) / 2**30 if dev.type == "cuda" else float("nan")
+                res[key] = {"s": time.perf_counter() - t, "peak_gb_above_inputs": extra}
+            except torch.OutOfMemoryError:
+                res[key] = "OOM"
+            print(key, res[key], flush=True)
+    return res
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--models", default="ViT-B-32=512,ViT-L-14=128", help="NAME=micro-batch,...")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--loss-sizes", default="32768,65536,131072")
+    ap.add_argument("--loss-dim", type=int, default=768)
+    ap.add_argument("--json-out")
+    a = ap.parse_args(argv)
+    for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29533", "RANK": "0", "WORLD_SIZE": "1"}.items():
+        os.environ.setdefault(k, v)
+    os.environ.setdefault("LOCAL_RANK", "0")
+    dev = torch.device(a.device)
+    report = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "models": {}}
+    peak = report["bf16_peak_tflops"] = bf16_peak_tflops(dev)
+    print(f"measured dense bf16 GEMM rate (8192^3): {peak:.0f} TFLOP/s", flush=True)
+    for spec in a.models.split(","):
+        name, bs = spec.split("=")
+        cfg = get_model_config(name)
+        flops = U.train_flops_per_sample(cfg)
+        bs = fitting_batch(name, cfg, int(bs), dev)
+        rows = {"openclip": [], "dsclip": []}
+        for r in range(a.rounds):
+            for impl in ("openclip", "dsclip") if r % 2 == 0 else ("dsclip", "openclip"):
+                fn = openclip_run if impl == "openclip" else dsclip_run
+                sps, mem = fn(name, cfg, bs, a.steps, dev)
+                reset_mem(dev)
+                mfu = sps * flops / (peak * 1e12)
+                rows[impl].append({"samples_per_s": sps, "peak_mem_gb": mem, "mfu": mfu})
+                print(
+                    f"{name} batch {bs} round {r} {impl}: {sps:.0f} samples/s, {mem:.1f} GiB, MFU {100 * mfu:.1f}%",
+                    flush=True,
+                )
+        report["models"][name] = {"batch": bs, "train_gflop_per_sample": flops / 1e9, **rows}
+    report["loss"] = loss_memory(dev, [int(n) for n in a.loss_sizes.split(",")], a.loss_dim)
+    print("\n| model | micro-batch | trainer | samples/s (median, min-max) | MFU | peak GiB | dsclip / OpenCLIP |")
+    print("|---|---:|---|---:|---:|---:|---:|")
+    for name, m in report["models"].items():
+        med = {k: statistics.median(r["samples_per_s"] for r in m[k]) for k in ("openclip", "dsclip")}
+        for k in ("openclip", "dsclip"):
+            sps = sorted(r["samples_per_s"] for r in m[k])
+            print(
+                f"| {name} | {m['batch']} | {k} | {med[k]:.0f} ({sps[0]:.0f}-{sps[-1]:.0f}) | "
+                f"{100 * statistics.median(r['mfu'] for r in m[k]):.1f}% | "
+                f"{max(r['peak_mem_gb'] for r in m[k]):.1f} | {med[k] / med['openclip']:.2f}x |"
+            )
+    if a.json_out:
+        Path(a.json_out).write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
