@@ -1,0 +1,142 @@
+"""Where dsclip's GPU step time goes, next to open_clip_train's: step-time variants and profiler tables.
+
+Variants, same synthetic batches, bf16 (the device machine; ``--device cpu`` runs the code paths here):
+  openclip          OpenCLIP model, torch.autocast bf16, fp32 weights, fused AdamW (open_clip_train's step)
+  dsclip-autocast   dsclip's model in the same plain-torch loop: isolates the architecture
+  dsclip-bf16       dsclip's model with bf16 weights in the plain loop (what DeepSpeed's bf16 computes in)
+  dsclip-engine     the real thing: DeepSpeed ZeRO-2 bf16 engine + GradCacheStep (K=1)
+Each: median step time over ``--steps`` after warm-up; then a torch.profiler table (top kernels by
+device time) for openclip and dsclip-engine, and device-busy time / wall time per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_bench as G  # noqa: E402
+import vs_openclip as V  # noqa: E402
+
+from dsclip.model import create_model, get_model_config  # noqa: E402
+
+
+def clip_loss(img, txt, scale):
+    img, txt = F.normalize(img.float(), dim=-1), F.normalize(txt.float(), dim=-1)
+    logits = scale.float() * img @ txt.T
+    labels = torch.arange(img.shape[0], device=img.device)
+    return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
+
+
+def plain_step_fn(model, dev, autocast: bool, weights_dtype):
+    model = model.to(dev, dtype=weights_dtype).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=dev.type == "cuda")
+
+    def step(batch):
+        img, tok = batch
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast):
+            out = model(image=img.to(weights_dtype), text=tok)
+            loss = clip_loss(out["image_features"], out["text_features"], out["logit_scale"])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def openclip_step_fn(name, cfg, dev):
+    import open_clip
+
+    open_clip.add_model_config(str(V.write_model_json(cfg, f"gpu-bench-{name}")))
+    torch.manual_seed(0)
+    model = open_clip.create_model(f"gpu-bench-{name}", precision="fp32", device=dev, output_dict=True)
+    return plain_step_fn(model, dev, autocast=dev.type == "cuda", weights_dtype=torch.float32)
+
+
+def engine_step_fn(cfg, bs, dev):
+    from dsclip.engine.build import autocast_dtype
+    from dsclip.losses import build_loss
+    from dsclip.train.gradcache import GradCacheStep
+
+    precision = "bf16" if dev.type == "cuda" else "fp32"
+    engine, bundle, _ = V.dsclip_engine(precision, bs, 1, cfg, 1, device_type=dev.type)
+    gc = GradCacheStep(engine, build_loss("infonce"), compute_dtype=autocast_dtype(bundle))
+    return lambda batch: gc([batch])
+
+
+def time_steps(step, batches, dev) -> float:
+    for b in batches[:2]:
+        step(b)
+    G.sync(dev)
+    times = []
+    for b in batches[2:]:
+        t = time.perf_counter()
+        step(b)
+        G.sync(dev)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def profile(step, batches, dev, label, top):
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as prof
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    step(batches[0])
+    G.sync(dev)
+    t = time.perf_counter()
+    with prof(activities=acts) as p:
+        for b in batches[1:3]:
+            step(b)
+        G.sync(dev)
+    wall = (time.perf_counter() - t) / 2
+    ka = p.key_averages()
+    key = "self_device_time_total" if dev.type == "cuda" else "self_cpu_time_total"
+    busy = sum(getattr(e, key) for e in ka) / 2 / 1e6
+    print(f"\n== {label}: {wall * 1e3:.1f} ms/step wall, {busy * 1e3:.1f} ms/step device-busy (profiled)", flush=True)
+    print(ka.table(sort_by=key, row_limit=top, max_name_column_width=70), flush=True)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--model", default="ViT-B-32")
+    ap.add_argument("--batch", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--top", type=int, default=18)
+    a = ap.parse_args(argv)
+    for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29534", "RANK": "0", "WORLD_SIZE": "1"}.items():
+        os.environ.setdefault(k, v)
+    os.environ.setdefault("LOCAL_RANK", "0")
+    dev = torch.device(a.device)
+    cfg = get_model_config(a.model)
+    batches = G.make_batches(cfg, a.batch, a.steps + 2, dev)
+    bf16 = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    variants = {
+        "openclip": lambda: openclip_step_fn(a.model, cfg, dev),
+        "dsclip-autocast": lambda: plain_step_fn(create_model(cfg), dev, dev.type == "cuda", torch.float32),
+        "dsclip-bf16": lambda: plain_step_fn(create_model(cfg), dev, False, bf16),
+        "dsclip-engine": lambda: engine_step_fn(cfg, a.batch, dev),
+    }
+    steps = {}
+    for name, make in variants.items():
+        steps[name] = make()
+        t = time_steps(steps[name], batches, dev)
+        print(f"{a.model} batch {a.batch} {name}: {t * 1e3:.1f} ms/step, {a.batch / t:.0f} samples/s", flush=True)
+        if name not in ("openclip", "dsclip-engine"):
+            del steps[name]
+        G.reset_mem(dev)
+    for name in ("openclip", "dsclip-engine"):
+        profile(steps[name], batches, dev, name, a.top)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
