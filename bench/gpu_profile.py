@@ -111,6 +111,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=512)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--top", type=int, default=18)
+    ap.add_argument("--no-profile", action="store_true", help="step times only")
     a = ap.parse_args(argv)
     for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29534", "RANK": "0", "WORLD_SIZE": "1"}.items():
         os.environ.setdefault(k, v)
@@ -133,7 +134,7 @@ def main(argv=None) -> int:
         if name not in ("openclip", "dsclip-engine"):
             del steps[name]
         G.reset_mem(dev)
-    for name in ("openclip", "dsclip-engine"):
+    for name in () if a.no_profile else ("openclip", "dsclip-engine"):
         profile(steps[name], batches, dev, name, a.top)
     return 0
 

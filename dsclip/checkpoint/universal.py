@@ -35,6 +35,7 @@ import torch
 
 from dsclip.checkpoint.layout import COMPLETE, STATE_FILE
 from dsclip.dist import barrier
+from dsclip.engine.optim import PARAM_ORDER
 
 UNIVERSAL = "universal"
 
@@ -45,8 +46,13 @@ def saved_state(ckpt_dir: Path, tag: str) -> dict[str, Any]:
 
 
 def needs_universal(state: dict[str, Any], world_size: int) -> bool:
+    """True when the checkpoint's flat ZeRO partitions cannot be loaded as they are: saved on another
+    number of ranks, or with another parameter order inside the optimizer groups (checkpoints from
+    before dsclip.engine.optim.PARAM_ORDER 2 have no "param_order": order 1)."""
     saved = state.get("world_size")
-    return saved is not None and int(saved) != int(world_size)
+    if saved is not None and int(saved) != int(world_size):
+        return True
+    return int(state.get("param_order", 1)) != PARAM_ORDER
 
 
 def convert_to_universal(ckpt_dir: Path, tag: str) -> Path:

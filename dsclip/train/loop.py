@@ -19,6 +19,7 @@ from dsclip.config import RunConfig, settle_run_name, validate
 from dsclip.data import TrainData
 from dsclip.engine import world
 from dsclip.engine.build import build_engine, device_type
+from dsclip.engine.optim import PARAM_ORDER
 from dsclip.train import finetune, runlog, wandb_sink
 from dsclip.train.build import (
     StepPlan,
@@ -78,6 +79,7 @@ class Run:
             "step_in_epoch": in_epoch,
             "samples_seen": step * self.plan.samples_per_step,
             "world_size": self.world_size,
+            "param_order": PARAM_ORDER,
             "accum_freq": t.accum_freq,
             "batch_size": t.batch_size,
             "seed": t.seed,
