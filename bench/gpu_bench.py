@@ -83,9 +83,9 @@ def openclip_run(name, cfg, bs, steps, dev):
 
     precision = "amp_bf16" if dev.type == "cuda" else "fp32"
     # The same architecture JSON dsclip builds from, registered under a name OpenCLIP resolves.
-    open_clip.add_model_config(str(V.write_model_json(cfg, f"gpu-bench-{name}")))
+    open_clip.add_model_config(str(V.write_model_json(cfg, f"gpu-bench-{Path(name).stem}")))
     torch.manual_seed(0)
-    model = open_clip.create_model(f"gpu-bench-{name}", precision=precision, device=dev, output_dict=True)
+    model = open_clip.create_model(f"gpu-bench-{Path(name).stem}", precision=precision, device=dev, output_dict=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=dev.type == "cuda")
     args = SimpleNamespace(
         device=str(dev),

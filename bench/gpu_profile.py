@@ -54,9 +54,9 @@ def plain_step_fn(model, dev, autocast: bool, weights_dtype):
 def openclip_step_fn(name, cfg, dev):
     import open_clip
 
-    open_clip.add_model_config(str(V.write_model_json(cfg, f"gpu-bench-{name}")))
+    open_clip.add_model_config(str(V.write_model_json(cfg, f"gpu-bench-{Path(name).stem}")))
     torch.manual_seed(0)
-    model = open_clip.create_model(f"gpu-bench-{name}", precision="fp32", device=dev, output_dict=True)
+    model = open_clip.create_model(f"gpu-bench-{Path(name).stem}", precision="fp32", device=dev, output_dict=True)
     return plain_step_fn(model, dev, autocast=dev.type == "cuda", weights_dtype=torch.float32)
 
 
