@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import yaml
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
 from dsclip.checkpoint.ds_checkpoint import (
@@ -48,7 +49,9 @@ from dsclip.checkpoint.ds_checkpoint import (
     complete_tags,
     latest_complete,
 )
+from dsclip.checkpoint.layout import RUN_CONFIG_FILE
 from dsclip.config_base import ConfigError
+from dsclip.data.transforms import openclip_preprocess_cfg
 from dsclip.model import StateDictMismatchError, create_model, get_model_config, to_openclip_state_dict
 from dsclip.model.openclip import check_state_dict, expected_shapes, openclip_model_config
 
@@ -221,7 +224,8 @@ def convert_checkpoint(
         config_file, config = weights.parent / "config.json", {"model_cfg": cfg, **source}
     else:
         write_safetensors_streaming(weights, [_to_openclip(k, t) for k, t in items], {"format": "pt"})
-        config_file, config = weights.parent / "open_clip_config.json", openclip_model_config(cfg)
+        config_file = weights.parent / "open_clip_config.json"
+        config = openclip_model_config(cfg, run_preprocess_cfg(ckpt_dir.parent))
     _copy_tokenizer(ckpt_dir, weights.parent)
     spm, spec = weights.parent / TOKENIZER_FILE, weights.parent / TOKENIZER_SPEC_FILE
     text_cfg = config.get("model_cfg", {}).get("text_cfg", {})
@@ -244,6 +248,17 @@ def convert_checkpoint(
         text_cfg["hf_tokenizer_name"] = hf_tokenizer_name or str(weights.parent.resolve())
     config_file.write_text(json.dumps(config, indent=2))
     return weights
+
+
+def run_preprocess_cfg(run_dir: Path) -> dict:
+    """OpenCLIP ``preprocess_cfg`` entries from the run's ``--image-mean``/``--image-std``/
+    ``--image-interpolation``/``--image-resize-mode`` (``RUN/run_config.yaml``, data section), so
+    ``create_model_and_transforms("local-dir:OUT")`` evaluates images as the run did. No run config
+    (a tag folder copied elsewhere): OpenCLIP's defaults."""
+    f = run_dir / RUN_CONFIG_FILE
+    if not f.is_file():
+        return {}
+    return openclip_preprocess_cfg((yaml.safe_load(f.read_text()) or {}).get("data", {}))
 
 
 def _save_hf_tokenizer(spec: str, out_dir: Path, context_length: int) -> None:

@@ -267,7 +267,7 @@ class Evaluator:
 
     def _transform(self):
 
-        return image_transform(self.image_size, is_train=False)
+        return image_transform(self.image_size, is_train=False, **self.cfg.preprocess_args())
 
     def zeroshot(self, model) -> dict[str, float]:
         if not self.has_zeroshot:
