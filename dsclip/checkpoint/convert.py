@@ -10,6 +10,8 @@
   ``[width, embed]`` projections) in ``OUT/open_clip_model.safetensors`` + ``OUT/open_clip_config.json``:
   ``open_clip.create_model_and_transforms("local-dir:OUT")``, or for a standard architecture
   ``open_clip.create_model_and_transforms("ViT-B-32", pretrained="OUT/open_clip_model.safetensors")``.
+  Its ``preprocess_cfg`` carries the run's ``--image-mean``/``--image-std``/``--image-interpolation``/
+  ``--image-resize-mode`` (from ``RUN/run_config.yaml``), so OpenCLIP's eval transform is the run's.
 - The run's tokenizer (``<run>/tokenizer.model``, recorded by the training loop) is copied to
   ``OUT/tokenizer.model`` (``dsclip eval`` picks it up from there). With ``--format open_clip`` it is also
   written as Hugging Face ``tokenizer.json`` (+ config) and ``text_cfg.hf_tokenizer_name`` is set, so

@@ -8,9 +8,12 @@ differs by one level moves its value by 1 / (255 * std) > 0.0137 -- any pixel di
 
 from __future__ import annotations
 
+import io
 import json
+import pickle
 import random
 import re
+import tarfile
 import warnings
 from pathlib import Path
 
@@ -201,6 +204,50 @@ def test_csv_training_batches_use_the_flags(tmp_path, flags):
     assert n == 12
 
 
+@pytest.mark.parametrize("workers", [0, 1])
+def test_webdataset_training_batches_use_the_flags(tmp_path, workers):
+    """A webdataset batch (step k of an epoch) equals OpenCLIP's transform applied by hand to its images in
+    order, under the batch's seed (torch's and Python's RNGs: timm's crop and erasing draw from both);
+    with a worker process too (the transform is pickled into it)."""
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    with tarfile.open(shards / "shard-000.tar", "w") as tar:
+        for i in range(8):
+            buf = io.BytesIO()
+            _image(40 + i, 30, seed=i).save(buf, format="PNG")
+            for name, data in ((f"{i:06d}.png", buf.getvalue()), (f"{i:06d}.txt", f"sample {i}".encode())):
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    flags = [
+        "--aug-cfg",
+        "use_timm=True",
+        "re_prob=0.5",
+        "scale=(0.4,1.0)",
+        "--image-mean",
+        "0.5",
+        "--image-std",
+        "0.3",
+    ]
+    args = ["--train-data", str(shards / "shard-000.tar"), "--train-num-samples", "8", "--workers", str(workers)]
+    cfg = parse_run_config([*args, "--shuffle-buffer", "0", "--name", "x", *flags])
+    td = build_train_data(cfg.data, tokenizer=IdTokenizer(), image_size=24, batch_size=4, rank=0, world_size=1, seed=3)
+    oc = open_clip.image_transform(24, is_train=True, mean=[0.5], std=[0.3], aug_cfg=dict(cfg.data.aug_cfg))
+    try:
+        for step, (images, tokens) in enumerate(td.batches(0)):
+            with seeded_rngs(mix_seed(3, 0, 0, step, 0xA06)):  # the data path's per-batch seed
+                expected = torch.stack([oc(_decoded(shards, i)) for i in tokens[:, 0].tolist()])
+            assert torch.equal(images, expected)  # timm's transform on both sides: bit-identical
+    finally:
+        td.close()
+    assert step == 1
+
+
+def _decoded(shards, i):
+    with tarfile.open(shards / "shard-000.tar") as tar:
+        return Image.open(io.BytesIO(tar.extractfile(f"{i:06d}.png").read())).convert("RGB")
+
+
 def test_flags_parse_and_are_saved_with_the_run():
     cfg = parse_run_config(
         [
@@ -318,3 +365,11 @@ def test_convert_carries_the_preprocessing_into_open_clip(tmp_path):
 
 def test_convert_without_run_config_keeps_openclip_defaults(tmp_path):
     assert run_preprocess_cfg(tmp_path) == {}
+
+
+@pytest.mark.parametrize("kw", TRAIN_SETTINGS + TIMM_SETTINGS, ids=lambda kw: json.dumps(kw))
+def test_transforms_pickle_into_worker_processes(kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        t = image_transform(32, is_train=True, **kw)
+    _assert_same(pickle.loads(pickle.dumps(t)), t, _image(), seeds=[0, 1], exact=True)
