@@ -3,7 +3,8 @@
     dsclip convert RUN_DIR | CHECKPOINTS_DIR | TAG_DIR [--tag step_000000120] -o OUT
                    [--dtype fp32|bf16|fp16] [--format dsclip|open_clip] [--model-config FILE]
 
-- ``--format dsclip`` (default): ``OUT/model.safetensors`` + ``OUT/config.json`` ({"model_cfg": ...}), the
+- ``--format dsclip`` (default): ``OUT/model.safetensors`` + ``OUT/config.json`` ({"model_cfg": ...,
+  "preprocess_cfg": the run's image settings, when set}), the
   format ``dsclip.model.load_model`` and ``dsclip eval --model OUT`` read. ``OUT`` may also name the
   ``.safetensors`` file itself; the config goes beside it.
 - ``--format open_clip``: OpenCLIP's native keys and shapes (0-dim ``logit_scale``, fused ``in_proj_weight``,
@@ -224,6 +225,8 @@ def convert_checkpoint(
     if fmt == "dsclip":
         write_safetensors_streaming(weights, items, {"format": "dsclip"})
         config_file, config = weights.parent / "config.json", {"model_cfg": cfg, **source}
+        if pre := run_preprocess_cfg(ckpt_dir.parent):  # dsclip eval evaluates with the run's preprocessing
+            config["preprocess_cfg"] = pre
     else:
         write_safetensors_streaming(weights, [_to_openclip(k, t) for k, t in items], {"format": "pt"})
         config_file = weights.parent / "open_clip_config.json"

@@ -260,20 +260,30 @@ def image_transform(
     return T.Compose([*steps, ConvertToRGB(), to_tensor])
 
 
+# OpenCLIP preprocess_cfg key -> the DataConfig field (and flag) that sets it
+PREPROCESS_FIELDS = {
+    "mean": "image_mean",
+    "std": "image_std",
+    "interpolation": "image_interpolation",
+    "resize_mode": "image_resize_mode",
+}
+
+
 def openclip_preprocess_cfg(data: Mapping[str, Any]) -> dict[str, Any]:
     """The ``preprocess_cfg`` entries of ``open_clip_config.json`` that a run's data section sets
     (``image_mean``, ``image_std``, ``image_interpolation``, ``image_resize_mode``); unset ones are left
     to the defaults. OpenCLIP's preprocess config has no augmentation: ``aug_cfg`` stays in the run."""
     out: dict[str, Any] = {}
-    if data.get("image_mean"):
-        out["mean"] = list(_three(data["image_mean"], OPENAI_DATASET_MEAN))
-    if data.get("image_std"):
-        out["std"] = list(_three(data["image_std"], OPENAI_DATASET_STD))
-    if data.get("image_interpolation"):
-        out["interpolation"] = data["image_interpolation"]
-    if data.get("image_resize_mode"):
-        out["resize_mode"] = data["image_resize_mode"]
+    for key, name in PREPROCESS_FIELDS.items():
+        if data.get(name):
+            value = data[name]
+            out[key] = list(_three(value, OPENAI_DATASET_MEAN)) if key in ("mean", "std") else value
     return out
+
+
+def preprocess_settings(preprocess_cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """The inverse: an OpenCLIP ``preprocess_cfg`` -> DataConfig settings (``image_mean``, ...)."""
+    return {name: preprocess_cfg[key] for key, name in PREPROCESS_FIELDS.items() if preprocess_cfg.get(key)}
 
 
 def normalize_uint8(images: torch.Tensor, mean=OPENAI_DATASET_MEAN, std=OPENAI_DATASET_STD) -> torch.Tensor:

@@ -31,6 +31,9 @@ from dsclip.config import ConfigError, make_run_config, parse_run_config, save_r
 from dsclip.data import DataConfig, build_train_data
 from dsclip.data.loader import mix_seed
 from dsclip.data.transforms import image_transform, openclip_preprocess_cfg, parse_aug_cfg, seeded_rngs
+from dsclip.eval.cli import _parser as eval_parser
+from dsclip.eval.cli import preprocess_for
+from dsclip.eval.evaluator import Evaluator
 from dsclip.model import create_model
 from tests.unit.test_data_wds import IdTokenizer
 
@@ -361,6 +364,24 @@ def test_convert_carries_the_preprocessing_into_open_clip(tmp_path):
     ours = image_transform(size, is_train=False, **cfg.data.preprocess_args())
     _assert_same(ours, oc_val, _image(), seeds=[0])
     assert not torch.allclose(_run(ours, _image(), 0), _run(image_transform(size, False), _image(), 0), atol=1e-3)
+
+    # dsclip format: config.json carries them too, and dsclip eval evaluates with them (flags override)
+    assert cli_main(["convert", str(run), "-o", str(tmp_path / "ds")]) == 0
+    for folder in ("ds", "oc"):
+        a = eval_parser().parse_args(["--model", str(tmp_path / folder), "--zeroshot-data", "demo"])
+        settings = preprocess_for(a)
+        assert settings == {k: getattr(cfg.data, k) for k in settings} and len(settings) == 4
+        ev = Evaluator(DataConfig(**settings), tokenizer=None, image_size=size)
+        _assert_same(ev._transform(), oc_val, _image(), seeds=[0])
+    a = eval_parser().parse_args(["--model", str(tmp_path / "ds"), "--image-resize-mode", "squash"])
+    assert preprocess_for(a)["image_resize_mode"] == "squash"
+
+
+def test_eval_cli_refuses_bad_mean_in_one_line(tmp_path, capsys):
+    rc = cli_main(["eval", "--model", str(tmp_path), "--zeroshot-data", "demo", "--image-std", "0.2", "0.3"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2
+    assert err == "dsclip eval: error: --image-std takes 3 values (R G B) or 1 for all channels, got 2: [0.2, 0.3]"
 
 
 def test_convert_without_run_config_keeps_openclip_defaults(tmp_path):
