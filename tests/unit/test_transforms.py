@@ -322,8 +322,15 @@ def test_bad_aug_cfg_is_one_line_and_exits_nonzero_before_any_work(tmp_path, cap
     assert rc == 2
     assert err.splitlines() == [err] and "dsclip train: error: --aug-cfg re_count='two'" in err
     assert not (tmp_path / "logs").exists()  # nothing was started
+    rc = cli_main(["train", "--logs", str(tmp_path / "logs"), "--image-mean", "0.5", "0.5"])
+    err = capsys.readouterr().err.strip()
+    assert (
+        rc == 2
+        and err == "dsclip train: error: --image-mean takes 3 values (R G B) or 1 for all channels, got 2: [0.5, 0.5]"
+    )
     rc = cli_main(["train", "--logs", str(tmp_path / "logs"), "--image-interpolation", "nearest"])
-    assert rc == 2 and not (tmp_path / "logs").exists()
+    assert rc == 2 and "invalid choice: 'nearest'" in capsys.readouterr().err
+    assert not (tmp_path / "logs").exists()
 
 
 def test_recipe_aug_cfg_is_checked_too():
