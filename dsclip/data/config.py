@@ -5,8 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dsclip.config_base import ConfigError
-
-from .transforms import INTERPOLATIONS, RESIZE_MODES, check_mean_std, parse_aug_cfg
+from dsclip.data.transforms import INTERPOLATIONS, RESIZE_MODES, check_mean_std, parse_aug_cfg
 
 DATASET_TYPES = ("auto", "demo", "webdataset", "csv")
 
