@@ -38,13 +38,12 @@ class Row(NamedTuple):
 _LIT = "locked parameters get no gradient and no optimizer state (ZeRO-2/3, gradient cache, checkpointing)"
 
 
-def _pre(default: str) -> str:
+def _pre(default: str, demo: str) -> str:
     """The note shared by --image-mean/--image-std/--image-interpolation/--image-resize-mode."""
     return (
         f"default {default} (OpenCLIP: the model's preprocess config, the same for models trained from scratch; "
         "a `--pretrained` model's own is not read: pass its values); used for webdataset/CSV training and "
-        "evaluation images (not the built-in demo set) and written to `dsclip convert --format open_clip`'s "
-        "`preprocess_cfg`"
+        f"evaluation images ({demo}), written to `dsclip convert`'s `preprocess_cfg` and read by `dsclip eval`"
     )
 
 
@@ -125,10 +124,20 @@ OPENCLIP_FLAGS: dict[str, Row] = {
         "differs", "OpenCLIP's groups; without `--lock-image` it is an error (OpenCLIP ignores it silently)"
     ),
     "--lock-image-freeze-bn-stats": Row("no-op", "accepted; dsclip's ViT towers have no BatchNorm statistics"),
-    "--image-mean": Row("differs", _pre("OpenAI mean/std") + "; 3 values or 1 for all channels"),
-    "--image-std": Row("differs", _pre("OpenAI mean/std") + "; 3 values or 1 for all channels"),
-    "--image-interpolation": Row("differs", _pre("`bicubic`") + "; as OpenCLIP, the plain training crop stays bicubic"),
-    "--image-resize-mode": Row("differs", _pre("`shortest`") + "; evaluation only"),
+    "--image-mean": Row(
+        "differs", _pre("OpenAI mean/std", "and the built-in demo set") + "; 3 values or 1 for all channels"
+    ),
+    "--image-std": Row(
+        "differs", _pre("OpenAI mean/std", "and the built-in demo set") + "; 3 values or 1 for all channels"
+    ),
+    "--image-interpolation": Row(
+        "differs",
+        _pre("`bicubic`", "not the built-in demo set, rendered at the model size")
+        + "; as OpenCLIP, the plain training crop stays bicubic",
+    ),
+    "--image-resize-mode": Row(
+        "differs", _pre("`shortest`", "not the built-in demo set, rendered at the model size") + "; evaluation only"
+    ),
     "--aug-cfg": Row(
         "same",
         "OpenCLIP's keys and transforms (timm's `create_transform` with `use_timm=True`); an unknown key or a "

@@ -83,7 +83,7 @@ class DataConfig:
         default=None,
         metadata={
             "help": "Normalization mean, 3 values (R G B) or 1 for all channels (OpenCLIP's flag). "
-            "Default: OpenAI CLIP's. Applies to webdataset/CSV training and evaluation images.",
+            "Default: OpenAI CLIP's. Applies to training and evaluation images (the demo set's too).",
             "nargs": "+",
         },
     )

@@ -147,7 +147,8 @@ def check_mean_std(name: str, values: Sequence[float] | None) -> None:
         raise ConfigError(f"--image-std values must be positive, got {list(values)}")
 
 
-def _three(values: Sequence[float] | float | None, default: tuple[float, float, float]) -> tuple[float, ...]:
+def per_channel(values: Sequence[float] | float | None, default: tuple[float, float, float]) -> tuple[float, ...]:
+    """A mean/std setting as 3 values: None -> ``default``; one value -> repeated for R, G and B."""
     if values is None or (isinstance(values, Sequence) and len(values) == 0):
         return default
     if not isinstance(values, Sequence):
@@ -202,8 +203,8 @@ def image_transform(
     ``use_timm``), ``resize_mode`` applies to eval only, and the default crop scale is (0.9, 1.0) --
     far milder than ImageNet's (0.08, 1) because the caption often describes the whole image.
     """
-    mean = _three(mean, OPENAI_DATASET_MEAN)
-    std = _three(std, OPENAI_DATASET_STD)
+    mean = per_channel(mean, OPENAI_DATASET_MEAN)
+    std = per_channel(std, OPENAI_DATASET_STD)
     interpolation = interpolation or "bicubic"
     if interpolation not in INTERPOLATIONS:
         raise ValueError(f"interpolation must be one of {INTERPOLATIONS}, got {interpolation!r}")
@@ -277,7 +278,7 @@ def openclip_preprocess_cfg(data: Mapping[str, Any]) -> dict[str, Any]:
     for key, name in PREPROCESS_FIELDS.items():
         if data.get(name):
             value = data[name]
-            out[key] = list(_three(value, OPENAI_DATASET_MEAN)) if key in ("mean", "std") else value
+            out[key] = list(per_channel(value, OPENAI_DATASET_MEAN)) if key in ("mean", "std") else value
     return out
 
 

@@ -29,6 +29,7 @@ from dsclip.checkpoint.layout import RUN_CONFIG_FILE
 from dsclip.cli import main as cli_main
 from dsclip.config import ConfigError, make_run_config, parse_run_config, save_run_config
 from dsclip.data import DataConfig, build_train_data
+from dsclip.data.demo import DemoDataset
 from dsclip.data.loader import mix_seed
 from dsclip.data.transforms import image_transform, openclip_preprocess_cfg, parse_aug_cfg, seeded_rngs
 from dsclip.eval.cli import _parser as eval_parser
@@ -401,3 +402,29 @@ def test_transforms_pickle_into_worker_processes(kw):
         warnings.simplefilter("ignore")
         t = image_transform(32, is_train=True, **kw)
     _assert_same(pickle.loads(pickle.dumps(t)), t, _image(), seeds=[0, 1], exact=True)
+
+
+def test_demo_data_and_its_zeroshot_use_mean_std(monkeypatch):
+    """The built-in demo set is rendered at the model size (not augmented) and normalized with the flags."""
+    cfg = parse_run_config(["--name", "x", "--image-mean", "0.5", "--image-std", "0.2", "0.25", "0.3"])
+    td = build_train_data(cfg.data, tokenizer=IdTokenizer(), image_size=32, batch_size=2, rank=0, world_size=1, seed=0)
+    ds = td.dataset  # the DemoDataset the batches are drawn from
+    raw = torch.from_numpy(DemoDataset(10, 32, seed=0).render(3)).permute(2, 0, 1).float() / 255
+    expected = (raw - 0.5) / torch.tensor([0.2, 0.25, 0.3]).view(3, 1, 1)
+    torch.testing.assert_close(ds[3][0], expected, rtol=0, atol=ATOL)
+    assert not torch.allclose(DemoDataset(10, 32, seed=0)[3][0], expected, atol=1e-3)  # the defaults differ
+    seen = {}
+
+    def fake_zeroshot(model, tokenizer, ds, *args, **kwargs):
+        seen["image"] = ds[0][0]
+        return {"top1": 0.0, "top5": 0.0}
+
+    monkeypatch.setattr("dsclip.eval.evaluator.evaluate_zeroshot", fake_zeroshot)
+    ev = Evaluator(
+        DataConfig(zeroshot_data="demo", image_mean=[0.5], image_std=[0.2, 0.25, 0.3]), tokenizer=None, image_size=32
+    )
+    ev.zeroshot(None)
+    raw = torch.from_numpy(DemoDataset.heldout(1, 32).render(0)).permute(2, 0, 1).float() / 255
+    torch.testing.assert_close(
+        seen["image"], (raw - 0.5) / torch.tensor([0.2, 0.25, 0.3]).view(3, 1, 1), rtol=0, atol=ATOL
+    )
