@@ -75,6 +75,7 @@ EVAL_SETTINGS = [
     {"interpolation": "bilinear", "resize_mode": "longest"},
     {"resize_mode": "squash"},
     {"resize_mode": "shortest", "interpolation": "bilinear"},
+    {"interpolation": "random", "resize_mode": "squash"},  # 'random' is bicubic outside timm's crop, as OpenCLIP
 ]
 
 
