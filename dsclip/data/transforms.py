@@ -209,7 +209,8 @@ def image_transform(
     if interpolation not in INTERPOLATIONS:
         raise ValueError(f"interpolation must be one of {INTERPOLATIONS}, got {interpolation!r}")
     # OpenCLIP: 'random' only means something to timm's training crop; resizing otherwise is bicubic
-    interp = T.InterpolationMode.BILINEAR if interpolation == "bilinear" else T.InterpolationMode.BICUBIC
+    fixed = "bilinear" if interpolation == "bilinear" else "bicubic"
+    interp = T.InterpolationMode(fixed)
     resize_mode = resize_mode or "shortest"
     if resize_mode not in RESIZE_MODES:
         raise ValueError(f"resize_mode must be one of {RESIZE_MODES}, got {resize_mode!r}")
@@ -251,7 +252,7 @@ def image_transform(
         return T.Compose([*steps, to_tensor])
 
     if resize_mode == "longest":
-        steps = [ResizeKeepRatio(size, longest=1, interpolation=interpolation), CenterCropOrPad(size, fill=fill_color)]
+        steps = [ResizeKeepRatio(size, longest=1, interpolation=fixed), CenterCropOrPad(size, fill=fill_color)]
     elif resize_mode == "squash":
         steps = [T.Resize(size, interpolation=interp)]
     elif size[0] == size[1]:  # shortest side -> the target, then center-crop: the aspect ratio is kept
