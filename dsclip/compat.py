@@ -37,6 +37,16 @@ class Row(NamedTuple):
 
 _LIT = "locked parameters get no gradient and no optimizer state (ZeRO-2/3, gradient cache, checkpointing)"
 
+
+def _pre(default: str, demo: str) -> str:
+    """The note shared by --image-mean/--image-std/--image-interpolation/--image-resize-mode."""
+    return (
+        f"default {default} (OpenCLIP: the model's preprocess config, the same for models trained from scratch; "
+        "a `--pretrained` model's own is not read: pass its values); used for webdataset/CSV training and "
+        f"evaluation images ({demo}), written to `dsclip convert`'s `preprocess_cfg` and read by `dsclip eval`"
+    )
+
+
 # Keyed by OpenCLIP's flag, in the order of OpenCLIP's parser.
 OPENCLIP_FLAGS: dict[str, Row] = {
     "--train-data": Row("same", "webdataset shards with brace expansion and `::` sources, or a CSV/TSV file"),
@@ -114,11 +124,26 @@ OPENCLIP_FLAGS: dict[str, Row] = {
         "differs", "OpenCLIP's groups; without `--lock-image` it is an error (OpenCLIP ignores it silently)"
     ),
     "--lock-image-freeze-bn-stats": Row("no-op", "accepted; dsclip's ViT towers have no BatchNorm statistics"),
-    "--image-mean": Row("planned", "issue 15 item 2"),
-    "--image-std": Row("planned", "issue 15 item 2"),
-    "--image-interpolation": Row("planned", "issue 15 item 2"),
-    "--image-resize-mode": Row("planned", "issue 15 item 2"),
-    "--aug-cfg": Row("planned", "issue 15 item 2"),
+    "--image-mean": Row(
+        "differs", _pre("OpenAI mean/std", "and the built-in demo set") + "; 3 values or 1 for all channels"
+    ),
+    "--image-std": Row(
+        "differs", _pre("OpenAI mean/std", "and the built-in demo set") + "; 3 values or 1 for all channels"
+    ),
+    "--image-interpolation": Row(
+        "differs",
+        _pre("`bicubic`", "not the built-in demo set, rendered at the model size")
+        + "; as OpenCLIP, the plain training crop stays bicubic",
+    ),
+    "--image-resize-mode": Row(
+        "differs", _pre("`shortest`", "not the built-in demo set, rendered at the model size") + "; evaluation only"
+    ),
+    "--aug-cfg": Row(
+        "same",
+        "OpenCLIP's keys and transforms (timm's `create_transform` with `use_timm=True`); an unknown key or a "
+        "value of the wrong type is an error; saved in the run config (OpenCLIP's preprocess config has no "
+        "augmentation); the built-in demo set is not augmented",
+    ),
     "--grad-checkpointing": Row("same", "DeepSpeed activation checkpointing (configured by the JSON block)"),
     "--local-loss": Row("same", "needs `--gather-with-grad`, as the gradients are wrong without it"),
     "--gather-with-grad": Row("same"),

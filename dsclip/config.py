@@ -134,9 +134,9 @@ def _coerce(key: str, value: Any, tp) -> Any:
         if base is str:
             return str(value)
         if get_origin(base) is list or base is list:
-            if isinstance(value, str):
-                return [v for v in value.replace(",", " ").split()]
-            return list(value)
+            items = value.replace(",", " ").split() if isinstance(value, str) else list(value)
+            elem = (get_args(base) or (str,))[0]
+            return [elem(v) for v in items] if elem in (int, float) else items
     except (TypeError, ValueError):
         raise ConfigError(f"'{key}': cannot read {value!r} as {getattr(base, '__name__', base)}") from None
     return value
@@ -198,6 +198,8 @@ def build_arg_parser(prog: str = "dsclip train") -> argparse.ArgumentParser:
                 kw["metavar"] = f.name.upper()
                 if "choices" in f.metadata:
                     kw["choices"] = f.metadata["choices"]
+                if "nargs" in f.metadata:  # OpenCLIP's multi-word flags: --image-mean R G B, --aug-cfg k=v ...
+                    kw["nargs"] = f.metadata["nargs"]
                 group.add_argument(*flags, **kw)
     return parser
 

@@ -3,13 +3,16 @@
     dsclip convert RUN_DIR | CHECKPOINTS_DIR | TAG_DIR [--tag step_000000120] -o OUT
                    [--dtype fp32|bf16|fp16] [--format dsclip|open_clip] [--model-config FILE]
 
-- ``--format dsclip`` (default): ``OUT/model.safetensors`` + ``OUT/config.json`` ({"model_cfg": ...}), the
+- ``--format dsclip`` (default): ``OUT/model.safetensors`` + ``OUT/config.json`` ({"model_cfg": ...,
+  "preprocess_cfg": the run's image settings, when set}), the
   format ``dsclip.model.load_model`` and ``dsclip eval --model OUT`` read. ``OUT`` may also name the
   ``.safetensors`` file itself; the config goes beside it.
 - ``--format open_clip``: OpenCLIP's native keys and shapes (0-dim ``logit_scale``, fused ``in_proj_weight``,
   ``[width, embed]`` projections) in ``OUT/open_clip_model.safetensors`` + ``OUT/open_clip_config.json``:
   ``open_clip.create_model_and_transforms("local-dir:OUT")``, or for a standard architecture
   ``open_clip.create_model_and_transforms("ViT-B-32", pretrained="OUT/open_clip_model.safetensors")``.
+  Its ``preprocess_cfg`` carries the run's ``--image-mean``/``--image-std``/``--image-interpolation``/
+  ``--image-resize-mode`` (from ``RUN/run_config.yaml``), so OpenCLIP's eval transform is the run's.
 - The run's tokenizer (``<run>/tokenizer.model``, recorded by the training loop) is copied to
   ``OUT/tokenizer.model`` (``dsclip eval`` picks it up from there). With ``--format open_clip`` it is also
   written as Hugging Face ``tokenizer.json`` (+ config) and ``text_cfg.hf_tokenizer_name`` is set, so
@@ -37,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import yaml
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
 from dsclip.checkpoint.ds_checkpoint import (
@@ -48,7 +52,9 @@ from dsclip.checkpoint.ds_checkpoint import (
     complete_tags,
     latest_complete,
 )
+from dsclip.checkpoint.layout import RUN_CONFIG_FILE
 from dsclip.config_base import ConfigError
+from dsclip.data.transforms import openclip_preprocess_cfg
 from dsclip.model import StateDictMismatchError, create_model, get_model_config, to_openclip_state_dict
 from dsclip.model.openclip import check_state_dict, expected_shapes, openclip_model_config
 
@@ -219,9 +225,12 @@ def convert_checkpoint(
     if fmt == "dsclip":
         write_safetensors_streaming(weights, items, {"format": "dsclip"})
         config_file, config = weights.parent / "config.json", {"model_cfg": cfg, **source}
+        if pre := run_preprocess_cfg(ckpt_dir.parent):  # dsclip eval evaluates with the run's preprocessing
+            config["preprocess_cfg"] = pre
     else:
         write_safetensors_streaming(weights, [_to_openclip(k, t) for k, t in items], {"format": "pt"})
-        config_file, config = weights.parent / "open_clip_config.json", openclip_model_config(cfg)
+        config_file = weights.parent / "open_clip_config.json"
+        config = openclip_model_config(cfg, run_preprocess_cfg(ckpt_dir.parent))
     _copy_tokenizer(ckpt_dir, weights.parent)
     spm, spec = weights.parent / TOKENIZER_FILE, weights.parent / TOKENIZER_SPEC_FILE
     text_cfg = config.get("model_cfg", {}).get("text_cfg", {})
@@ -244,6 +253,17 @@ def convert_checkpoint(
         text_cfg["hf_tokenizer_name"] = hf_tokenizer_name or str(weights.parent.resolve())
     config_file.write_text(json.dumps(config, indent=2))
     return weights
+
+
+def run_preprocess_cfg(run_dir: Path) -> dict:
+    """OpenCLIP ``preprocess_cfg`` entries from the run's ``--image-mean``/``--image-std``/
+    ``--image-interpolation``/``--image-resize-mode`` (``RUN/run_config.yaml``, data section), so
+    ``create_model_and_transforms("local-dir:OUT")`` evaluates images as the run did. No run config
+    (a tag folder copied elsewhere): OpenCLIP's defaults."""
+    f = run_dir / RUN_CONFIG_FILE
+    if not f.is_file():
+        return {}
+    return openclip_preprocess_cfg((yaml.safe_load(f.read_text()) or {}).get("data", {}))
 
 
 def _save_hf_tokenizer(spec: str, out_dir: Path, context_length: int) -> None:

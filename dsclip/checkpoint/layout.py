@@ -10,5 +10,6 @@ STATE_FILE = "dsclip_state.json"
 MODEL_CONFIG_FILE = "model_config.json"  # {"model_cfg": <resolved model config>}, as dsclip.model.save_model writes
 TOKENIZER_FILE = "tokenizer.model"  # the run's SentencePiece model, copied into the run folder
 TOKENIZER_SPEC_FILE = "tokenizer.json"  # {"tokenizer": "open_clip:NAME"} for non-file tokenizers
+RUN_CONFIG_FILE = "run_config.yaml"  # RUN/run_config.yaml, written by dsclip.train.build (read by convert)
 PARTIAL_PREFIX = ".partial."
 TRASH_PREFIX = ".trash."

@@ -51,7 +51,8 @@ def build_train_data(
     kind = data_cfg.resolved_dataset_type()
     if kind == "demo":
         n = data_cfg.train_num_samples or data_cfg.demo_num_samples
-        ds = DemoDataset(n, image_size=image_size, seed=0)  # fixed universe; the run seed sets the order
+        # fixed universe (the run seed sets the order); rendered at the model size, normalized, not augmented
+        ds = DemoDataset(n, image_size=image_size, seed=0, mean=data_cfg.image_mean, std=data_cfg.image_std)
         return MapStyleTrainData(
             ds,
             tokenizer=tokenizer,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dsclip.config_base import ConfigError
+from dsclip.data.transforms import INTERPOLATIONS, RESIZE_MODES, check_mean_std, parse_aug_cfg
 
 DATASET_TYPES = ("auto", "demo", "webdataset", "csv")
 
@@ -78,6 +79,43 @@ class DataConfig:
             "position embeddings of another size are resampled."
         },
     )
+    image_mean: list[float] | None = field(
+        default=None,
+        metadata={
+            "help": "Normalization mean, 3 values (R G B) or 1 for all channels (OpenCLIP's flag). "
+            "Default: OpenAI CLIP's. Applies to training and evaluation images (the demo set's too).",
+            "nargs": "+",
+        },
+    )
+    image_std: list[float] | None = field(
+        default=None,
+        metadata={"help": "Normalization std, 3 values or 1 (OpenCLIP's flag). Default: OpenAI CLIP's.", "nargs": "+"},
+    )
+    image_interpolation: str = field(
+        default="bicubic",
+        metadata={
+            "help": "Resize interpolation (OpenCLIP's flag): evaluation resizes and use_timm training crops; "
+            "the plain training crop is bicubic, as in OpenCLIP.",
+            "choices": INTERPOLATIONS,
+        },
+    )
+    image_resize_mode: str = field(
+        default="shortest",
+        metadata={
+            "help": "Evaluation resize (OpenCLIP's flag): shortest side + center crop, longest side + "
+            "center crop-or-pad, or squash to the size.",
+            "choices": RESIZE_MODES,
+        },
+    )
+    aug_cfg: dict = field(
+        default_factory=dict,
+        metadata={
+            "help": "Training augmentation as OpenCLIP's key=value pairs: scale='(0.5,1.0)', ratio, "
+            "color_jitter, color_jitter_prob, gray_scale_prob, re_prob, re_count, use_timm=True (timm's "
+            "create_transform; needed for ratio and random erasing).",
+            "nargs": "*",
+        },
+    )
     tokenizer: str | None = field(
         default=None,
         metadata={"help": "SentencePiece model path. Default with demo data: the built-in demo tokenizer."},
@@ -89,10 +127,24 @@ class DataConfig:
         # OpenCLIP's name for a zero-shot class folder laid out by WordNet id
         if self.imagenet_val and not self.zeroshot_data:
             self.zeroshot_data = self.imagenet_val
+        # key=value words (command line) or a mapping (recipe) -> one checked dict, saved with the run
+        self.aug_cfg = parse_aug_cfg(self.aug_cfg)
 
     def check(self) -> None:
         if self.imagenet_val and self.zeroshot_data != self.imagenet_val:
             raise ConfigError("give either --imagenet-val or --zeroshot-data, not both")
+        check_mean_std("image-mean", self.image_mean)
+        check_mean_std("image-std", self.image_std)
+
+    def preprocess_args(self) -> dict:
+        """The keyword arguments of :func:`dsclip.data.transforms.image_transform` this config sets."""
+        return dict(
+            mean=self.image_mean,
+            std=self.image_std,
+            interpolation=self.image_interpolation,
+            resize_mode=self.image_resize_mode,
+            aug_cfg=self.aug_cfg,
+        )
 
     def resolved_dataset_type(self) -> str:
         if self.dataset_type not in DATASET_TYPES:

@@ -14,12 +14,11 @@ import logging
 import os
 from pathlib import Path
 
-import torch
 from torch.utils.data import Dataset
 
 from .loader import MapStyleTrainData, mix_seed
 from .shards import BadData, decode_image
-from .transforms import image_transform
+from .transforms import image_transform, seeded_rngs
 
 log = logging.getLogger("dsclip.data")
 _MAX_REPLACEMENTS = 100
@@ -74,8 +73,7 @@ class CsvDataset(Dataset):
         except Exception as e:  # PIL raises many types for corrupt data
             bad.add("corrupt_image", f"row {index} ({path}: {e.__class__.__name__}: {e})")
             return None
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(mix_seed(self.seed, epoch, index))
+        with seeded_rngs(mix_seed(self.seed, epoch, index)):
             return self.transform(img), caption
 
     def get_sample(self, index: int, epoch: int = 0):
@@ -95,7 +93,9 @@ def build_csv_train_data(data_cfg, *, tokenizer, image_size, batch_size, rank, w
         data_cfg.train_data, data_cfg.csv_img_key, data_cfg.csv_caption_key, data_cfg.csv_separator
     )
     # As in OpenCLIP, an epoch is the whole table (train_num_samples is not used for CSV input).
-    ds = CsvDataset(images, captions, image_transform(image_size, is_train=True), seed=seed)
+    ds = CsvDataset(
+        images, captions, image_transform(image_size, is_train=True, **data_cfg.preprocess_args()), seed=seed
+    )
     return MapStyleTrainData(
         ds,
         tokenizer=tokenizer,

@@ -24,7 +24,7 @@ from PIL import Image
 from torch.utils.data import Dataset
 
 from .tokenizer import train_sentencepiece
-from .transforms import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
+from .transforms import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD, per_channel
 
 SHAPES = ("circle", "square", "triangle", "cross", "star", "diamond", "ring")
 COLORS = {
@@ -109,9 +109,10 @@ class DemoDataset(Dataset):
 
     ``seed`` selects the universe of samples; use :meth:`heldout` for the zero-shot split.
     ``transform``: optional callable on a PIL image replacing the built-in normalization.
+    ``mean``/``std``: the built-in normalization's (``--image-mean``/``--image-std``; default OpenAI CLIP's).
     """
 
-    def __init__(self, num_samples: int, image_size: int = 32, seed: int = 0, transform=None):
+    def __init__(self, num_samples: int, image_size: int = 32, seed: int = 0, transform=None, mean=None, std=None):
         if num_samples <= 0:
             raise ValueError(f"num_samples must be positive, got {num_samples}")
         if image_size < 16:
@@ -120,13 +121,16 @@ class DemoDataset(Dataset):
         self.image_size = int(image_size)
         self.seed = int(seed)
         self.transform = transform
-        self._mean = torch.tensor(OPENAI_DATASET_MEAN).view(3, 1, 1)
-        self._std = torch.tensor(OPENAI_DATASET_STD).view(3, 1, 1)
+        self._mean = torch.tensor(per_channel(mean, OPENAI_DATASET_MEAN)).view(3, 1, 1)
+        self._std = torch.tensor(per_channel(std, OPENAI_DATASET_STD)).view(3, 1, 1)
 
     @classmethod
-    def heldout(cls, num_samples: int, image_size: int = 32, seed: int = 0, transform=None) -> DemoDataset:
+    def heldout(
+        cls, num_samples: int, image_size: int = 32, seed: int = 0, transform=None, mean=None, std=None
+    ) -> DemoDataset:
         """The held-out split for zero-shot evaluation (disjoint random stream from training)."""
-        return cls(num_samples, image_size=image_size, seed=seed + DEMO_HELDOUT_SEED_OFFSET, transform=transform)
+        offset = seed + DEMO_HELDOUT_SEED_OFFSET
+        return cls(num_samples, image_size=image_size, seed=offset, transform=transform, mean=mean, std=std)
 
     def __len__(self) -> int:
         return self.num_samples

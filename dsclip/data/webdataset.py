@@ -47,7 +47,7 @@ from .shards import (
 )
 from .shards import parse_sources as parse_sources
 from .tokenizer import TRUNCATED, tokenize_counting
-from .transforms import image_transform
+from .transforms import image_transform, seeded_rngs
 
 log = logging.getLogger("dsclip.data")
 
@@ -161,8 +161,7 @@ class WdsBatches(IterableDataset):
     def _decode_batch(self, raw: list[dict], epoch: int, step: int, bad: BadData):
         images, captions, bad_idx = [], [], []
         rng = random.Random(mix_seed(self.seed, epoch, self.rank, step, 0xCA9))
-        with torch.random.fork_rng(devices=[]):  # never disturb the training process's RNG (workers=0)
-            torch.manual_seed(mix_seed(self.seed, epoch, self.rank, step, 0xA06))
+        with seeded_rngs(mix_seed(self.seed, epoch, self.rank, step, 0xA06)):  # never disturb the process's RNGs
             for j, s in enumerate(raw):
                 try:
                     images.append(self.transform(decode_image(image_bytes(s))))
@@ -258,7 +257,7 @@ def build_wds_train_data(data_cfg, *, tokenizer, image_size, batch_size, rank, w
     ds = WdsBatches(
         sources,
         tokenizer=tokenizer,
-        transform=image_transform(image_size, is_train=True),
+        transform=image_transform(image_size, is_train=True, **data_cfg.preprocess_args()),
         batch_size=batch_size,
         rank=rank,
         world_size=world_size,

@@ -24,6 +24,7 @@ from ..data.config import DataConfig
 from ..data.demo import ensure_demo_tokenizer
 from ..data.openclip_tokenizer import OpenCLIPTokenizer
 from ..data.tokenizer import SentencePieceTokenizer
+from ..data.transforms import INTERPOLATIONS, PREPROCESS_FIELDS, RESIZE_MODES, check_mean_std, preprocess_settings
 from ..model import create_model, from_openclip_state_dict, load_openclip_checkpoint
 from ..model.weights import load_model
 from .evaluator import Evaluator, append_results
@@ -70,6 +71,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=2, help="DataLoader workers (eval's own default).")
     p.add_argument("--device", default=None, help="Default: cuda if available, else cpu.")
     p.add_argument("--force-image-size", type=int)
+    # OpenCLIP's preprocessing flags; default: the model folder's preprocess_cfg (dsclip convert writes the run's)
+    saved = "Default: the model folder's preprocess_cfg (the run's, from dsclip convert), else "
+    p.add_argument("--image-mean", type=float, nargs="+", help=saved + "OpenAI CLIP's. 3 values or 1.")
+    p.add_argument("--image-std", type=float, nargs="+", help=saved + "OpenAI CLIP's. 3 values or 1.")
+    p.add_argument("--image-interpolation", choices=INTERPOLATIONS, help=saved + "bicubic.")
+    p.add_argument("--image-resize-mode", choices=RESIZE_MODES, help=saved + "shortest.")
     p.add_argument("--results", default="results.jsonl", help="Append one JSON record here.")
     return p
 
@@ -84,6 +91,21 @@ def _load_openclip_pretrained(name: str, path: str, device):
     return model.to(device).eval()
 
 
+def preprocess_for(a: argparse.Namespace) -> dict:
+    """Image settings for evaluation: the flags, else the ``preprocess_cfg`` saved beside the model
+    (``config.json`` / ``open_clip_config.json``, as ``dsclip convert`` writes them), else the defaults."""
+    saved: dict = {}
+    if not a.pretrained:
+        mp = Path(a.model)
+        folder = mp if mp.is_dir() else mp.parent
+        for name in ("config.json", "open_clip_config.json"):
+            if (folder / name).is_file():
+                saved = preprocess_settings(json.loads((folder / name).read_text()).get("preprocess_cfg") or {})
+                break
+    flags = {k: getattr(a, k) for k in PREPROCESS_FIELDS.values() if getattr(a, k) is not None}
+    return {**saved, **flags}
+
+
 def main_eval(argv: list[str]) -> int:
     """Entry point of ``dsclip eval``; returns the exit code."""
     a = _parser().parse_args(argv)
@@ -95,6 +117,9 @@ def main_eval(argv: list[str]) -> int:
         print("dsclip eval: error: give --zeroshot-data (or --imagenet-val) and/or --val-data", file=sys.stderr)
         return 2
 
+    pre = preprocess_for(a)
+    check_mean_std("image-mean", pre.get("image_mean"))  # before any work
+    check_mean_std("image-std", pre.get("image_std"))
     try:
         device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
         if a.pretrained:
@@ -136,6 +161,7 @@ def main_eval(argv: list[str]) -> int:
             force_image_size=a.force_image_size,
             demo_eval_samples=a.demo_eval_samples,
             workers=a.workers,
+            **pre,
         )
         ev = Evaluator(dcfg, tokenizer=tokenizer, image_size=image_size, batch_size=a.batch_size, device=device)
         t0 = time.time()

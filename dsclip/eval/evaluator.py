@@ -197,15 +197,18 @@ def evaluate_demo_zeroshot(
     batch_size: int = 256,
     device=None,
     retrieval: bool = False,
+    mean=None,
+    std=None,
 ) -> dict[str, float]:
     """Zero-shot accuracy on held-out demo images (never seen in training): {"top1", "top5", ...}.
 
     ``task``: "shape" (7 classes), "color" (8) or "color_shape" (56). With ``retrieval=True`` also
     the retrieval metrics of those images against their own captions (prefixed ``retrieval_``;
-    demo captions are often shared by several images, so these are pessimistic).
+    demo captions are often shared by several images, so these are pessimistic). ``mean``/``std``:
+    the normalization the model was trained with (``--image-mean``/``--image-std``).
     """
 
-    ds = DemoDataset.heldout(num_samples, image_size=image_size)
+    ds = DemoDataset.heldout(num_samples, image_size=image_size, mean=mean, std=std)
     labels = [ds.label(i, task) for i in range(num_samples)]
     out = evaluate_zeroshot(
         model,
@@ -267,7 +270,7 @@ class Evaluator:
 
     def _transform(self):
 
-        return image_transform(self.image_size, is_train=False)
+        return image_transform(self.image_size, is_train=False, **self.cfg.preprocess_args())
 
     def zeroshot(self, model) -> dict[str, float]:
         if not self.has_zeroshot:
@@ -282,6 +285,8 @@ class Evaluator:
                 batch_size=self.batch_size,
                 device=self.device,
                 templates=load_templates(self.cfg.zeroshot_templates) if self.cfg.zeroshot_templates else None,
+                mean=self.cfg.image_mean,
+                std=self.cfg.image_std,
             )
         else:
             if self._zs is None:

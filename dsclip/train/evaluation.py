@@ -81,6 +81,8 @@ class TrainingEvaluator:
                     image_size=self.image_size,
                     device=self.device,
                     task=task,
+                    mean=self.evaluator.cfg.image_mean,
+                    std=self.evaluator.cfg.image_std,
                 )
                 res.update({f"{task}_{k}": v for k, v in r.items() if k in ("top1", "top5")})
         self._log(step, epoch, "demo_zeroshot", res)
