@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from dsclip.config_base import ConfigError
 
-DATASET_TYPES = ("auto", "demo", "webdataset", "csv")
+DATASET_TYPES = ("auto", "demo", "webdataset", "csv", "synthetic")
 
 
 @dataclass
@@ -28,7 +28,9 @@ class DataConfig:
     dataset_type: str = field(
         default="auto",
         metadata={
-            "help": "auto|demo|webdataset|csv. auto: .csv/.tsv -> csv, otherwise webdataset, none -> demo.",
+            "help": "auto|demo|webdataset|csv|synthetic. auto: .csv/.tsv -> csv, otherwise webdataset, none -> demo. "
+            "synthetic (OpenCLIP's, for throughput tests): one black image of the model's size and one caption, "
+            "--train-num-samples of them per epoch.",
             "choices": DATASET_TYPES,
         },
     )
@@ -65,6 +67,14 @@ class DataConfig:
             "names and OpenCLIP's prompts (OpenCLIP's flag; the same as --zeroshot-data DIR)."
         },
     )
+    imagenet_v2: str | None = field(
+        default=None,
+        metadata={
+            "help": "ImageNet-V2 folder for zero-shot (OpenCLIP's flag; not downloaded): OpenCLIP's location "
+            "holding ImageNetV2-matched-frequency/, or that folder (class folders 0..999). Reported as "
+            "imagenetv2-zeroshot-val-top1/top5."
+        },
+    )
     zeroshot_templates: str | None = field(
         default=None,
         metadata={
@@ -91,6 +101,8 @@ class DataConfig:
             self.zeroshot_data = self.imagenet_val
 
     def check(self) -> None:
+        if self.dataset_type == "synthetic" and not self.train_num_samples:
+            raise ConfigError("--dataset-type synthetic needs --train-num-samples (the epoch length), as OpenCLIP")
         if self.imagenet_val and self.zeroshot_data != self.imagenet_val:
             raise ConfigError("give either --imagenet-val or --zeroshot-data, not both")
 
