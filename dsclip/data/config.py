@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from dsclip.config_base import ConfigError
@@ -103,6 +104,8 @@ class DataConfig:
     def check(self) -> None:
         if self.dataset_type == "synthetic" and not self.train_num_samples:
             raise ConfigError("--dataset-type synthetic needs --train-num-samples (the epoch length), as OpenCLIP")
+        if self.imagenet_v2 and not os.path.isdir(self.imagenet_v2):  # found out early, not after an epoch
+            raise ConfigError(f"--imagenet-v2 folder not found: {self.imagenet_v2}")
         if self.imagenet_val and self.zeroshot_data != self.imagenet_val:
             raise ConfigError("give either --imagenet-val or --zeroshot-data, not both")
 
