@@ -194,7 +194,9 @@ OPENCLIP_FLAGS: dict[str, Row] = {
     "--use-bnb-linear": Row("not offered", "bitsandbytes int8 layers do not combine with ZeRO partitioning"),
     "--siglip": Row("same", "ring-exchange sigmoid loss"),
     "--loss-dist-impl": Row(
-        "not offered", "dsclip picks the exchange from the loss: `--local-loss`, `--tiled-loss` (ring), `--siglip`"
+        "differs",
+        "`bidir`, `shift`, `reduce`, `gather`: each gives OpenCLIP's SigLIP loss and gradients, which dsclip's one "
+        "exchange (the tiled ring) computes for all four; without `--siglip` it is an error (OpenCLIP ignores it)",
     ),
 }
 
