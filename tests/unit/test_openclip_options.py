@@ -183,5 +183,23 @@ def test_imagenet_v2_zeroshot_is_reported_under_openclips_name(tmp_path):
     assert out == pytest.approx({"imagenetv2-zeroshot-val-top1": 1 / 3, "imagenetv2-zeroshot-val-top5": 2 / 3})
 
 
+def test_dsclip_eval_takes_imagenet_v2_too(tmp_path):
+    import json
+
+    from dsclip.eval.cli import main_eval
+    from dsclip.model.weights import save_model
+
+    _v2_folder(tmp_path / "v2", [4, 8])
+    (tmp_path / "t.txt").write_text("a {c}.\n")
+    save_model(create_model("tiny", vocab_size=256), tmp_path / "m")
+    results = tmp_path / "r.jsonl"
+    argv = ["--model", str(tmp_path / "m"), "--imagenet-v2", str(tmp_path / "v2"), "--device", "cpu"]
+    argv += ["--zeroshot-templates", str(tmp_path / "t.txt"), "--workers", "0", "--results", str(results)]
+    assert main_eval(argv) == 0
+    rec = json.loads(results.read_text())
+    assert rec["imagenet_v2"] == str(tmp_path / "v2")
+    assert set(rec["metrics"]) == {"imagenetv2-zeroshot-val-top1", "imagenetv2-zeroshot-val-top5"}
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
