@@ -166,8 +166,9 @@ OPENCLIP_FLAGS: dict[str, Row] = {
     "--horovod": Row("not offered", "DeepSpeed replaces it"),
     "--ddp-static-graph": Row("no-op", "DeepSpeed, not DDP, reduces the gradients; there is no DDP graph to fix"),
     "--no-set-device-rank": Row(
-        "not offered",
-        "each rank binds the device valid in its own CUDA_VISIBLE_DEVICES view (one GPU per task works)",
+        "no-op",
+        "each rank binds the device valid in its own CUDA_VISIBLE_DEVICES view: with one GPU per process (the "
+        "flag's use) that is `cuda:0`, what the flag gives in OpenCLIP; with several visible, the local rank's",
     ),
     "--seed": Row("same"),
     "--grad-clip-norm": Row("same"),

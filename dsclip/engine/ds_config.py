@@ -76,6 +76,11 @@ class TrainArgs:
         "Accepted for OpenCLIP command lines; no effect: dsclip's towers (like OpenCLIP's ViTs) have no BatchNorm "
         "to convert to SyncBatchNorm.",
     )
+    no_set_device_rank: bool = opt(
+        False,
+        "Accepted for OpenCLIP command lines; no effect: each rank already binds the GPU index valid in its own "
+        "view, which with one GPU per process (this flag's use) is cuda:0, as OpenCLIP's flag gives.",
+    )
     device: str | None = opt(
         None,
         "Device type (OpenCLIP's flag, e.g. cuda, cpu): checked against the DeepSpeed accelerator, which picks the "

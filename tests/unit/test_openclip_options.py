@@ -100,6 +100,15 @@ def test_dist_backend_and_url_reach_deepspeed_init_distributed(monkeypatch, fres
     )
 
 
+def test_no_set_device_rank_is_what_dsclip_binds_with_one_gpu_per_process():
+    assert cfg(no_set_device_rank=True).train.no_set_device_rank
+    # OpenCLIP with the flag uses device "cuda" (= cuda:0 of the process's view) instead of cuda:LOCAL_RANK;
+    # dsclip binds index 0 whenever a rank sees one GPU, flag or not
+    info = world.WorldInfo(7, 3, 8, 4, "n1", 23456, "slurm")
+    b = world.resolve_device(info, {"CUDA_VISIBLE_DEVICES": "3"}, cuda_count=1)
+    assert (b.index, b.physical) == (0, "3")
+
+
 def test_use_bn_sync_is_a_true_no_op_neither_openclip_vits_nor_dsclip_towers_have_batchnorm():
     assert cfg(use_bn_sync=True).train.use_bn_sync
     # OpenCLIP's ViTs are one class (open_clip.transformer.VisionTransformer) at every size: ViT-B-32 stands
