@@ -125,12 +125,16 @@ def test_use_bn_sync_is_a_true_no_op_neither_openclip_vits_nor_dsclip_towers_hav
 # ---- --dataset-type synthetic ----------------------------------------------------------------------------
 
 
-def test_synthetic_data_is_openclips_black_image_and_dummy_caption(tmp_path):
-    c = cfg(dataset_type="synthetic", train_num_samples=12, workers=0)
+@pytest.mark.parametrize("workers", [0, 2])
+def test_synthetic_data_is_openclips_black_image_and_dummy_caption(tmp_path, workers):
+    c = cfg(dataset_type="synthetic", train_num_samples=12, workers=workers)
     tok = build_tokenizer(c.data, 16, tmp_path)
     data = build_train_data(c.data, tokenizer=tok, image_size=32, batch_size=3, rank=1, world_size=2, seed=0)
     assert data.num_samples == 12 and data.steps_per_epoch == 2
-    batches = list(data.batches(0))
+    try:
+        batches = list(data.batches(0))
+    finally:
+        data.close()
     assert len(batches) == 2
     black = image_transform(32, is_train=False)(Image.new("RGB", (32, 32)))  # OpenCLIP's image, normalized
     for images, tokens in batches:
