@@ -440,7 +440,8 @@ def _fill_optimizer(ds: dict[str, Any], o: OptimArgs, where: str) -> None:
         if o.momentum is not None:
             raise ConfigError(
                 "--momentum: dsclip's default optimizer is AdamW, which takes no momentum (its first moment is "
-                "--beta1); drop --momentum, or give the DeepSpeed JSON an optimizer block of type SGD or MuSGD"
+                "--beta1); drop --momentum, or use --opt timm/sgd or a DeepSpeed JSON optimizer block of type SGD "
+                "or MuSGD"
             )
         # We hand DeepSpeed our own AdamW (engine/optim.py: torch's, or DeepSpeedCPUAdam under
         # offload_optimizer, which ZeRO-Offload then accepts as its own); ZeRO wants this acknowledged.
