@@ -56,8 +56,9 @@ OPENCLIP_FLAGS: dict[str, Row] = {
     "--val-num-samples": Row("same", "caps the retrieval validation set"),
     "--dataset-type": Row(
         "differs",
-        "`auto`, `webdataset`, `csv` as OpenCLIP, plus `demo` (built-in learnable set); `synthetic` is planned "
-        "(issue 15 item 6)",
+        "`auto`, `webdataset`, `csv`, `synthetic` as OpenCLIP (synthetic: one black image of the model's size and "
+        '"Dummy caption", `--train-num-samples` per epoch, for throughput tests; demo tokenizer unless '
+        "`--tokenizer`), plus `demo` (built-in learnable set)",
     ),
     "--dataset-resampled": Row("same"),
     "--csv-separator": Row("same"),
@@ -68,7 +69,11 @@ OPENCLIP_FLAGS: dict[str, Row] = {
         "an ImageNet validation folder by WordNet id: built-in ImageNet-1k names and OpenCLIP's prompts "
         "(other class folders: `--zeroshot-data`)",
     ),
-    "--imagenet-v2": Row("planned", "issue 15 item 6; use `--zeroshot-data DIR` meanwhile"),
+    "--imagenet-v2": Row(
+        "same",
+        "a folder that is given (OpenCLIP's location holding `ImageNetV2-matched-frequency/`, or that folder); "
+        "never downloaded; reported as `imagenetv2-zeroshot-val-top1/top5`",
+    ),
     "--cache-dir": Row("same", "where `--pretrained` tag / `hf-hub:` downloads are cached"),
     "--logs": Row("same"),
     "--log-local": Row("same", "every rank writes `out-RANK.log` in the run folder (else rank 0 writes `out.log`)"),
@@ -85,14 +90,20 @@ OPENCLIP_FLAGS: dict[str, Row] = {
     "--eps": Row("same", "OpenCLIP's ViT default"),
     "--wd": Row("same", "no decay on biases, norms, embeddings, logit scale/bias, as OpenCLIP"),
     "--momentum": Row(
-        "same", "passed to a DeepSpeed-JSON optimizer that takes it; with AdamW (the default) it is an error"
+        "same",
+        "passed to a `--opt timm/NAME` or DeepSpeed-JSON optimizer that takes it; with AdamW (the default) it is "
+        "an error",
     ),
     "--warmup": Row("same"),
     "--opt": Row(
-        "not offered",
-        "dsclip trains with AdamW, or the DeepSpeed JSON's `optimizer` block (Adam, Lamb, OneBitAdam, ...)",
+        "differs",
+        "`adamw` or `timm/NAME` (timm's create_optimizer_v2 over dsclip's weight-decay groups) as OpenCLIP, but "
+        "a timm optimizer gets `--beta1/--beta2/--eps` (their defaults when not given; OpenCLIP leaves timm's); "
+        "refused with a DeepSpeed JSON `optimizer` block or ZeRO-Offload",
     ),
-    "--use-bn-sync": Row("not offered", "dsclip's towers are ViTs: no BatchNorm to synchronise"),
+    "--use-bn-sync": Row(
+        "no-op", "accepted; dsclip's towers, like OpenCLIP's ViTs, have no BatchNorm to convert to SyncBatchNorm"
+    ),
     "--skip-scheduler": Row("same", "learning rate constant at `--lr` (no warm-up), as OpenCLIP"),
     "--lr-scheduler": Row("same"),
     "--lr-cooldown-end": Row("same"),
@@ -163,10 +174,13 @@ OPENCLIP_FLAGS: dict[str, Row] = {
         "same", "dsclip's gradient cache: gradients equal to one batch of batch × accum × world, as OpenCLIP"
     ),
     "--device": Row(
-        "not offered", "the DeepSpeed accelerator picks the device per local rank; choose GPUs with the launcher"
+        "differs",
+        "a device type checked against the DeepSpeed accelerator (default: the accelerator's; OpenCLIP: `cuda`, "
+        "falling back to CPU with a warning): a mismatch or an index (`cuda:1`) is an error; each rank uses its "
+        "local rank's device, so choose GPUs with the launcher",
     ),
-    "--dist-url": Row("not offered", "the launcher (deepspeed, torchrun, srun) sets the rendezvous in the environment"),
-    "--dist-backend": Row("not offered", "DeepSpeed picks nccl on GPUs and gloo on CPUs"),
+    "--dist-url": Row("same", "torch's init_method, given to deepspeed.init_distributed (default `env://`)"),
+    "--dist-backend": Row("same", "given to deepspeed.init_distributed; default nccl on CUDA, gloo otherwise"),
     "--report-to": Row(
         "same", "`tensorboard`, `wandb`, both (`tensorboard,wandb` or `all`); `metrics.jsonl` is always written"
     ),
@@ -177,8 +191,9 @@ OPENCLIP_FLAGS: dict[str, Row] = {
     "--horovod": Row("not offered", "DeepSpeed replaces it"),
     "--ddp-static-graph": Row("no-op", "DeepSpeed, not DDP, reduces the gradients; there is no DDP graph to fix"),
     "--no-set-device-rank": Row(
-        "not offered",
-        "each rank binds the device valid in its own CUDA_VISIBLE_DEVICES view (one GPU per task works)",
+        "no-op",
+        "each rank binds the device valid in its own CUDA_VISIBLE_DEVICES view: with one GPU per process (the "
+        "flag's use) that is `cuda:0`, what the flag gives in OpenCLIP; with several visible, the local rank's",
     ),
     "--seed": Row("same"),
     "--grad-clip-norm": Row("same"),
@@ -205,7 +220,9 @@ OPENCLIP_FLAGS: dict[str, Row] = {
     "--use-bnb-linear": Row("not offered", "bitsandbytes int8 layers do not combine with ZeRO partitioning"),
     "--siglip": Row("same", "ring-exchange sigmoid loss"),
     "--loss-dist-impl": Row(
-        "not offered", "dsclip picks the exchange from the loss: `--local-loss`, `--tiled-loss` (ring), `--siglip`"
+        "differs",
+        "`bidir`, `shift`, `reduce`, `gather`: each gives OpenCLIP's SigLIP loss and gradients, which dsclip's one "
+        "exchange (the tiled ring) computes for all four; without `--siglip` it is an error (OpenCLIP ignores it)",
     ),
 }
 

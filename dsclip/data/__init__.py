@@ -1,4 +1,5 @@
-"""Data input for dsclip: the demo set, webdataset shards and CSV files, behind one ``TrainData``.
+"""Data input for dsclip: the demo set, webdataset shards, CSV files and OpenCLIP's synthetic set, behind one
+``TrainData``.
 
 Public API:
 - ``DataConfig`` (dsclip.data.config): the data section of the run config.
@@ -15,6 +16,7 @@ from .csv_data import build_csv_train_data
 from .demo import DemoDataset, ensure_demo_tokenizer
 from .loader import MapStyleTrainData, TrainData
 from .openclip_tokenizer import OpenCLIPTokenizer
+from .synthetic import build_synthetic_train_data
 from .tokenizer import SentencePieceTokenizer
 from .webdataset import build_wds_train_data
 
@@ -29,7 +31,7 @@ def build_tokenizer(data_cfg: DataConfig, context_length: int, cache_dir: str | 
         return OpenCLIPTokenizer(data_cfg.tokenizer, context_length)
     if data_cfg.tokenizer:
         return SentencePieceTokenizer(data_cfg.tokenizer, context_length)
-    if data_cfg.resolved_dataset_type() == "demo":
+    if data_cfg.resolved_dataset_type() in ("demo", "synthetic"):  # synthetic: any tokenizer cuts its caption
         return SentencePieceTokenizer(ensure_demo_tokenizer(cache_dir), context_length)
     raise ValueError("no tokenizer: pass --tokenizer path/to/spm.model (train one with `dsclip tokenizer train`)")
 
@@ -70,4 +72,6 @@ def build_train_data(
         return build_csv_train_data(data_cfg, **common)
     if kind == "webdataset":
         return build_wds_train_data(data_cfg, **common)
+    if kind == "synthetic":
+        return build_synthetic_train_data(data_cfg, **common)
     raise ValueError(f"unknown dataset_type {kind!r}")

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from dsclip.config_base import ConfigError
 from dsclip.data.transforms import INTERPOLATIONS, RESIZE_MODES, check_mean_std, parse_aug_cfg
 
-DATASET_TYPES = ("auto", "demo", "webdataset", "csv")
+DATASET_TYPES = ("auto", "demo", "webdataset", "csv", "synthetic")
 
 
 @dataclass
@@ -29,7 +30,9 @@ class DataConfig:
     dataset_type: str = field(
         default="auto",
         metadata={
-            "help": "auto|demo|webdataset|csv. auto: .csv/.tsv -> csv, otherwise webdataset, none -> demo.",
+            "help": "auto|demo|webdataset|csv|synthetic. auto: .csv/.tsv -> csv, otherwise webdataset, none -> demo. "
+            "synthetic (OpenCLIP's, for throughput tests): one black image of the model's size and one caption, "
+            "--train-num-samples of them per epoch.",
             "choices": DATASET_TYPES,
         },
     )
@@ -64,6 +67,14 @@ class DataConfig:
         metadata={
             "help": "ImageNet validation folder (DIR/<wnid>/*.JPEG) for zero-shot: built-in ImageNet-1k class "
             "names and OpenCLIP's prompts (OpenCLIP's flag; the same as --zeroshot-data DIR)."
+        },
+    )
+    imagenet_v2: str | None = field(
+        default=None,
+        metadata={
+            "help": "ImageNet-V2 folder for zero-shot (OpenCLIP's flag; not downloaded): OpenCLIP's location "
+            "holding ImageNetV2-matched-frequency/, or that folder (class folders 0..999). Reported as "
+            "imagenetv2-zeroshot-val-top1/top5."
         },
     )
     zeroshot_templates: str | None = field(
@@ -131,6 +142,10 @@ class DataConfig:
         self.aug_cfg = parse_aug_cfg(self.aug_cfg)
 
     def check(self) -> None:
+        if self.dataset_type == "synthetic" and not self.train_num_samples:
+            raise ConfigError("--dataset-type synthetic needs --train-num-samples (the epoch length), as OpenCLIP")
+        if self.imagenet_v2 and not os.path.isdir(self.imagenet_v2):  # found out early, not after an epoch
+            raise ConfigError(f"--imagenet-v2 folder not found: {self.imagenet_v2}")
         if self.imagenet_val and self.zeroshot_data != self.imagenet_val:
             raise ConfigError("give either --imagenet-val or --zeroshot-data, not both")
         check_mean_std("image-mean", self.image_mean)

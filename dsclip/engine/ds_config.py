@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from dsclip.config_base import ConfigError, opt
-from dsclip.engine.optim import OptimArgs
+from dsclip.engine.optim import OptimArgs, timm_optimizer_info
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16", "amp", "amp_bf16", "amp_bfloat16", "pure_bf16", "pure_fp16")
 # OpenCLIP's pure_* keep no fp32 master copy; DeepSpeed's bf16/fp16 always do, so these are refused.
@@ -71,6 +71,29 @@ class TrainArgs:
     ddp_static_graph: bool = opt(
         False, "Accepted for OpenCLIP command lines; no effect: DeepSpeed, not DDP, reduces the gradients."
     )
+    use_bn_sync: bool = opt(
+        False,
+        "Accepted for OpenCLIP command lines; no effect: dsclip's towers (like OpenCLIP's ViTs) have no BatchNorm "
+        "to convert to SyncBatchNorm.",
+    )
+    no_set_device_rank: bool = opt(
+        False,
+        "Accepted for OpenCLIP command lines; no effect: each rank already binds the GPU index valid in its own "
+        "view, which with one GPU per process (this flag's use) is cuda:0, as OpenCLIP's flag gives.",
+    )
+    device: str | None = opt(
+        None,
+        "Device type (OpenCLIP's flag, e.g. cuda, cpu): checked against the DeepSpeed accelerator, which picks the "
+        "device per local rank; default: the accelerator's. Choose GPUs with the launcher, not an index here.",
+    )
+    dist_backend: str | None = opt(
+        None, "torch.distributed backend (OpenCLIP's flag); default nccl on CUDA, gloo otherwise."
+    )
+    dist_url: str | None = opt(
+        None,
+        "torch.distributed init_method (OpenCLIP's flag), e.g. tcp://HOST:PORT or file:///shared/path; "
+        "default env:// (MASTER_ADDR/MASTER_PORT from the launcher).",
+    )
 
     def check(self) -> None:
         for key, v in (("batch_size", self.batch_size), ("accum_freq", self.accum_freq), ("epochs", self.epochs)):
@@ -78,6 +101,11 @@ class TrainArgs:
                 raise ConfigError(f"'{key}' must be >= 1, got {v}")
         if self.max_steps is not None and self.max_steps < 1:
             raise ConfigError(f"'max_steps' must be >= 1, got {self.max_steps}")
+        if self.device is not None and ":" in self.device:
+            raise ConfigError(
+                f"--device {self.device}: give the device type only (e.g. --device cuda); each rank uses the "
+                f"device of its local rank, so pick GPUs with the launcher (CUDA_VISIBLE_DEVICES, deepspeed --include)"
+            )
         if self.precision in PURE_PRECISIONS:
             alt = "bf16" if "bf16" in self.precision else "fp16"
             raise ConfigError(
@@ -283,6 +311,11 @@ def resolve_ds_config(
     _fill_batch(ds, train, world_size, where)
     clip = optim.grad_clip_norm if optim.grad_clip_norm is not None else 0.0
     _fill(ds, "gradient_clipping", clip, where, what="--grad-clip-norm")
+    if train.device is not None and train.device != device_type:
+        raise ConfigError(
+            f"--device {train.device}: the DeepSpeed accelerator here is {device_type}; use --device {device_type} "
+            f"or drop --device (DS_ACCELERATOR selects DeepSpeed's accelerator)"
+        )
     _fill_precision(ds, train, where, device_type)
     _fill_optimizer(ds, optim, where)
 
@@ -374,6 +407,11 @@ def _fill_precision(ds: dict[str, Any], train: TrainArgs, where: str, device_typ
 
 def _fill_optimizer(ds: dict[str, Any], o: OptimArgs, where: str) -> None:
     # Optimizer: if the JSON has an optimizer block DeepSpeed builds it; fill its auto params.
+    if "optimizer" in ds and o.opt != "adamw":
+        raise ConfigError(
+            f"--opt {o.opt} conflicts with the optimizer block of {where} (type {ds['optimizer'].get('type')}): "
+            f"drop --opt, or remove the JSON's optimizer block"
+        )
     if "optimizer" in ds:
         params = ds["optimizer"].setdefault("params", {})
         _fill(params, "lr", o.lr, f"{where} optimizer.params", what="--lr")
@@ -389,11 +427,21 @@ def _fill_optimizer(ds: dict[str, Any], o: OptimArgs, where: str) -> None:
                     f"drop --momentum (Adam-type momentum is --beta1)"
                 )
             _fill(params, "momentum", o.momentum, f"{where} optimizer.params", what="--momentum")
+    elif o.opt != "adamw":
+        if (ds.get("zero_optimization", {}).get("offload_optimizer") or {}).get("device", "none") not in ("none", None):
+            raise ConfigError(
+                f"--opt {o.opt} with ZeRO-Offload ({where} offload_optimizer): the offloaded step runs DeepSpeed's "
+                f"CPU Adam; drop --opt (AdamW) or the offload_optimizer block"
+            )
+        if o.momentum is not None and not timm_optimizer_info(o.opt).has_momentum:
+            raise ConfigError(f"--momentum: the optimizer {o.opt} takes no momentum; drop --momentum")
+        ds.setdefault("zero_allow_untested_optimizer", True)  # a client optimizer, as AdamW below
     else:
         if o.momentum is not None:
             raise ConfigError(
                 "--momentum: dsclip's default optimizer is AdamW, which takes no momentum (its first moment is "
-                "--beta1); drop --momentum, or give the DeepSpeed JSON an optimizer block of type SGD or MuSGD"
+                "--beta1); drop --momentum, or use --opt timm/sgd or a DeepSpeed JSON optimizer block of type SGD "
+                "or MuSGD"
             )
         # We hand DeepSpeed our own AdamW (engine/optim.py: torch's, or DeepSpeedCPUAdam under
         # offload_optimizer, which ZeRO-Offload then accepts as its own); ZeRO wants this acknowledged.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,14 +38,44 @@ class OptimArgs:
         "Momentum for an optimizer that takes one (the DeepSpeed JSON's optimizer block: SGD, MuSGD); "
         "AdamW's is --beta1.",
     )
+    # Last: the name shadows the `opt` helper for any field defined after it in this class body.
+    opt: str = opt(
+        "adamw",
+        "Optimizer (OpenCLIP's flag): adamw, or timm/NAME for any timm optimizer (timm/lion, timm/lamb, "
+        "timm/sgd, ...), built by timm.optim.create_optimizer_v2 over the same weight-decay groups. Not with a "
+        "DeepSpeed JSON optimizer block, nor with ZeRO-Offload.",
+    )
+
+    def __post_init__(self):
+        self.opt = self.opt.lower()  # OpenCLIP lower-cases it too (AdamW == adamw)
 
     def check(self) -> None:
         if self.lr <= 0 or not math.isfinite(self.lr):
             raise ConfigError(f"'lr' must be a positive number, got {self.lr}")
         if self.warmup < 0:
             raise ConfigError(f"'warmup' must be >= 0, got {self.warmup}")
+        if self.opt != "adamw":
+            timm_optimizer_info(self.opt)  # an unknown name fails here, before any work
         if self.lr_scheduler == "const-cooldown" and self.epochs_cooldown is None:
             raise ConfigError("--lr-scheduler const-cooldown needs --epochs-cooldown")
+
+
+def timm_optimizer_info(name: str):
+    """timm's OptimInfo for ``--opt timm/NAME`` (OpenCLIP's spelling); ConfigError for anything else."""
+    if not name.lower().startswith("timm/"):
+        raise ConfigError(f"--opt {name}: use adamw or timm/NAME (a timm optimizer, e.g. timm/lion), as OpenCLIP")
+    from timm.optim import list_optimizers
+    from timm.optim._optim_factory import get_optimizer_info
+
+    base = name.split("/", 1)[1].lower()
+    try:
+        return get_optimizer_info(base.split("_")[-1])  # timm's own parsing: lookahead_NAME wraps NAME
+    except ValueError:
+        close = difflib.get_close_matches(base, list_optimizers(), n=1)
+        hint = f" (did you mean timm/{close[0]}?)" if close else ""
+        raise ConfigError(
+            f"--opt {name}: timm has no optimizer '{base}'{hint}; see timm.optim.list_optimizers()"
+        ) from None
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -105,6 +136,15 @@ def build_optimizer(
     dominate offloaded steps (bench/optimizer_step.py).
     """
     groups = param_groups(model, o.wd)
+    if o.opt != "adamw":
+        # OpenCLIP's timm path (open_clip_train/main.py): create_optimizer_v2 with --lr/--wd/--eps (+ betas,
+        # momentum). Given parameter groups, timm keeps them as they are: dsclip's no-decay group stays at 0.
+        from timm.optim import create_optimizer_v2
+
+        kw = {"betas": (o.beta1, o.beta2)}  # timm drops betas/eps for optimizers that take none
+        if o.momentum is not None:
+            kw["momentum"] = o.momentum
+        return create_optimizer_v2(groups, o.opt.split("/", 1)[1], lr=o.lr, weight_decay=o.wd, eps=o.eps, **kw)
     if cpu_offload:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 

@@ -472,11 +472,14 @@ def _excepthook(tp, value, tb):
     (_state["prev_excepthook"] or sys.__excepthook__)(tp, value, tb)
 
 
-def init_distributed(timeout_s: float | None = None, backend: str | None = None) -> WorldInfo:
+def init_distributed(
+    timeout_s: float | None = None, backend: str | None = None, init_method: str | None = None
+) -> WorldInfo:
     """Discover the world, export it, and create the default process group (through DeepSpeed).
 
-    Backend: ``backend`` or ``DSCLIP_DIST_BACKEND``, else nccl on CUDA and gloo otherwise. Also
-    called for a single process (DeepSpeed needs a process group either way). Idempotent.
+    Backend: ``backend`` (OpenCLIP's --dist-backend) or ``DSCLIP_DIST_BACKEND``, else nccl on CUDA and
+    gloo otherwise. ``init_method`` (OpenCLIP's --dist-url): torch's rendezvous URL, default env://.
+    Also called for a single process (DeepSpeed needs a process group either way). Idempotent.
     """
 
     if _state["info"] is not None and dist.is_initialized():
@@ -492,13 +495,24 @@ def init_distributed(timeout_s: float | None = None, backend: str | None = None)
     if on_gpu:
         torch.cuda.set_device(binding.index)
     _state["binding"] = binding
-    check_master_port(info)
+    if init_method in (None, "env://"):  # another URL names its own rendezvous; MASTER_PORT is unused
+        check_master_port(info)
     timeout = resolve_timeout(timeout_s)
 
     # lazy: launchers' stand-ins and the CLI's error path import this module; deepspeed takes seconds to load
     import deepspeed
 
-    deepspeed.init_distributed(dist_backend=backend, timeout=timeout, auto_mpi_discovery=False, verbose=info.rank == 0)
+    # tcp:// and file:// rendezvous need rank and world size spelled out (env:// reads them from the
+    # environment export_env just wrote), so hand over the discovered ones with any URL.
+    ranks = dict(rank=info.rank, world_size=info.world_size) if init_method else {}
+    deepspeed.init_distributed(
+        dist_backend=backend,
+        timeout=timeout,
+        auto_mpi_discovery=False,
+        verbose=info.rank == 0,
+        init_method=init_method,
+        **ranks,
+    )
     release_shm_workspace()
     _state["info"] = info
     if os.environ.get("DSCLIP_LOG_WORLD", "1") != "0":
@@ -506,7 +520,7 @@ def init_distributed(timeout_s: float | None = None, backend: str | None = None)
         _line(
             f"[dsclip] rank {info.rank}/{info.world_size} local {info.local_rank}/{info.local_world_size} "
             f"host {socket.gethostname()} node {os.environ.get('SLURMD_NODENAME', '-')} "
-            f"source {info.source} master {info.master_addr}:{info.master_port} backend {backend} "
+            f"source {info.source} master {init_method or f'{info.master_addr}:{info.master_port}'} backend {backend} "
             f"timeout {int(timeout.total_seconds())}s {binding.describe()} "
             f"cpus {format_cpus(cpu_affinity())} ({len(cpu_affinity())}) net {net_settings()}"
         )

@@ -51,6 +51,7 @@ def _parser() -> argparse.ArgumentParser:
         "--imagenet-val",
         help="ImageNet validation folder DIR/<wnid>/*.JPEG (OpenCLIP's flag): built-in class names, OpenCLIP prompts.",
     )
+    p.add_argument("--imagenet-v2", help=DataConfig.__dataclass_fields__["imagenet_v2"].metadata["help"])
     p.add_argument(
         "--zeroshot-templates",
         help="Prompt templates file, one per line with {c} (default: OpenCLIP "
@@ -113,8 +114,11 @@ def main_eval(argv: list[str]) -> int:
         print("dsclip eval: error: give either --imagenet-val or --zeroshot-data, not both", file=sys.stderr)
         return 2
     a.zeroshot_data = a.zeroshot_data or a.imagenet_val
-    if not a.zeroshot_data and not a.val_data:
-        print("dsclip eval: error: give --zeroshot-data (or --imagenet-val) and/or --val-data", file=sys.stderr)
+    if not a.zeroshot_data and not a.val_data and not a.imagenet_v2:
+        print(
+            "dsclip eval: error: give --zeroshot-data (or --imagenet-val), --imagenet-v2 and/or --val-data",
+            file=sys.stderr,
+        )
         return 2
 
     pre = preprocess_for(a)
@@ -152,6 +156,7 @@ def main_eval(argv: list[str]) -> int:
             tokenizer = SentencePieceTokenizer(tok_path, ctx)
         dcfg = DataConfig(
             zeroshot_data=a.zeroshot_data,
+            imagenet_v2=a.imagenet_v2,
             zeroshot_templates=a.zeroshot_templates,
             val_data=a.val_data,
             val_num_samples=a.val_num_samples,
@@ -173,6 +178,7 @@ def main_eval(argv: list[str]) -> int:
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "model": str(a.model),
         "zeroshot_data": a.zeroshot_data,
+        "imagenet_v2": a.imagenet_v2,
         "val_data": a.val_data,
         "seconds": round(time.time() - t0, 2),
         "metrics": metrics,

@@ -94,6 +94,43 @@ class ClassFolderDataset(Dataset):
             return self.transform(decode_image(f.read())), label
 
 
+IMAGENET_V2_DIR = "ImageNetV2-matched-frequency"  # imagenetv2_pytorch's folder under OpenCLIP's --imagenet-v2
+
+
+class ImageNetV2Dataset(ClassFolderDataset):
+    """ImageNet-V2 as OpenCLIP reads it (``imagenetv2_pytorch.ImageNetV2Dataset``): class folders named by
+    ImageNet label index ``0``..``999`` holding ``*.jpeg``, label = the folder's number; classes are all 1000
+    ImageNet-1k names (a folder subset still competes against every class, as in OpenCLIP).
+
+    ``root`` is OpenCLIP's ``--imagenet-v2`` location (holding ``ImageNetV2-matched-frequency/``) or that
+    folder itself. Nothing is downloaded: dsclip reads a folder that is given."""
+
+    def __init__(self, root: str | os.PathLike, transform):
+        root = Path(root)
+        if (root / IMAGENET_V2_DIR).is_dir():
+            root = root / IMAGENET_V2_DIR
+        if not root.is_dir():
+            raise FileNotFoundError(f"--imagenet-v2 folder not found: {root}")
+        self.classnames = list(imagenet_classnames().values())  # label order = WordNet-id order
+        folders = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
+        bad = [f for f in folders if not (f.isdigit() and int(f) < len(self.classnames))]
+        if bad or not folders:
+            raise ValueError(
+                f"--imagenet-v2 {root}: expected class folders 0..999 (imagenetv2_pytorch's layout, e.g. "
+                f"{IMAGENET_V2_DIR}/0/*.jpeg), found {bad[0] if bad else 'none'!r}"
+            )
+        self.samples = [
+            (str(p), int(f))
+            for f in sorted(folders, key=int)
+            for p in sorted((root / f).iterdir())
+            if p.suffix.lower() in _IMG_SUFFIXES
+        ]
+        if not self.samples:
+            raise ValueError(f"--imagenet-v2 {root}: no images in the class folders")
+        self.labels = [label for _, label in self.samples]
+        self.transform = transform
+
+
 class ImageFileDataset(Dataset):
     def __init__(self, paths: list[str], transform):
         self.paths, self.transform = paths, transform

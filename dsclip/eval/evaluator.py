@@ -26,7 +26,7 @@ from dsclip.dist import rank_world
 
 from ..data.demo import DemoDataset, demo_zeroshot_classes, demo_zeroshot_templates
 from ..data.transforms import image_transform
-from .datasets import ClassFolderDataset, load_retrieval_set
+from .datasets import ClassFolderDataset, ImageNetV2Dataset, load_retrieval_set
 from .retrieval import retrieval_metrics
 from .templates import load_templates
 from .zero_shot import class_embeddings, expand_prompts, zeroshot_topk
@@ -238,9 +238,10 @@ class Evaluator:
     """The periodic evaluation the training loop runs (on ALL ranks), configured by the DataConfig.
 
     ``zeroshot(model)`` uses ``zeroshot_data`` (a class folder, or "demo" for the held-out demo set)
-    with ``zeroshot_templates``; ``retrieval(model)`` uses ``val_data`` (shards or CSV). Datasets are
-    indexed once and reused. Returned keys: ``zeroshot-top1``, ``zeroshot-top5`` and OpenCLIP's
-    retrieval names (``image_to_text_R@1``, ..., ``text_to_image_median_rank``).
+    with ``zeroshot_templates``, and ``imagenet_v2`` (OpenCLIP's ImageNet-V2 folder); ``retrieval(model)``
+    uses ``val_data`` (shards or CSV). Datasets are indexed once and reused. Returned keys:
+    ``zeroshot-top1``, ``zeroshot-top5``, ``imagenetv2-zeroshot-val-top1/top5`` and OpenCLIP's retrieval names
+    (``image_to_text_R@1``, ..., ``text_to_image_median_rank``).
     """
 
     def __init__(
@@ -258,11 +259,12 @@ class Evaluator:
         self.batch_size, self.device = batch_size, device
         self.workers = data_cfg.workers if workers is None else workers
         self._zs = None
+        self._v2 = None
         self._val = None
 
     @property
     def has_zeroshot(self) -> bool:
-        return bool(self.cfg.zeroshot_data)
+        return bool(self.cfg.zeroshot_data or self.cfg.imagenet_v2)
 
     @property
     def has_retrieval(self) -> bool:
@@ -273,9 +275,26 @@ class Evaluator:
         return image_transform(self.image_size, is_train=False, **self.cfg.preprocess_args())
 
     def zeroshot(self, model) -> dict[str, float]:
-        if not self.has_zeroshot:
-            return {}
+        out = self._folder_zeroshot(model) if self.cfg.zeroshot_data else {}
+        if self.cfg.imagenet_v2:
+            if self._v2 is None:
+                self._v2 = ImageNetV2Dataset(self.cfg.imagenet_v2, self._transform())
+            r = evaluate_zeroshot(
+                model,
+                self.tokenizer,
+                self._v2,
+                self._v2.labels,
+                self._v2.classnames,
+                load_templates(self.cfg.zeroshot_templates),
+                batch_size=self.batch_size,
+                device=self.device,
+                workers=self.workers,
+            )
+            # OpenCLIP's names (open_clip_train/zero_shot.py)
+            out.update({"imagenetv2-zeroshot-val-top1": r["top1"], "imagenetv2-zeroshot-val-top5": r["top5"]})
+        return out
 
+    def _folder_zeroshot(self, model) -> dict[str, float]:
         if self.cfg.zeroshot_data == "demo":
             r = evaluate_demo_zeroshot(
                 model,

@@ -25,6 +25,8 @@ LOSS_FLAGS = {  # name -> the dsclip train flags that select it
     "infonce_tiled": ["--tiled-loss"],
     "siglip": ["--siglip"],
 }
+# open_clip.loss.SigLipLoss's dist_impl values: four ways to move the text blocks between ranks
+SIGLIP_DIST_IMPLS = ("bidir", "shift", "reduce", "gather")
 TRAIN_TILE_SIZE = 4096  # --loss-tile-size default (large tiles: fewer ring steps per GPU step)
 
 
@@ -72,6 +74,12 @@ class LossArgs:
     )
     loss_tile_size: int = opt(TRAIN_TILE_SIZE, "Tile edge of the tiled loss (rows/columns per tile).")
     label_smoothing: float = opt(0.0, "Label smoothing of the InfoNCE cross-entropies.")
+    loss_dist_impl: str | None = opt(
+        None,
+        "OpenCLIP's SigLIP exchange (bidir, shift, reduce, gather; needs --siglip). All four compute the same "
+        "loss and gradients, and so does dsclip's one exchange, the tiled ring, which every value runs.",
+        choices=SIGLIP_DIST_IMPLS,
+    )
 
     @property
     def name(self) -> str:
@@ -88,6 +96,10 @@ class LossArgs:
             raise ConfigError(
                 "--local-loss without --gather-with-grad computes wrong gradients (each rank would only see its own "
                 "rows' contribution); add --gather-with-grad"
+            )
+        if self.loss_dist_impl is not None and not self.siglip:
+            raise ConfigError(
+                f"--loss-dist-impl {self.loss_dist_impl} chooses the SigLIP exchange; add --siglip or drop it"
             )
         if self.siglip and (self.tiled_loss or self.local_loss):
             raise ConfigError("--siglip already uses a memory-bounded ring loss; drop --tiled-loss/--local-loss")

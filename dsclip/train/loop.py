@@ -153,7 +153,7 @@ def fit(run: Run) -> tuple[int, str | None]:
 
 def build_run(cfg: RunConfig) -> Run:
     """The composition root: config -> world -> data/model -> engine -> step, checkpointer, metrics, evaluator."""
-    info = world.init_distributed()
+    info = world.init_distributed(backend=cfg.train.dist_backend, init_method=cfg.train.dist_url)
     rank, world_size = info.rank, info.world_size
     world.install_preemption_handler()
     cfg = settle_run_name(cfg)  # the clock's default, decided on rank 0 (collective)

@@ -8,6 +8,7 @@ from PIL import Image
 
 from dsclip.data import DataConfig, build_train_data
 from dsclip.data.shards import ShardError
+from dsclip.data.tokenizer import TRUNCATED
 
 
 class IdTokenizer:
@@ -17,6 +18,19 @@ class IdTokenizer:
 
     def __call__(self, texts):
         return torch.tensor([[int(t.split()[-1]), -1] for t in texts])
+
+
+class CountingIdTokenizer(IdTokenizer):
+    """IdTokenizer that reports a caption as cut when its words + EOS exceed a context of 3 (what
+    SentencePieceTokenizer.tokenize_counting reports for pieces): "sample <id>" fits, longer ones are cut."""
+
+    context_length = 3
+
+    def __call__(self, texts):
+        return torch.tensor([[int(t.split()[1]), -1] for t in texts])
+
+    def tokenize_counting(self, texts):
+        return self(texts), sum(len(t.split()) + 1 > self.context_length for t in texts)
 
 
 def _fmt(i: int) -> str:
@@ -36,8 +50,9 @@ def _add(tar, name, data: bytes):
     tar.addfile(info, io.BytesIO(data))
 
 
-def make_shards(root, n_shards, per_shard, *, corrupt=(), no_caption=(), json_caption=(), start=0):
-    """Shards root/shard-{k:03d}.tar with samples "sample <id>"; ids listed in corrupt/no_caption are bad."""
+def make_shards(root, n_shards, per_shard, *, corrupt=(), no_caption=(), json_caption=(), long_caption=(), start=0):
+    """Shards root/shard-{k:03d}.tar with samples "sample <id>"; ids listed in corrupt/no_caption are bad;
+    ids in long_caption get "sample <id> and more words" (longer than CountingIdTokenizer's context)."""
     root.mkdir(parents=True, exist_ok=True)
     i = start
     sizes = {}
@@ -53,6 +68,8 @@ def make_shards(root, n_shards, per_shard, *, corrupt=(), no_caption=(), json_ca
                 _add(tar, f"{key}.{ext}", img)
                 if i in json_caption:
                     _add(tar, f"{key}.json", json.dumps({"caption": f"sample {i}"}).encode())
+                elif i in long_caption:
+                    _add(tar, f"{key}.txt", f"sample {i} and more words".encode())
                 elif i not in no_caption:
                     _add(tar, f"{key}.txt", f"sample {i}".encode())
                 i += 1
@@ -69,11 +86,11 @@ def _epoch(td, epoch, start=0):
     return out
 
 
-def _build(pattern, rank=0, world=2, batch=5, workers=0, **kw):
+def _build(pattern, rank=0, world=2, batch=5, workers=0, tokenizer=None, **kw):
     cfg = DataConfig(train_data=pattern, workers=workers, shuffle_buffer=kw.pop("shuffle_buffer", 8), **kw)
     return build_train_data(
         cfg,
-        tokenizer=IdTokenizer(),
+        tokenizer=tokenizer or IdTokenizer(),
         image_size=16,
         batch_size=batch,
         rank=rank,
@@ -165,6 +182,29 @@ def test_bad_data_skipped_and_counted(tmp_path, workers):
     st = td.stats()
     assert st["missing_caption"] >= 1 and st["corrupt_image"] >= 1
     assert st.get("truncated_tar", 0) >= 1 and st.get("unreadable_shard", 0) >= 1
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_captions_cut_by_the_context_length_are_counted(tmp_path, workers):
+    # issue 15 item 5 on the webdataset path: every sample of an epoch is trained on once, so the count of
+    # cut captions is exactly the long ones, whichever worker decoded them; a resume counts only its steps
+    long = {1, 4, 9, 13, 22}
+    pattern = make_shards(tmp_path / "d", 2, 12, long_caption=long)
+    td = _build(pattern, world=1, batch=4, train_num_samples=24, workers=workers, tokenizer=CountingIdTokenizer())
+    try:
+        batches = _epoch(td, 0)
+        assert sorted(sum(batches, [])) == list(range(24))
+        assert td.stats() == {TRUNCATED: len(long)}
+        resumed = _build(
+            pattern, world=1, batch=4, train_num_samples=24, workers=workers, tokenizer=CountingIdTokenizer()
+        )
+        try:
+            assert _epoch(resumed, 0, start=4) == batches[4:]
+            assert resumed.stats().get(TRUNCATED, 0) == len(long & set(sum(batches[4:], [])))
+        finally:
+            resumed.close()
+    finally:
+        td.close()
 
 
 def test_spec_errors(tmp_path):
