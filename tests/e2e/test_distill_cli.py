@@ -80,7 +80,10 @@ def test_distill_bad_input_is_one_line_before_any_work(tmp_path, case, expect):
     if case == "only_model":
         flags = ["--distill-model", "tiny"]
     else:
-        flags = ["--distill-model", "tiny", "--distill-pretrained", str(write_teacher(tmp_path, image_size=48))]
+        # the saved folder: its config.json says 48 px (a bare file would be loaded into --distill-model's 32 px
+        # architecture with its position embeddings resampled, as --pretrained does)
+        folder = write_teacher(tmp_path, image_size=48).parent
+        flags = ["--distill-model", "tiny", "--distill-pretrained", str(folder)]
     p = run_cli(_args(tmp_path, "bad") + flags, check=False, timeout=300)
     assert p.returncode == 2, p.stderr[-3000:]
     assert "Traceback" not in p.stderr
