@@ -37,7 +37,7 @@ from dsclip.train.build import (
 from dsclip.train.evaluation import TrainingEvaluator
 from dsclip.train.gradcache import GradCacheStep
 from dsclip.train.metrics import MetricsLogger, data_counters
-from dsclip.train.teacher import build_teacher
+from dsclip.train.teacher import plan_teacher
 
 if TYPE_CHECKING:  # annotation only: importing deepspeed here would load it for every user of step_seed
     from deepspeed import DeepSpeedEngine
@@ -167,7 +167,7 @@ def build_run(cfg: RunConfig) -> Run:
     tokenizer, data = build_data(cfg.data, model_cfg, cfg.model, cfg.train, rank=rank, world_size=world_size)
     student_cfg = resolved_model_config(cfg.model, cfg.loss, model_cfg, tokenizer)
     ft.check_weights(student_cfg)  # before any engine
-    teacher = build_teacher(cfg.loss, cfg.model, tokenizer, student_cfg)  # --distill-model: checked, then loaded
+    teacher_plan = plan_teacher(cfg.loss, cfg.model, tokenizer, student_cfg)  # --distill-model: checked, not loaded
     if rank == 0:
         write_run_files(cfg, ds_config)  # exactly what deepspeed.initialize receives below
         record_tokenizer(cfg.run_dir, tokenizer)  # `dsclip convert` ships it with the weights
@@ -178,7 +178,8 @@ def build_run(cfg: RunConfig) -> Run:
         total_steps=plan.total_steps, steps_per_epoch=plan.steps_per_epoch,
         grad_checkpointing=cfg.model.grad_checkpointing, after_construction=ft.after_construction,  # weights, locking
     )  # fmt: skip
-    step_fn = build_step(bundle, cfg.loss, cfg.train, teacher)  # the teacher stays outside the engine
+    teacher = teacher_plan.build(ds_config) if teacher_plan else None  # outside the student's engine
+    step_fn = build_step(bundle, cfg.loss, cfg.train, teacher)
     device = bundle.engine.device
     metrics = MetricsLogger.from_args(
         cfg.log, cfg.run_dir, rank=rank, world_size=world_size, plan=plan, device=device,

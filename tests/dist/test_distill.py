@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import functools
 import math
+import tempfile
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -179,13 +181,15 @@ def make_teacher_model():
 
 
 def _rank_step(rank, world, stage, k, loss_name):
+    import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 
     from dsclip.engine.build import build_engine
     from dsclip.engine.ds_config import load_ds_json, resolve_ds_config
     from dsclip.losses import LossConfig, build_loss
+    from dsclip.model import save_model
     from dsclip.train.gradcache import GradCacheStep
-    from dsclip.train.teacher import Teacher
+    from dsclip.train.teacher import TeacherPlan
 
     cfg = make_cfg(stage, k)
     ds = resolve_ds_config(
@@ -193,9 +197,13 @@ def _rank_step(rank, world, stage, k, loss_name):
     )
     bundle = build_engine(ds, cfg.train, cfg.optim, make_model, total_steps=10, steps_per_epoch=10)
     engine = bundle.engine
-    teacher_model = make_teacher_model().requires_grad_(False).eval()
-    teacher_before = {n: p.detach().clone() for n, p in teacher_model.named_parameters()}
-    teacher = Teacher(teacher_model, "tiny-24").to(torch.device("cpu"), torch.float32)
+    saved = make_teacher_model()
+    teacher_before = {n: p.detach().clone() for n, p in saved.named_parameters()}
+    teacher_file = save_model(saved, tempfile.mkdtemp(prefix=f"teacher{rank}_"))
+    # what `dsclip train` does: ZeRO-3 -> partitioned in a forward-only engine, else a plain module per rank
+    teacher = TeacherPlan("tiny-24", saved.config, str(teacher_file)).build(ds)
+    teacher = teacher.to(torch.device("cpu"), torch.float32)
+    teacher_model = teacher.model
 
     def full_param(p):
         return safe_get_full_fp32_param(p).clone()
@@ -209,6 +217,13 @@ def _rank_step(rank, world, stage, k, loss_name):
     grads = {n: safe_get_full_grad(p).clone() for n, p in engine.module.named_parameters()}
     engine.step()
     weights = {n: full_param(p) for n, p in engine.module.named_parameters()}
+    teacher_params = dict(
+        teacher_model.module.named_parameters() if teacher.partitioned else teacher_model.named_parameters()
+    )
+    # ZeRO-3: this rank holds only its partition of each teacher weight (empty placeholders outside forward)
+    local_numel = sum(p.ds_tensor.numel() if teacher.partitioned else p.numel() for p in teacher_params.values())
+    with deepspeed.zero.GatheredParameters(list(teacher_params.values())) if teacher.partitioned else nullcontext():
+        teacher_unchanged = all(torch.equal(p, teacher_before[n]) for n, p in teacher_params.items())
     teacher_ids = {id(p) for p in teacher_model.parameters()}
     optimizer = getattr(engine.optimizer, "optimizer", engine.optimizer)
     in_optimizer = sum(id(p) in teacher_ids for g in optimizer.param_groups for p in g["params"])
@@ -217,8 +232,12 @@ def _rank_step(rank, world, stage, k, loss_name):
         "grads": grads,
         "weights": weights,
         "initial": initial,
-        "teacher_unchanged": all(torch.equal(p, teacher_before[n]) for n, p in teacher_model.named_parameters()),
-        "teacher_grads": sum(p.grad is not None for p in teacher_model.parameters()),
+        "teacher_unchanged": teacher_unchanged,
+        "teacher_partitioned": teacher.partitioned,
+        "teacher_local_numel": local_numel,
+        "teacher_numel": sum(p.numel() for p in saved.parameters()),
+        "teacher_tensors": len(teacher_params),
+        "teacher_grads": sum(p.grad is not None or p.requires_grad for p in teacher_params.values()),
         "teacher_in_module": sum(id(p) in teacher_ids for p in engine.module.parameters()),
         "teacher_in_optimizer": in_optimizer,
         "module_params": sorted(n for n, _ in engine.module.named_parameters()),
@@ -269,5 +288,10 @@ def test_gradcache_distill_step_equals_openclip_big_batch(stage, loss_name):
     assert_matches(results, ref, world, k, grad_slack=slack)
     for r in results:
         assert r["teacher_unchanged"] and r["teacher_grads"] == 0
+        assert r["teacher_partitioned"] == (stage == 3)
+        if stage == 3:  # each rank holds ceil(numel / world) of every teacher tensor
+            assert r["teacher_local_numel"] <= r["teacher_numel"] / world + r["teacher_tensors"]
+        else:
+            assert r["teacher_local_numel"] == r["teacher_numel"]
         assert r["teacher_in_module"] == 0 and r["teacher_in_optimizer"] == 0
         assert r["module_params"] == sorted(n for n, _ in make_model().named_parameters())

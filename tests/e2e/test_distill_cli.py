@@ -48,7 +48,9 @@ def test_distill_run_trains_student_only(tmp_path):
     before = _sha(teacher)
     flags = ["--distill-model", "tiny", "--distill-pretrained", str(teacher), "--save-every-n-steps", "2"]
     p = run_cli(_args(tmp_path, "distill") + flags, world=2)
-    assert "dsclip: distilling from tiny" in p.stdout and "frozen, outside the engine" in p.stdout
+    assert (
+        "dsclip: distilling from tiny" in p.stdout and "whole on every rank; outside the student's engine" in p.stdout
+    )
     run_cli(_args(tmp_path, "plain"), world=2)
     assert _sha(teacher) == before  # the teacher is only read
 
@@ -67,6 +69,26 @@ def test_distill_run_trains_student_only(tmp_path):
     tag = (ckpt / "latest").read_text().strip()
     saved = get_fp32_state_dict_from_zero_checkpoint(str(ckpt), tag)
     assert set(saved) == set(create_model("tiny", device="meta").state_dict())  # the student's tensors only
+
+
+def test_distill_zero3_bf16_teacher_partitioned(tmp_path):
+    """ZeRO-3 bf16: the teacher is partitioned in its own forward-only engine, in bf16; the run trains and
+    saves the student only."""
+    teacher = write_teacher(tmp_path)
+    flags = ["--distill-model", "tiny", "--distill-pretrained", str(teacher), "--save-every-n-steps", "2"]
+    flags += ["--deepspeed-config", "ds_configs/zero3_bf16.json", "--precision", "auto"]
+    p = run_cli(_args(tmp_path, "z3") + flags, world=2)
+    assert "partitioned by ZeRO-3 in a forward-only engine" in p.stdout, p.stdout[-3000:]
+    curve = losses(tmp_path / "z3")
+    assert sorted(curve) == [1, 2] and all(math.isfinite(v) for v in curve.values())
+
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    from dsclip.model import create_model
+
+    ckpt = tmp_path / "z3" / "checkpoints"
+    saved = get_fp32_state_dict_from_zero_checkpoint(str(ckpt), (ckpt / "latest").read_text().strip())
+    assert set(saved) == set(create_model("tiny", device="meta").state_dict())
 
 
 @pytest.mark.parametrize(
