@@ -37,8 +37,12 @@ class DistillInfoNCELoss(InfoNCELoss):
 
     Called as ``loss(img, txt, logit_scale, logit_bias=None, *, teacher_image_features,
     teacher_text_features, teacher_logit_scale)`` with this rank's rows of both models (same rows,
-    same order); the teacher tensors are detached here.
+    same order); the teacher tensors are detached here. ``last_terms`` holds the detached
+    parts of the last call, ``contrastive_loss`` and ``distill_loss`` (OpenCLIP's log names; their sum is
+    the value), for logging.
     """
+
+    last_terms: dict[str, Tensor] | None = None
 
     def forward(
         self,
@@ -83,6 +87,7 @@ class DistillInfoNCELoss(InfoNCELoss):
             distill = (
                 soft_cross_entropy(t_logits, logits).mean() + soft_cross_entropy(t_logits.T, logits.T).mean()
             ) / 2
+            self.last_terms = {"contrastive_loss": contrastive.detach(), "distill_loss": distill.detach()}
             return contrastive + distill
 
         logits_img = logit_scale * x @ all_y.T  # (b, N)
@@ -93,13 +98,13 @@ class DistillInfoNCELoss(InfoNCELoss):
         t_img = t_scale * tx @ all_ty.T  # (b, N)
         t_txt = t_scale * ty @ all_tx.T  # (b, N)
         labels = torch.arange(lay.local, device=x.device) + lay.offset  # positives sit at global offsets
-        rows = (
-            F.cross_entropy(logits_img, labels, label_smoothing=ls, reduction="none")
-            + F.cross_entropy(logits_txt, labels, label_smoothing=ls, reduction="none")
-            + soft_cross_entropy(t_img, logits_img)
-            + soft_cross_entropy(t_txt, logits_txt)
+        contrastive_rows = F.cross_entropy(logits_img, labels, label_smoothing=ls, reduction="none") + F.cross_entropy(
+            logits_txt, labels, label_smoothing=ls, reduction="none"
         )  # (b,)
-        if lay.even:  # OpenCLIP's expression: means over this rank's rows
-            return rows.mean() / 2
-        # Uneven batches: sum of this rank's rows * world / N, so the mean over ranks is the full loss.
-        return rows.sum() * (lay.world / (2 * lay.total))
+        distill_rows = soft_cross_entropy(t_img, logits_img) + soft_cross_entropy(t_txt, logits_txt)  # (b,)
+        # Even batches: OpenCLIP's expression, means over this rank's rows. Uneven: sums of this rank's rows
+        # * world / N, so the mean over ranks is the full loss.
+        weight = 1 / (2 * lay.local) if lay.even else lay.world / (2 * lay.total)
+        contrastive, distill = contrastive_rows.sum() * weight, distill_rows.sum() * weight
+        self.last_terms = {"contrastive_loss": contrastive.detach(), "distill_loss": distill.detach()}
+        return contrastive + distill

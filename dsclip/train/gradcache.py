@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -54,6 +54,7 @@ class StepResult:
     applied: bool  # False when the step was skipped (fp16 overflow, non-finite features)
     skip_reason: str | None = None
     flags: tuple[float, ...] = ()  # ``extra_flags`` summed over all ranks (the stop-signal flags)
+    terms: dict[str, float] = field(default_factory=dict)  # the loss's named parts (distillation), full batch
 
 
 def snapshot_rng(device: torch.device) -> dict:
@@ -253,11 +254,26 @@ class GradCacheStep:
         self._second_pass(micro_batches, rng_states, live, (g_img, g_txt, g_scale, g_bias))
         restore_rng(rng_after, self.device)
         live = None
-        report = loss.detach().float().reshape(1).clone()  # stays on the device: no host sync here
-        report = _all_reduce(report) / _world()
+        # The loss's named parts (a loss may keep them in ``last_terms``: DistillInfoNCELoss's contrastive_loss and
+        # distill_loss, as OpenCLIP logs them) ride on the same all-reduce; per-rank parts average to full-batch values.
+        parts = getattr(self.loss_fn, "last_terms", None)
+        parts = parts if isinstance(parts, dict) else {}
+        report = torch.stack([loss.detach().float().reshape(()), *(v.float().reshape(()) for v in parts.values())])
+        report = _all_reduce(report) / _world()  # stays on the device: no host sync here
+
+        def terms() -> dict[str, float]:
+            return dict(zip(parts, report[1:].tolist()))
+
         if not optimizer_step:
             return StepResult(
-                report.item(), scale.item(), None if bias is None else bias.item(), None, True, None, tuple(summed)
+                report[0].item(),
+                scale.item(),
+                None if bias is None else bias.item(),
+                None,
+                True,
+                None,
+                tuple(summed),
+                terms(),
             )
         e = self.engine
         e.step()
@@ -267,11 +283,12 @@ class GradCacheStep:
         if isinstance(grad_norm, torch.Tensor):
             grad_norm = grad_norm.item()
         return StepResult(
-            loss=report.item(),
+            loss=report[0].item(),
             logit_scale=scale.item(),
             logit_bias=None if bias is None else bias.item(),
             grad_norm=grad_norm,
             applied=applied,
             skip_reason=None if applied else "fp16 overflow (loss scale reduced)",
             flags=tuple(summed),
+            terms=terms(),
         )

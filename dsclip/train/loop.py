@@ -134,7 +134,7 @@ def fit(run: Run) -> tuple[int, str | None]:
                 data_wait_s=data_wait,
                 lr=engine.get_lr()[0],
                 epoch=epoch,
-                extra=data_counters(run.data.stats()),
+                extra={**data_counters(run.data.stats()), **result.terms},  # + contrastive/distill_loss
             )
             run.checkpointer.maybe_save(engine, step, run.client_state(step), epoch_end=epoch_end, epoch=epoch)
             if epoch_end:

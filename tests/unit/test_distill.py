@@ -71,6 +71,11 @@ def test_world1_equals_openclip_distill_clip_loss(local):
     torch.testing.assert_close(got, want, atol=tol, rtol=0)
     for a, b in zip(g[:3], w[:3]):
         torch.testing.assert_close(a, b, atol=tol, rtol=0)
+    # the two parts, as OpenCLIP returns (and logs) them
+    oc_contrastive, oc_distill = oc_loss.DistillClipLoss()(x, y, s, tx, ty, ts)
+    assert loss.last_terms.keys() == {"contrastive_loss", "distill_loss"}
+    torch.testing.assert_close(loss.last_terms["contrastive_loss"], oc_contrastive.detach(), atol=tol, rtol=0)
+    torch.testing.assert_close(loss.last_terms["distill_loss"], oc_distill.detach(), atol=tol, rtol=0)
     # and the teacher matters: another teacher gives another loss
     other, _ = loss_and_grads(
         lambda a, b, c, _: loss(a, b, c, teacher_image_features=ty, teacher_text_features=tx, teacher_logit_scale=ts),
