@@ -10,6 +10,7 @@ Bad input: one-line errors before any work, exit code 2.
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 
 import pytest
@@ -60,6 +61,12 @@ def test_distill_run_trains_student_only(tmp_path):
     # of the student's 32 x 32 logit rows against a random teacher's softmax: about log(32) = 3.5
     extra = with_teacher[1] - without[1]
     assert 2.0 < extra < 6.0, (with_teacher, without)
+    # the logged parts (OpenCLIP's names): the contrastive part is the plain run's loss, the rest is distill_loss
+    first = json.loads((tmp_path / "distill" / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["step"] == 1 and first["contrastive_loss"] == pytest.approx(without[1], abs=1e-4)
+    assert first["distill_loss"] == pytest.approx(extra, abs=1e-4)
+    plain_first = json.loads((tmp_path / "plain" / "metrics.jsonl").read_text().splitlines()[0])
+    assert "distill_loss" not in plain_first
 
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
