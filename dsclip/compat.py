@@ -215,8 +215,17 @@ OPENCLIP_FLAGS: dict[str, Row] = {
     "--remote-sync-frequency": Row("not offered", "see `--remote-sync`"),
     "--remote-sync-protocol": Row("not offered", "see `--remote-sync`"),
     "--delete-previous-checkpoint": Row("same", "= `--keep-last 1`"),
-    "--distill-model": Row("planned", "issue 15 item 4"),
-    "--distill-pretrained": Row("planned", "issue 15 item 4"),
+    "--distill-model": Row(
+        "differs",
+        "a frozen teacher outside the DeepSpeed engine (not trained, not checkpointed); loss = InfoNCE + "
+        "OpenCLIP's distillation term, also with `--accum-freq` > 1 (OpenCLIP: 1 only) and `--local-loss`; "
+        "refused with `--siglip`/`--tiled-loss`; the teacher must share the run's tokenizer and image size",
+    ),
+    "--distill-pretrained": Row(
+        "differs",
+        "as `--pretrained` (file, folder, OpenCLIP tag, `hf-hub:`); one of the two flags without the other is "
+        "an error (OpenCLIP silently trains without a teacher)",
+    ),
     "--use-bnb-linear": Row("not offered", "bitsandbytes int8 layers do not combine with ZeRO partitioning"),
     "--siglip": Row("same", "ring-exchange sigmoid loss"),
     "--loss-dist-impl": Row(

@@ -236,7 +236,8 @@ def make_run_config(values: dict[str, Any], *, where: str = "settings") -> RunCo
             raise _unknown_key_error(key, where)
         section, f, tp = index[key]
         value = _coerce(key, value, tp)
-        if "choices" in f.metadata and value not in f.metadata["choices"]:
+        unset = value is None and f.default is None  # an optional choice left unset (saved run configs hold it)
+        if "choices" in f.metadata and value not in f.metadata["choices"] and not unset:
             raise ConfigError(f"'{key}' must be one of {', '.join(f.metadata['choices'])}, got {value!r}")
         sections[section][key] = value
     cfg = RunConfig(**{s: SECTIONS[s](**kv) for s, kv in sections.items()})

@@ -18,6 +18,7 @@ from torch import nn
 
 from .common import BatchLayout, LossInputError, check_inputs
 from .config import LOSS_NAMES, TRAIN_TILE_SIZE, LossArgs, LossConfig
+from .distill import DistillInfoNCELoss
 from .distributed import all_gather_with_grad, all_reduce_mean, all_reduce_sum_with_grad
 from .infonce import InfoNCELoss
 from .siglip import SIGLIP_INIT_LOGIT_BIAS, SIGLIP_INIT_LOGIT_SCALE, SigLipRingLoss
@@ -29,6 +30,7 @@ __all__ = [
     "LossArgs",
     "build_loss",
     "InfoNCELoss",
+    "DistillInfoNCELoss",
     "TiledInfoNCELoss",
     "SigLipRingLoss",
     "LossInputError",
@@ -60,6 +62,9 @@ def build_loss(
         if isinstance(name, LossConfig)
         else LossConfig(name=name, tile_size=tile_size, label_smoothing=label_smoothing, check_finite=check_finite)
     )
+    if cfg.distill:  # LossConfig allows it with infonce / infonce_local only
+        local = cfg.name == "infonce_local"
+        return DistillInfoNCELoss(local, cfg.label_smoothing, check_finite=cfg.check_finite, group=group)
     if cfg.name == "infonce":
         return InfoNCELoss(local=False, label_smoothing=cfg.label_smoothing, check_finite=cfg.check_finite, group=group)
     if cfg.name == "infonce_local":

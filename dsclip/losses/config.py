@@ -27,6 +27,7 @@ LOSS_FLAGS = {  # name -> the dsclip train flags that select it
 }
 # open_clip.loss.SigLipLoss's dist_impl values: four ways to move the text blocks between ranks
 SIGLIP_DIST_IMPLS = ("bidir", "shift", "reduce", "gather")
+DISTILL_LOSSES = ("infonce", "infonce_local")  # the ones that build the logit rows distillation compares
 TRAIN_TILE_SIZE = 4096  # --loss-tile-size default (large tiles: fewer ring steps per GPU step)
 
 
@@ -44,6 +45,8 @@ class LossConfig:
     """InfoNCE label smoothing (as torch cross_entropy's label_smoothing); not for siglip."""
     check_finite: bool = True
     """Raise LossInputError on every rank if any rank's features/scale/bias hold NaN or Inf."""
+    distill: bool = False
+    """Add OpenCLIP's distillation term on a frozen teacher's logits (infonce / infonce_local only)."""
 
     def __post_init__(self):
         if self.name not in LOSS_NAMES:
@@ -54,6 +57,11 @@ class LossConfig:
             raise ValueError(f"label_smoothing (--label-smoothing) must be in [0, 1), got {self.label_smoothing}")
         if self.name == "siglip" and self.label_smoothing:
             raise ValueError("label_smoothing (--label-smoothing) applies to the InfoNCE losses, not siglip")
+        if self.distill and self.name not in DISTILL_LOSSES:
+            raise ValueError(
+                f"distillation (--distill-model) works with the InfoNCE losses {' and '.join(DISTILL_LOSSES)}, "
+                f"not {self.name}: OpenCLIP's DistillClipLoss compares full logit rows, which {self.name} never builds"
+            )
 
 
 @dataclass
@@ -80,6 +88,20 @@ class LossArgs:
         "loss and gradients, and so does dsclip's one exchange, the tiled ring, which every value runs.",
         choices=SIGLIP_DIST_IMPLS,
     )
+    distill_model: str | None = opt(
+        None,
+        "Architecture of a frozen teacher CLIP to distill from (OpenCLIP's): loss = InfoNCE + cross-entropy of "
+        "the student's logits against the teacher's softmax. Needs --distill-pretrained.",
+    )
+    distill_pretrained: str | None = opt(
+        None,
+        "The teacher's weights: a file, an export folder, an OpenCLIP tag of --distill-model, open_clip:MODEL/TAG "
+        "or hf-hub:ORG/NAME (as --pretrained). The teacher reads the run's tokens and images.",
+    )
+
+    @property
+    def distill(self) -> bool:
+        return self.distill_model is not None
 
     @property
     def name(self) -> str:
@@ -103,10 +125,32 @@ class LossArgs:
             )
         if self.siglip and (self.tiled_loss or self.local_loss):
             raise ConfigError("--siglip already uses a memory-bounded ring loss; drop --tiled-loss/--local-loss")
+        if (self.distill_model is None) != (self.distill_pretrained is None):
+            given, missing = (
+                ("--distill-model", "--distill-pretrained")
+                if self.distill_model is not None
+                else ("--distill-pretrained", "--distill-model")
+            )
+            raise ConfigError(
+                f"{given} without {missing}: distillation needs both the teacher's architecture and its weights "
+                "(OpenCLIP would silently train without a teacher)"
+            )
+        if self.distill and self.siglip:
+            raise ConfigError(
+                "--distill-model with --siglip: OpenCLIP's distillation loss is InfoNCE (DistillClipLoss); "
+                "drop --siglip"
+            )
+        if self.distill and self.tiled_loss:
+            raise ConfigError(
+                "--distill-model with --tiled-loss: the tiled loss never builds the logit rows the distillation "
+                "term compares; drop --tiled-loss (or use --local-loss --gather-with-grad for b x N logits per rank)"
+            )
         try:  # the values themselves: LossConfig's checks are the only ones
             self.loss_config()
         except ValueError as e:
             raise ConfigError(str(e)) from None
 
     def loss_config(self) -> LossConfig:
-        return LossConfig(name=self.name, tile_size=self.loss_tile_size, label_smoothing=self.label_smoothing)
+        return LossConfig(
+            name=self.name, tile_size=self.loss_tile_size, label_smoothing=self.label_smoothing, distill=self.distill
+        )

@@ -25,6 +25,7 @@ from dsclip.model import ModelArgs, create_model
 from dsclip.train.evaluation import TrainingEvaluator
 from dsclip.train.gradcache import GradCacheStep
 from dsclip.train.metrics import LogArgs, MetricsLogger
+from dsclip.train.teacher import Teacher
 
 
 def cache_dir() -> Path:
@@ -134,15 +135,19 @@ def model_factory(
     return build
 
 
-def build_step(bundle: EngineBundle, loss: LossArgs, train: TrainArgs) -> GradCacheStep:
-    """One optimizer step over accum_freq micro-batches, with the run's loss."""
+def build_step(bundle: EngineBundle, loss: LossArgs, train: TrainArgs, teacher: Teacher | None = None) -> GradCacheStep:
+    """One optimizer step over accum_freq micro-batches, with the run's loss (and the distillation teacher,
+    moved to the engine's device in the compute dtype: it only ever runs forward)."""
     loss_fn = build_loss(loss.loss_config())
+    if teacher is not None:
+        teacher = teacher.to(torch.device(bundle.engine.device), autocast_dtype(bundle))
     return GradCacheStep(
         bundle.engine,
         loss_fn,
         keep_last_graph=train.keep_last_graph,
         compute_dtype=autocast_dtype(bundle),
         extra_flags=world.local_stop_flags,  # stop signals ride on the step's own all-reduce
+        teacher=teacher,
     )
 
 

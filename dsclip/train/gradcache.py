@@ -23,6 +23,9 @@ What DeepSpeed needs from us (see docs/deepspeed-notes.md):
     parameter itself is an empty placeholder outside forward) and their gradient enters the
     surrogate of exactly one chunk — OpenCLIP's --accum-freq adds it K times.
 
+Distillation (``teacher``): a frozen teacher embeds each chunk in pass 1 too, without a graph, and its
+embeddings (fp32) and scale go to the loss with the student's; pass 2 never runs the teacher again.
+
 The last chunk's pass-1 graph can be kept (``keep_last_graph``), saving one forward per step at the
 price of one chunk's activations held during the loss; with K = 1 this is a plain training step.
 """
@@ -31,7 +34,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -51,6 +54,7 @@ class StepResult:
     applied: bool  # False when the step was skipped (fp16 overflow, non-finite features)
     skip_reason: str | None = None
     flags: tuple[float, ...] = ()  # ``extra_flags`` summed over all ranks (the stop-signal flags)
+    terms: dict[str, float] = field(default_factory=dict)  # the loss's named parts (distillation), full batch
 
 
 def snapshot_rng(device: torch.device) -> dict:
@@ -93,12 +97,15 @@ class GradCacheStep:
         compute_dtype: torch.dtype = torch.float32,
         reduction: str = "auto",
         extra_flags: Callable[[], Sequence[float]] = tuple,
+        teacher: Callable[[torch.Tensor, torch.Tensor], dict] | None = None,
     ):
         self.engine = engine
         self.loss_fn = loss_fn
         # Numbers every step sums over the ranks for the caller, riding on the all-reduce the step makes
         # anyway (the non-finite check): the stop-signal flags, without a second collective + host sync.
         self.extra_flags = extra_flags
+        # teacher(images, tokens) -> {"image_features", "text_features", "logit_scale"}, no grad (train/teacher.py)
+        self.teacher = teacher
         self.keep_last_graph = keep_last_graph
         self.compute_dtype = compute_dtype
         self.device = engine.device if isinstance(engine.device, torch.device) else torch.device(engine.device)
@@ -118,19 +125,25 @@ class GradCacheStep:
             and hasattr(e.optimizer, "_coalesce_grad_reduction")
         )
 
-    def _forward(self, batch: Batch) -> dict:
+    def _inputs(self, batch: Batch) -> Batch:
         images, tokens = batch
         images = images.to(self.device, dtype=self.compute_dtype, non_blocking=True)
         tokens = tokens.to(self.device, non_blocking=True)
+        return images, tokens
+
+    def _forward(self, batch: Batch) -> dict:
+        images, tokens = self._inputs(batch)
         return self.engine(image=images, text=tokens)
 
-    def _first_pass(self, micro_batches: Sequence[Batch]) -> tuple[list[dict], list, list, dict | None, dict]:
+    def _first_pass(self, micro_batches: Sequence[Batch]) -> tuple[list[dict], list, list, dict | None, dict, dict]:
         """Pass 1: embeddings without graphs (the last chunk keeps its graph if asked).
 
         Returns each chunk's RNG state before its forward, the (B, D) fp32 image and text
-        embeddings per chunk, the kept last chunk's output (or None) and the last output."""
+        embeddings per chunk, the kept last chunk's output (or None), the last output and the
+        teacher's cache ({} without a teacher: else its (B, Dt) fp32 embeddings per chunk and scale)."""
         k = len(micro_batches)
         rng_states, img_cache, txt_cache = [], [], []
+        teacher_cache: dict = {"image": [], "text": [], "scale": None} if self.teacher is not None else {}
         live = None
         for i, batch in enumerate(micro_batches):
             rng_states.append(snapshot_rng(self.device))
@@ -141,7 +154,15 @@ class GradCacheStep:
                 live = out
             img_cache.append(out["image_features"].detach().float())  # (B, D)
             txt_cache.append(out["text_features"].detach().float())  # (B, D)
-        return rng_states, img_cache, txt_cache, live, out
+            if self.teacher is not None:
+                # After the student's forward: chunk i's RNG state was taken before it, so pass 2 replays
+                # the student's masks whatever the teacher does (in eval mode it draws nothing anyway).
+                with torch.no_grad():
+                    t_out = self.teacher(*self._inputs(batch))
+                teacher_cache["image"].append(t_out["image_features"].float())  # (B, Dt)
+                teacher_cache["text"].append(t_out["text_features"].float())  # (B, Dt)
+                teacher_cache["scale"] = t_out["logit_scale"].float().reshape(())
+        return rng_states, img_cache, txt_cache, live, out, teacher_cache
 
     def _second_pass(self, micro_batches: Sequence[Batch], rng_states: list[dict], live: dict | None, grads) -> None:
         """Pass 2: re-forward each chunk with its pass-1 RNG and back-propagate the cached gradient.
@@ -179,7 +200,7 @@ class GradCacheStep:
         k = len(micro_batches)
         if k < 1:
             raise ValueError("a step needs at least one micro-batch")
-        rng_states, img_cache, txt_cache, live, out = self._first_pass(micro_batches)
+        rng_states, img_cache, txt_cache, live, out, teacher_cache = self._first_pass(micro_batches)
         rng_after = snapshot_rng(self.device)
         sizes = [t.shape[0] for t in img_cache]
         scale = out["logit_scale"].detach().float().reshape(())
@@ -189,6 +210,15 @@ class GradCacheStep:
         # Non-finite embeddings (fp16 forward overflow): every rank must agree to skip, or the
         # others would block in the loss's collectives.
         finite = torch.isfinite(torch.cat(img_cache)).all() & torch.isfinite(torch.cat(txt_cache)).all()
+        teacher_inputs = {}
+        if teacher_cache:  # the distillation loss takes the teacher's rows of the same samples, same order
+            teacher_inputs = dict(
+                teacher_image_features=torch.cat(teacher_cache["image"]),  # (K·B, Dt)
+                teacher_text_features=torch.cat(teacher_cache["text"]),
+                teacher_logit_scale=teacher_cache["scale"],
+            )
+            for t in teacher_inputs.values():
+                finite &= torch.isfinite(t).all()
         flags = torch.cat([(~finite).float().reshape(1), torch.tensor([*self.extra_flags()], device=self.device)])
         bad, *summed = _all_reduce(flags).tolist()  # (1 + F,): the one host sync before the loss
         if bad > 0:
@@ -213,22 +243,37 @@ class GradCacheStep:
             bias_leaf = bias.clone().requires_grad_(True)
             leaves.append(bias_leaf)
         with torch.autocast(self.device.type, enabled=False):
-            loss = self.loss_fn(img_all, txt_all, scale_leaf, bias_leaf)
+            loss = self.loss_fn(img_all, txt_all, scale_leaf, bias_leaf, **teacher_inputs)
             grads = torch.autograd.grad(loss, leaves)
         g_img = grads[0].split(sizes)
         g_txt = grads[1].split(sizes)
         g_scale = grads[2]
         g_bias = grads[3] if bias_leaf is not None else None
-        del img_all, txt_all, leaves, grads
+        del img_all, txt_all, leaves, grads, teacher_inputs
 
         self._second_pass(micro_batches, rng_states, live, (g_img, g_txt, g_scale, g_bias))
         restore_rng(rng_after, self.device)
         live = None
-        report = loss.detach().float().reshape(1).clone()  # stays on the device: no host sync here
-        report = _all_reduce(report) / _world()
+        # The loss's named parts (a loss may keep them in ``last_terms``: DistillInfoNCELoss's contrastive_loss and
+        # distill_loss, as OpenCLIP logs them) ride on the same all-reduce; per-rank parts average to full-batch values.
+        parts = getattr(self.loss_fn, "last_terms", None)
+        parts = parts if isinstance(parts, dict) else {}
+        report = torch.stack([loss.detach().float().reshape(()), *(v.float().reshape(()) for v in parts.values())])
+        report = _all_reduce(report) / _world()  # stays on the device: no host sync here
+
+        def terms() -> dict[str, float]:
+            return dict(zip(parts, report[1:].tolist()))
+
         if not optimizer_step:
             return StepResult(
-                report.item(), scale.item(), None if bias is None else bias.item(), None, True, None, tuple(summed)
+                report[0].item(),
+                scale.item(),
+                None if bias is None else bias.item(),
+                None,
+                True,
+                None,
+                tuple(summed),
+                terms(),
             )
         e = self.engine
         e.step()
@@ -238,11 +283,12 @@ class GradCacheStep:
         if isinstance(grad_norm, torch.Tensor):
             grad_norm = grad_norm.item()
         return StepResult(
-            loss=report.item(),
+            loss=report[0].item(),
             logit_scale=scale.item(),
             logit_bias=None if bias is None else bias.item(),
             grad_norm=grad_norm,
             applied=applied,
             skip_reason=None if applied else "fp16 overflow (loss scale reduced)",
             flags=tuple(summed),
+            terms=terms(),
         )

@@ -38,6 +38,7 @@ from dsclip.train.build import (
 from dsclip.train.evaluation import TrainingEvaluator
 from dsclip.train.gradcache import GradCacheStep
 from dsclip.train.metrics import MetricsLogger, data_counters
+from dsclip.train.teacher import plan_teacher
 
 if TYPE_CHECKING:  # annotation only: importing deepspeed here would load it for every user of step_seed
     from deepspeed import DeepSpeedEngine
@@ -135,7 +136,7 @@ def fit(run: Run) -> tuple[int, str | None]:
                 data_wait_s=data_wait,
                 lr=engine.get_lr()[0],
                 epoch=epoch,
-                extra=data_counters(run.data.stats()),
+                extra={**data_counters(run.data.stats()), **result.terms},  # + contrastive/distill_loss
             )
             run.checkpointer.maybe_save(engine, step, run.client_state(step), epoch_end=epoch_end, epoch=epoch)
             if epoch_end:
@@ -166,7 +167,9 @@ def build_run(cfg: RunConfig) -> Run:
     checkpointer = Checkpointer.from_args(cfg.checkpoint, cfg.run_dir, rank=rank)
     ds_config = merge_ds_config(ds_config, checkpointer.prepare_resume(cfg.checkpoint.resume, world_size=world_size))
     tokenizer, data = build_data(cfg.data, model_cfg, cfg.model, cfg.train, rank=rank, world_size=world_size)
-    ft.check_weights(resolved_model_config(cfg.model, cfg.loss, model_cfg, tokenizer))  # before any engine
+    student_cfg = resolved_model_config(cfg.model, cfg.loss, model_cfg, tokenizer)
+    ft.check_weights(student_cfg)  # before any engine
+    teacher_plan = plan_teacher(cfg.loss, cfg.model, tokenizer, student_cfg)  # --distill-model: checked, not loaded
     if rank == 0:
         write_run_files(cfg, ds_config)  # exactly what deepspeed.initialize receives below
         record_tokenizer(cfg.run_dir, tokenizer)  # `dsclip convert` ships it with the weights
@@ -177,7 +180,8 @@ def build_run(cfg: RunConfig) -> Run:
         total_steps=plan.total_steps, steps_per_epoch=plan.steps_per_epoch,
         grad_checkpointing=cfg.model.grad_checkpointing, after_construction=ft.after_construction,  # weights, locking
     )  # fmt: skip
-    step_fn = build_step(bundle, cfg.loss, cfg.train)
+    teacher = teacher_plan.build(ds_config) if teacher_plan else None  # outside the student's engine
+    step_fn = build_step(bundle, cfg.loss, cfg.train, teacher)
     device = bundle.engine.device
     metrics = MetricsLogger.from_args(
         cfg.log, cfg.run_dir, rank=rank, world_size=world_size, plan=plan, device=device,
@@ -189,4 +193,6 @@ def build_run(cfg: RunConfig) -> Run:
     )
     if rank == 0:
         announce(cfg, bundle, plan, world_size, ft.summary(bundle.precision, bundle.zero_stage, world_size))
+        if teacher is not None:
+            print(f"dsclip: {teacher.describe()}", flush=True)
     return Run(cfg, rank, world_size, bundle.engine, data, step_fn, checkpointer, metrics, evaluator, plan, start_step)
