@@ -34,7 +34,9 @@ def build_synthetic_train_data(
 ) -> MapStyleTrainData:
     if not data_cfg.train_num_samples:
         raise ValueError("--dataset-type synthetic needs --train-num-samples (the epoch length), as OpenCLIP")
-    ds = SyntheticDataset(data_cfg.train_num_samples, image_size, image_transform(image_size, is_train=True, **data_cfg.preprocess_args()))
+    ds = SyntheticDataset(
+        data_cfg.train_num_samples, image_size, image_transform(image_size, is_train=True, **data_cfg.preprocess_args())
+    )
     return MapStyleTrainData(
         ds,
         tokenizer=tokenizer,
