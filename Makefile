@@ -27,11 +27,22 @@ KERNEL_LEGS_ARGS ?=
 
 .PHONY: venv demo test test-all test-kernels lint clean
 
+# DeepSpeed JIT-compiles two C++ ops on CPU the first time they are used: the shm all-reduce (every run)
+# and cpu_adam (ZeRO-Offload); ~1-2 min of both cores from nothing. `make venv` compiles them into
+# TORCH_EXTENSIONS_DIR in the background while pip installs the dev extras (pip is one process, mostly
+# downloading and unpacking), so that time overlaps instead of landing on the first test that needs each
+# op. The venv's bin leads PATH so the venv's ninja builds them, as in the tests (tests/conftest.py).
+BUILD_OPS := from deepspeed.accelerator import get_accelerator as a; [a().create_op_builder(n).load() for n in ("ShareMemCommBuilder", "CPUAdamBuilder")]
+
 $(VENV)/.installed: setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH_SPEC)
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e .
+	PATH="$(abspath $(VENV))/bin:$$PATH" OMP_NUM_THREADS=1 $(PY) -c '$(BUILD_OPS)' >$(VENV)/ops-build.log 2>&1 & ops=$$!; \
+	  $(PY) -m pip install -q -e '.[dev]'; pip_rc=$$?; \
+	  wait $$ops || { tail -n 30 $(VENV)/ops-build.log; echo "building DeepSpeed's CPU ops failed: $(VENV)/ops-build.log"; exit 1; }; \
+	  exit $$pip_rc
 	touch $@
 
 venv: $(VENV)/.installed
