@@ -224,7 +224,7 @@ def _train_convert_compare(tmp_path, extra: list[str], tokenizer_path: str | Non
     logs, export = tmp_path / "logs", tmp_path / "export"
     args = ["train", "--config", "tiny", "--max-steps", "2", "--logs", str(logs), "--name", "r", *extra]
     sh(shlex.join(["dsclip", *args]), env(), ROOT)
-    sh(shlex.join(["dsclip", "convert", str(logs / "r"), "--format", "open_clip", "-o", str(export)]), env(), ROOT)
+    _convert(logs / "r", "--format", "open_clip", "-o", export)
     cfg = json.loads((export / "open_clip_config.json").read_text())
     assert cfg["model_cfg"]["text_cfg"]["hf_tokenizer_name"]
     tok = SentencePieceTokenizer(tokenizer_path or str(export / "tokenizer.model"), 32)
@@ -291,6 +291,14 @@ def test_bad_input_is_one_line_before_training(tmp_path):
     assert "first mismatch visual." in _bad(tmp_path, ["--pretrained", spec, "--cache-dir", str(cache)], e)
 
 
+def _convert(*args):
+    """`dsclip convert ARGS` in this process: the same entry point without another interpreter importing
+    torch and DeepSpeed (the command line itself is run by test_readme_finetune_section_runs_offline)."""
+    from dsclip.checkpoint.convert import main_convert
+
+    assert main_convert([str(a) for a in args]) == 0
+
+
 @pytest.mark.dist
 @pytest.mark.parametrize("ds_config", ["zero2_fp32", "zero3_fp32"])
 def test_locked_run_checkpoints_resumes_and_converts_every_weight(tmp_path, ds_config):
@@ -325,13 +333,9 @@ def test_locked_run_checkpoints_resumes_and_converts_every_weight(tmp_path, ds_c
     weights = {}
     for tag in ("step_000000002", "step_000000004"):
         out = tmp_path / f"export-{tag}"
-        sh(shlex.join(["dsclip", "convert", str(tmp_path / "full"), "--tag", tag, "-o", str(out)]), env(), ROOT)
+        _convert(tmp_path / "full", "--tag", tag, "-o", out)
         weights[tag] = load_file(str(out / "model.safetensors"))
-    sh(
-        shlex.join(["dsclip", "convert", str(tmp_path / "resumed"), "-o", str(tmp_path / "export-resumed")]),
-        env(),
-        ROOT,
-    )
+    _convert(tmp_path / "resumed", "-o", tmp_path / "export-resumed")
     resumed_w = load_file(str(tmp_path / "export-resumed" / "model.safetensors"))
     a, b = weights["step_000000002"], weights["step_000000004"]
     from dsclip.model import create_model
@@ -366,7 +370,7 @@ def test_locked_run_resumes_on_another_world_size_with_locked_weights_intact(tmp
     assert "resumed from" in second.stdout and "universal" in second.stdout
     w = {}
     for tag in ("step_000000002", "step_000000006"):
-        sh(shlex.join(["dsclip", "convert", str(tmp_path / "u"), "--tag", tag, "-o", str(tmp_path / tag)]), env(), ROOT)
+        _convert(tmp_path / "u", "--tag", tag, "-o", tmp_path / tag)
         w[tag] = load_file(str(tmp_path / tag / "model.safetensors"))
     a, b = w["step_000000002"], w["step_000000006"]
     assert all(torch.equal(a[k], b[k]) for k in a if k.startswith("visual."))
