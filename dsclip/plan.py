@@ -790,8 +790,8 @@ def build_parser() -> argparse.ArgumentParser:
 def format_plan(p: Plan) -> str:
     lines = [
         f"dsclip plan: {p.model} ({p.params / 1e9:.3f} B params, {p.trainable_params / 1e9:.3f} B trainable) | "
-        f"{p.gpus} GPUs x {p.gpu_memory_gb:g} GiB | "
-        f"ZeRO-{p.zero} {p.precision} | batch {p.batch_size} ({p.local_batch}/GPU) | loss {p.loss}"
+        + (f"{p.gpus} GPUs x {p.gpu_memory_gb:g} GiB | " if p.device != "cpu" else f"{p.gpus} CPU ranks | ")
+        + f"ZeRO-{p.zero} {p.precision} | batch {p.batch_size} ({p.local_batch}/GPU) | loss {p.loss}"
         + (" | grad-checkpointing" if p.grad_checkpointing else "")
         + (f" | patch-dropout {p.patch_dropout:g}" if p.patch_dropout else "")
         + (f" | image size {p.image_size}" if p.image_size else ""),
