@@ -268,6 +268,21 @@ def embedding_cache_bytes(local_rows: int, dim: int) -> float:
     return 4.0 * local_rows * dim * 4
 
 
+def input_bytes(arch: Arch, rows: int) -> float:
+    """The step's inputs held on the host: the gradient cache re-forwards every micro-batch in pass 2, so
+    the loop keeps all K micro-batches of this rank (images fp32 as dsclip's loaders yield them, token
+    ids int64) from the first forward to the last backward. On a GPU they stay in host memory (each
+    chunk is copied to the device when it is forwarded), so they bound the batch by the host's RAM."""
+    return float(rows) * (4 * 3 * arch.image_size**2 + 8 * arch.text.tokens)
+
+
+def held_activation_bytes(act: dict[str, float], micro: int, accum: int, keep_last_graph: bool = True) -> float:
+    """Activations at the backward peak: one micro-batch being re-forwarded and back-propagated, plus the
+    last chunk's pass-1 graph that ``keep_last_graph`` holds through the loss and the whole of pass 2."""
+    kept = act["saved"] if keep_last_graph and accum > 1 else 0.0
+    return micro * (act["peak"] + kept)
+
+
 # ---------------------------------------------------------------------------------------------------
 # FLOPs
 def tower_forward_flops(t: Tower) -> float:
@@ -335,6 +350,9 @@ class Plan:
     hfu: float = 0.0
     command: str = ""
     notes: list = field(default_factory=list)
+    device: str = "cuda"
+    host_inputs_gb: float = 0.0  # per GPU: the step's images + tokens the gradient cache holds on the host
+    host_memory_gb: float = 0.0  # per node, the budget those inputs were checked against
 
 
 def shipped_ds_config(zero: int, precision: str) -> tuple[str, dict]:
@@ -387,7 +405,14 @@ def make_plan(
     keep_last_graph: bool = True,
     image_size: int | None = None,
     lock: LockConfig | None = None,
+    micro_batch: int | None = None,
+    host_memory_gb: float = 1024.0,
+    device: str = "cuda",
+    baseline_gb: float | None = None,
 ) -> Plan:
+    """Plan one run. ``device="cpu"`` predicts the peak resident memory of each rank of a CPU run
+    (``gpu_memory_gb`` is then the RAM per rank and ``baseline_gb`` the measured resident size of a rank
+    before the model exists: see :func:`_plan_cpu_memory`)."""
     _check_plan_args(loss, zero, precision, gpus, batch_size, gpu_memory_gb, patch_dropout, mfu)
     if lock is not None:
         shape = load_arch(model, count_params=False, image_size=image_size)
@@ -414,14 +439,20 @@ def make_plan(
     )
     plan.local_batch = batch_size // gpus
     ds_name, ds_cfg = shipped_ds_config(zero, precision)
-    losses = _plan_memory(plan, arch, ds_cfg, tile, reserve_gb)
+    if device == "cpu":
+        losses = _plan_cpu_memory(plan, arch, tile, baseline_gb, keep_last_graph, micro_batch)
+    else:
+        losses = _plan_memory(plan, arch, ds_cfg, tile, reserve_gb, keep_last_graph, micro_batch)
+        _check_host(plan, gpus_per_node, host_memory_gb)
     _plan_speed(plan, arch, keep_last_graph)
     plan.command = _train_command(plan, ds_name, tile, gpus_per_node)
     _plan_notes(plan, losses, tile, gpus_per_node)
     return plan
 
 
-def _plan_memory(plan: Plan, arch: Arch, ds_cfg: dict, tile: int, reserve_gb: float) -> dict[str, float]:
+def _plan_memory(
+    plan: Plan, arch: Arch, ds_cfg: dict, tile: int, reserve_gb: float, keep_last_graph: bool, micro_batch: int | None
+) -> dict[str, float]:
     """Fill the memory budget, the largest micro-batch that fits and the accumulation; returns loss bytes per mode."""
     local, loss, precision = plan.local_batch, plan.loss, plan.precision
     states = model_state_bytes(
@@ -435,21 +466,109 @@ def _plan_memory(plan: Plan, arch: Arch, ds_cfg: dict, tile: int, reserve_gb: fl
     act = activation_bytes(arch, precision, plan.grad_checkpointing)
     fixed = sum(states.values()) + buckets + cache + losses[loss] + reserve_gb * GiB
     budget = plan.gpu_memory_gb * GiB - fixed
-    max_micro = int(budget // act["peak"]) if budget > 0 else 0
+    # per sample of micro-batch with K > 1: the chunk in backward plus the kept last chunk's graph
+    per_sample = held_activation_bytes(act, 1, 2, keep_last_graph)
+    max_micro = int(budget // per_sample) if budget > 0 else 0
+    if max_micro >= local:  # K = 1: no second graph is held
+        max_micro = max(max_micro, int(budget // act["peak"]))
     plan.max_micro_batch = max_micro
-    # The micro-batch must divide this rank's rows: largest divisor of `local` that fits.
-    micro = max((m for m in range(1, local + 1) if local % m == 0 and m <= max_micro), default=0)
+    if micro_batch:  # the run's own micro-batch (it must divide this rank's rows)
+        if local % micro_batch:
+            raise ConfigError(f"--micro-batch {micro_batch} must divide the {local} rows per GPU")
+        micro = micro_batch if micro_batch <= max_micro else 0
+    else:  # the largest divisor of `local` that fits
+        micro = max((m for m in range(1, local + 1) if local % m == 0 and m <= max_micro), default=0)
     plan.fits = micro >= 1
     plan.micro_batch, plan.accum_freq = micro, (local // micro if micro else 0)
+    plan.host_inputs_gb = round(input_bytes(arch, local) / GiB, 3)
 
     mem = {k: v / GiB for k, v in states.items()}
     mem["comm_buckets"] = buckets / GiB
     mem["embedding_cache"] = cache / GiB
     mem[f"loss ({loss})"] = losses[loss] / GiB
-    mem["activations"] = act["peak"] * max(micro, 1) / GiB
+    mem["activations"] = held_activation_bytes(act, max(micro, 1), plan.accum_freq, keep_last_graph) / GiB
     mem["reserve (CUDA context, allocator)"] = reserve_gb
     mem["total"] = sum(mem.values())
     plan.memory_gb = {k: round(v, 3) for k, v in mem.items()}
+    plan.activation_per_sample_mb = {k: round(v / 2**20, 3) for k, v in act.items()}
+    plan.loss_memory_gb = {m: round(v / GiB, 3) for m, v in losses.items()}
+    return losses
+
+
+def _check_host(plan: Plan, gpus_per_node: int, host_memory_gb: float) -> None:
+    """The step's inputs live in host RAM (all K micro-batches, until pass 2 ends): they must fit the node."""
+    plan.host_memory_gb = host_memory_gb
+    need = plan.host_inputs_gb * min(plan.gpus, gpus_per_node)
+    if need > host_memory_gb:
+        plan.fits = False
+        plan.notes.append(
+            f"does NOT fit the host: the step's inputs need {need:.0f} GiB of host RAM per node "
+            f"({plan.host_inputs_gb:.1f} GiB per GPU) against --host-memory {host_memory_gb:g}; lower the batch"
+        )
+
+
+def cpu_model_state_bytes(params: int, world: int, zero: int, precision: str) -> dict[str, float]:
+    """Resident bytes of the model states of a CPU rank under ZeRO-1/2 as dsclip drives it.
+
+    The parameters (4 B fp32, 2 B bf16) live in DeepSpeed's flat buffer; the K backwards accumulate full
+    gradients in ``.grad`` (dsclip takes ZeRO's hooks out inside the gradient cache), the reduction copies
+    them into the bucket (its pages count only where written: up to the gradients' size, not the JSON's
+    bucket size) and keeps an fp32 gradient partition; ZeRO-1/2 keeps an fp32 master partition even
+    for fp32 weights, and Adam's m and v on it.
+    """
+    p, n = float(params), float(world)
+    w_b = 4 if precision == "fp32" else 2
+    return {"params": w_b * p, "grads": 2 * w_b * p + 4 * p / n, "optimizer": (4 + 8) * p / n}
+
+
+def _plan_cpu_memory(
+    plan: Plan, arch: Arch, tile: int, baseline_gb: float | None, keep_last_graph: bool, micro_batch: int | None
+) -> dict[str, float]:
+    """Predict the peak resident set of each rank of a CPU run (``dsclip train`` on CPU ranks over gloo).
+
+    Unlike the GPU budget (a sum of everything that could be alive), this follows the step's phases,
+    because the prediction is compared with a measured peak: model states, the measured process
+    baseline and the step's inputs are alive throughout; then the peak is the larger of
+    * the loss: the fp32 embeddings (image + text) and their gradients (4 N_local x D), the loss's
+      own buffers, and the kept last chunk's pass-1 graph;
+    * pass 2: the embeddings' gradients (2 N_local x D), one micro-batch re-forwarded and back-propagated,
+      and the kept graph.
+    ``baseline_gb`` must be measured (bench/largest_batch.py measures it): the resident size of a rank
+    that has imported torch, DeepSpeed and dsclip and joined the gloo process group.
+    """
+    if baseline_gb is None:
+        raise ConfigError("--device cpu needs --baseline-gb: measure it with bench/largest_batch.py --baseline-only")
+    if plan.zero not in (1, 2):
+        raise ConfigError(f"--device cpu predicts ZeRO-1/2 runs; got --zero {plan.zero}")
+    if not micro_batch:
+        raise ConfigError("--device cpu needs --micro-batch (the run's --batch-size per rank)")
+    local, loss, d = plan.local_batch, plan.loss, arch.embed_dim
+    if local % micro_batch:
+        raise ConfigError(f"--micro-batch {micro_batch} must divide the {local} rows per rank")
+    plan.device = "cpu"
+    plan.micro_batch, plan.accum_freq, plan.max_micro_batch = micro_batch, local // micro_batch, micro_batch
+    states = cpu_model_state_bytes(arch.params, plan.gpus, plan.zero, plan.precision)
+    act = activation_bytes(arch, plan.precision, plan.grad_checkpointing)
+    losses = {m: loss_bytes(m, local, plan.batch_size, d, tile) for m in LOSS_MODES}
+    kept = micro_batch * act["saved"] if keep_last_graph and plan.accum_freq > 1 else 0.0
+    loss_phase = embedding_cache_bytes(local, d) + losses[loss] + kept
+    pass2_phase = embedding_cache_bytes(local, d) / 2 + held_activation_bytes(
+        act, micro_batch, plan.accum_freq, keep_last_graph
+    )
+    mem = {"baseline (measured)": baseline_gb}
+    mem.update({k: v / GiB for k, v in states.items()})
+    mem["inputs (K micro-batches)"] = input_bytes(arch, local) / GiB
+    if loss_phase >= pass2_phase:
+        mem["embedding_cache + grads"] = embedding_cache_bytes(local, d) / GiB
+        mem[f"loss ({loss})"] = losses[loss] / GiB
+        mem["activations (kept graph)"] = kept / GiB
+    else:
+        mem["embedding grads"] = embedding_cache_bytes(local, d) / 2 / GiB
+        mem["activations"] = held_activation_bytes(act, micro_batch, plan.accum_freq, keep_last_graph) / GiB
+    mem["total"] = sum(mem.values())
+    plan.fits = mem["total"] <= plan.gpu_memory_gb
+    plan.host_inputs_gb = round(mem["inputs (K micro-batches)"], 3)
+    plan.memory_gb = {k: round(v, 4) for k, v in mem.items()}
     plan.activation_per_sample_mb = {k: round(v / 2**20, 3) for k, v in act.items()}
     plan.loss_memory_gb = {m: round(v / GiB, 3) for m, v in losses.items()}
     return losses
@@ -477,6 +596,8 @@ def _train_command(plan: Plan, ds_name: str, tile: int, gpus_per_node: int) -> s
     launch = (
         f"deepspeed --num_nodes {nodes} --num_gpus {min(gpus, gpus_per_node)} --hostfile HOSTFILE " if gpus > 1 else ""
     )
+    if plan.device == "cpu" and gpus > 1:  # one machine, CPU ranks over gloo
+        launch = f"deepspeed --num_gpus {gpus} "
     args = [
         f"{launch}--module dsclip train" if launch else "dsclip train",
         f"--model {plan.model}",
@@ -502,7 +623,7 @@ def _train_command(plan: Plan, ds_name: str, tile: int, gpus_per_node: int) -> s
 
 def _plan_notes(plan: Plan, losses: dict[str, float], tile: int, gpus_per_node: int) -> None:
     notes = plan.notes
-    if not plan.fits:
+    if not plan.fits and plan.device != "cpu" and plan.micro_batch == 0:
         notes.append(
             "does NOT fit: even one sample per micro-batch exceeds the memory left after model states, "
             "loss and cache; " + _suggest(plan.model, plan, tile, gpus_per_node)
@@ -532,28 +653,35 @@ def largest_batch(
     tile: int = 4096,
     reserve_gb: float = 2.0,
     micro_batch: int = 32,
+    host_memory_gb: float = 1024.0,
+    gpus_per_node: int = 8,
+    keep_last_graph: bool = True,
 ) -> int:
     """The largest global contrastive batch (a multiple of gpus × micro_batch) whose step fits in memory.
 
     With the gradient cache only the cached embeddings (and, for the tiled/ring losses, O(rows·D) loss
-    buffers) grow with the batch; model states, communication buckets and one micro-batch of
-    activations do not. So the limit is where ``embedding_cache_bytes + loss_bytes`` fill what the
-    fixed costs leave. The same accounting as :func:`make_plan` (which is called on the answer).
+    buffers) grow with the batch on the GPU; model states, communication buckets and the activations of
+    one micro-batch (plus the kept last chunk's graph) do not. On the host the step's inputs grow with
+    the batch (all K micro-batches are held for pass 2) and must fit ``host_memory_gb`` per node. The
+    same accounting as :func:`make_plan` (which is called on the answer).
     """
     arch = load_arch(model, patch_dropout)
     _, ds_cfg = shipped_ds_config(zero, precision)
+    act = activation_bytes(arch, precision, grad_checkpointing)
     fixed = (
         sum(model_state_bytes(arch.params, gpus, zero, precision, arch.largest_layer_params).values())
         + bucket_bytes(ds_cfg, precision)
         + reserve_gb * GiB
-        + activation_bytes(arch, precision, grad_checkpointing)["peak"] * micro_batch
+        + held_activation_bytes(act, micro_batch, 2, keep_last_graph)
     )
+    per_node = min(gpus, gpus_per_node)
 
     def fits(local: int) -> bool:
         need = embedding_cache_bytes(local, arch.embed_dim) + loss_bytes(
             loss, local, local * gpus, arch.embed_dim, tile
         )
-        return fixed + need <= gpu_memory_gb * GiB
+        host = input_bytes(arch, local) * per_node
+        return fixed + need <= gpu_memory_gb * GiB and host <= host_memory_gb * GiB
 
     if not fits(micro_batch):
         return 0
@@ -614,7 +742,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="find the largest contrastive batch that fits (micro-batch --micro-batch per GPU, gradient cache) "
         "and plan that batch",
     )
-    p.add_argument("--micro-batch", type=int, default=32, help="with --max-batch: micro-batch per GPU to keep room for")
+    p.add_argument(
+        "--micro-batch",
+        type=int,
+        help="micro-batch per GPU (dsclip train's --batch-size): with --max-batch the one to keep room for "
+        "(default 32); with --batch-size the run's own (default: the largest that fits)",
+    )
     p.add_argument("--zero", type=int, default=2, choices=(1, 2, 3), help="ZeRO stage")
     p.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
     p.add_argument("--grad-checkpointing", action="store_true", help="activation checkpointing of every block")
@@ -625,6 +758,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--peak-tflops", type=float, default=790.0, help="dense bf16 peak per GPU (H200 measured: 790)")
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--reserve", type=float, default=2.0, help="GiB kept for the CUDA context and fragmentation")
+    p.add_argument(
+        "--host-memory",
+        type=float,
+        default=1024.0,
+        help="host RAM per node in GiB: the step's inputs (all --accum-freq micro-batches) are held there",
+    )
+    p.add_argument(
+        "--device",
+        default="cuda",
+        choices=("cuda", "cpu"),
+        help="cpu: predict each rank's peak resident memory of a CPU run (--gpus = ranks, --gpu-memory = RAM per "
+        "rank; needs --baseline-gb and --micro-batch)",
+    )
+    p.add_argument(
+        "--baseline-gb",
+        type=float,
+        help="with --device cpu: measured resident GiB of a rank before the model exists "
+        "(bench/largest_batch.py --baseline-only prints it)",
+    )
     p.add_argument("--force-image-size", type=int, help="train at this image size (as dsclip train)")
     p.add_argument("--lock-image", action="store_true", help="LiT: lock the image tower (as dsclip train)")
     p.add_argument("--lock-image-unlocked-groups", type=int, default=0, help="image groups left trainable")
@@ -638,8 +790,8 @@ def build_parser() -> argparse.ArgumentParser:
 def format_plan(p: Plan) -> str:
     lines = [
         f"dsclip plan: {p.model} ({p.params / 1e9:.3f} B params, {p.trainable_params / 1e9:.3f} B trainable) | "
-        f"{p.gpus} GPUs x {p.gpu_memory_gb:g} GiB | "
-        f"ZeRO-{p.zero} {p.precision} | batch {p.batch_size} ({p.local_batch}/GPU) | loss {p.loss}"
+        + (f"{p.gpus} GPUs x {p.gpu_memory_gb:g} GiB | " if p.device != "cpu" else f"{p.gpus} CPU ranks | ")
+        + f"ZeRO-{p.zero} {p.precision} | batch {p.batch_size} ({p.local_batch}/GPU) | loss {p.loss}"
         + (" | grad-checkpointing" if p.grad_checkpointing else "")
         + (f" | patch-dropout {p.patch_dropout:g}" if p.patch_dropout else "")
         + (f" | image size {p.image_size}" if p.image_size else ""),
@@ -652,7 +804,9 @@ def format_plan(p: Plan) -> str:
             else []
         ),
         "",
-        "per-GPU memory (GiB):",
+        "per-GPU memory (GiB):"
+        if p.device != "cpu"
+        else "per-rank peak resident memory, predicted (GiB; the larger of the loss and pass-2 phases):",
     ]
     for k, v in p.memory_gb.items():
         lines.append(f"  {k:<36} {v:10.3f}")
@@ -671,6 +825,11 @@ def format_plan(p: Plan) -> str:
         )
     else:
         lines.append("does NOT fit")
+    if p.device != "cpu":
+        lines.append(
+            f"host RAM for the step's inputs: {p.host_inputs_gb:.2f} GiB per GPU (--host-memory {p.host_memory_gb:g} "
+            f"GiB per node)"
+        )
     f = p.forward_gflops_per_sample
     lines += [
         f"FLOPs per sample: forward {f['total']:.1f} GFLOP (vision {f['vision']:.1f}, text {f['text']:.1f}); "
@@ -691,6 +850,8 @@ def main_plan(argv: list[str]) -> int:
     a = parser.parse_args(argv)
     if (a.batch_size is None) == (not a.max_batch):
         parser.error("give --batch-size N (plan that batch) or --max-batch (find the largest that fits), not both")
+    if a.max_batch and a.device == "cpu":
+        parser.error("--max-batch plans GPUs; with --device cpu give the run's --batch-size and --micro-batch")
     if a.max_batch:
         a.batch_size = largest_batch(
             a.model,
@@ -703,17 +864,19 @@ def main_plan(argv: list[str]) -> int:
             loss=a.loss,
             tile=a.loss_tile_size,
             reserve_gb=a.reserve,
-            micro_batch=a.micro_batch,
+            micro_batch=a.micro_batch or 32,
+            host_memory_gb=a.host_memory,
+            gpus_per_node=a.gpus_per_node,
         )
         if not a.json:
             print(
                 f"largest contrastive batch: {a.batch_size} ({a.batch_size // a.gpus} per GPU, micro-batch "
-                f"{a.micro_batch}, loss {a.loss}, ZeRO-{a.zero} {a.precision}"
+                f"{a.micro_batch or 32}, loss {a.loss}, ZeRO-{a.zero} {a.precision}"
                 + (", grad-checkpointing" if a.grad_checkpointing else "")
                 + ")\n"
             )
         if a.batch_size == 0:
-            print(f"not even one micro-batch of {a.micro_batch} per GPU fits; lower --micro-batch or add GPUs")
+            print(f"not even one micro-batch of {a.micro_batch or 32} per GPU fits; lower --micro-batch or add GPUs")
             return 1
     plan = make_plan(
         a.model,
@@ -730,6 +893,10 @@ def main_plan(argv: list[str]) -> int:
         tile=a.loss_tile_size,
         gpus_per_node=a.gpus_per_node,
         reserve_gb=a.reserve,
+        micro_batch=a.micro_batch,
+        host_memory_gb=a.host_memory,
+        device=a.device,
+        baseline_gb=a.baseline_gb,
         image_size=a.force_image_size,
         lock=LockConfig(
             lock_image=a.lock_image,

@@ -236,6 +236,9 @@ class GradCacheStep:
         # ---- the loss, once, over all cached embeddings (fp32) ----
         img_all = torch.cat(img_cache).requires_grad_(True)  # (K·B, D)
         txt_all = torch.cat(txt_cache).requires_grad_(True)
+        # The per-chunk copies would otherwise live through the loss and pass 2: 6 instead of 4 N x D
+        # buffers at the peak (dsclip plan's embedding cache counts 4: embeddings + their gradients).
+        del img_cache, txt_cache
         scale_leaf = scale.clone().requires_grad_(True)
         leaves = [img_all, txt_all, scale_leaf]
         bias_leaf = None

@@ -17,10 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from tqdm import tqdm
 
 from dsclip.config_base import ConfigError, opt
 from dsclip.data.tokenizer import TRUNCATED
+from dsclip.dist import initialized
 
 REPORTERS = ("tensorboard", "wandb", "all")  # all: tensorboard and wandb, as OpenCLIP
 
@@ -80,6 +82,17 @@ def peak_memory_gb(device: torch.device) -> float:
         return torch.cuda.max_memory_allocated(device) / 2**30
     # ru_maxrss is KiB on Linux: the process's peak resident set.
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def peak_memory_per_rank_gb(device: torch.device, world_size: int) -> list[float]:
+    """Every rank's peak memory (collective when ``world_size`` > 1): rank 0's alone hides the rank that
+    runs out first, and the planner's prediction (``dsclip plan``) is per rank."""
+    mine = torch.tensor([peak_memory_gb(device)], dtype=torch.float64, device=device)
+    if world_size == 1 or not initialized():  # (tests build a logger for world 2 without a process group)
+        return mine.tolist()
+    out = [torch.zeros_like(mine) for _ in range(world_size)]
+    dist.all_gather(out, mine)  # once per logging window: one tiny collective
+    return torch.cat(out).tolist()
 
 
 class MetricsLogger:
@@ -189,6 +202,7 @@ class MetricsLogger:
         elapsed = max(time.perf_counter() - self.window_start, 1e-9)
         samples = self.window_steps * self.samples_per_step
         loss = sum(self.window_losses) / len(self.window_losses) if self.window_losses else float("nan")
+        peaks = peak_memory_per_rank_gb(self.device, self.world_size)  # collective: every rank flushes
         record = {
             "step": step,
             "epoch": epoch,
@@ -200,12 +214,15 @@ class MetricsLogger:
             "samples_per_s": samples / elapsed,
             "samples_per_s_per_rank": samples / elapsed / self.world_size,
             "data_wait_frac": self.window_data_wait / elapsed,
-            "peak_mem_gb": peak_memory_gb(self.device),
+            "peak_mem_gb": peaks[0],  # rank 0's, as before
+            "peak_mem_gb_max": max(peaks),  # the largest over ranks
             "effective_batch": self.samples_per_step,
             "world_size": self.world_size,
             "skipped_steps": self.window_skipped,
             "time": time.time(),
         }
+        if self.world_size <= 16:  # each rank's peak while the list stays short
+            record["peak_mem_gb_ranks"] = peaks
         if result.logit_bias is not None:
             record["logit_bias"] = result.logit_bias
         if extra:
@@ -217,7 +234,7 @@ class MetricsLogger:
                 f"scale {result.logit_scale:.2f} | gnorm {gn} | "
                 f"{record['samples_per_s']:.1f} samples/s ({record['samples_per_s_per_rank']:.1f}/rank) | "
                 f"batch {self.samples_per_step} | data {100 * record['data_wait_frac']:.0f}% | "
-                f"mem {record['peak_mem_gb']:.2f} GB"
+                f"mem {record['peak_mem_gb_max']:.2f} GB (max over ranks)"
             )
             if self.window_skipped:
                 line += f" | skipped {self.window_skipped}"

@@ -250,16 +250,60 @@ def test_bad_input_is_a_config_error():
 
 def test_largest_contrastive_batch_vit_l14_on_8x80gb_is_past_a_million(capsys):
     """Inf-CL reports 448k for ViT-L/14 on 8 x 80 GB (OpenCLIP 152k). With the gradient cache and the tiled
-    loss only O(rows x D) buffers grow with the batch; the answer is the exact edge of the planner's budget."""
+    loss only O(rows x D) buffers grow on the GPU; on the host the step's inputs grow (all K micro-batches
+    are held for pass 2), which binds first at 1 TiB per 8-GPU node. The answer is the exact edge."""
     kw = dict(gpus=8, gpu_memory_gb=80, zero=3, precision="bf16", grad_checkpointing=True, loss="infonce_tiled")
     n = P.largest_batch("ViT-L-14", micro_batch=32, **kw)
     assert n >= 1_000_000 and n % (8 * 32) == 0
     at = P.make_plan("ViT-L-14", batch_size=n, **kw)
     assert at.fits and at.max_micro_batch >= 32 and at.memory_gb["total"] <= 80
-    # one more micro-batch of rows per GPU leaves no room for a micro-batch of 32
-    assert P.make_plan("ViT-L-14", batch_size=n + 8 * 32, **kw).max_micro_batch < 32
+    assert at.host_inputs_gb * 8 <= 1024
+    # one more micro-batch of rows per GPU: the inputs no longer fit the node's RAM
+    over = P.make_plan("ViT-L-14", batch_size=n + 8 * 32, **kw)
+    assert not over.fits and over.host_inputs_gb * 8 > 1024
+    assert any("does NOT fit the host" in note for note in over.notes)
+    # with the host unbounded the GPU binds, far higher: the cache + ring buffers fill what is left
+    gpu_only = P.largest_batch("ViT-L-14", micro_batch=32, host_memory_gb=1e9, **kw)
+    assert gpu_only > 4 * n
+    assert P.make_plan("ViT-L-14", batch_size=gpu_only + 8 * 32, host_memory_gb=1e9, **kw).max_micro_batch < 32
     # the global logit matrix (plain infonce) cannot get anywhere near it
     assert P.largest_batch("ViT-L-14", micro_batch=32, **{**kw, "loss": "infonce"}) < 200_000
     argv = ["--model", "ViT-L-14", "--gpus", "8", "--gpu-memory", "80", "--zero", "3", "--grad-checkpointing"]
     assert P.main_plan([*argv, "--loss", "infonce_tiled", "--max-batch"]) == 0
     assert f"largest contrastive batch: {n} " in capsys.readouterr().out
+
+
+def test_step_inputs_and_kept_graph_are_counted():
+    """The gradient cache holds all K micro-batches of inputs (host) and the last chunk's pass-1 graph
+    during pass 2 (device): both must be in the budget."""
+    arch = P.load_arch("ViT-L-14")
+    assert P.input_bytes(arch, 10) == 10 * (4 * 3 * 224 * 224 + 8 * 77)
+    act = P.activation_bytes(arch, "bf16", True)
+    assert P.held_activation_bytes(act, 32, 4) == 32 * (act["peak"] + act["saved"])
+    assert P.held_activation_bytes(act, 32, 1) == 32 * act["peak"]  # K = 1: nothing kept
+    assert P.held_activation_bytes(act, 32, 4, keep_last_graph=False) == 32 * act["peak"]
+
+
+def test_cpu_plan_predicts_phases_from_a_measured_baseline():
+    """--device cpu: baseline + model states + inputs + the larger of the loss and pass-2 phases."""
+    kw = dict(gpus=2, gpu_memory_gb=64, batch_size=65536, zero=2, precision="fp32", loss="infonce_tiled")
+    p = P.make_plan("demo", device="cpu", baseline_gb=0.7, micro_batch=256, **kw)
+    arch = P.load_arch("demo")
+    m = p.memory_gb
+    assert p.fits and p.micro_batch == 256 and p.accum_freq == 128
+    assert m["baseline (measured)"] == 0.7
+    assert m["inputs (K micro-batches)"] == pytest.approx(P.input_bytes(arch, 32768) / P.GiB, abs=1e-4)
+    act = P.activation_bytes(arch, "fp32")
+    loss_phase = 4 * 32768 * 128 * 4 + P.loss_bytes("infonce_tiled", 32768, 65536, 128, 4096) + 256 * act["saved"]
+    pass2 = 2 * 32768 * 128 * 4 + P.held_activation_bytes(act, 256, 128)
+    states = sum(P.cpu_model_state_bytes(arch.params, 2, 2, "fp32").values())
+    expect = 0.7 + (states + P.input_bytes(arch, 32768) + max(loss_phase, pass2)) / P.GiB
+    assert m["total"] == pytest.approx(expect, abs=1e-3)
+    from dsclip.config import ConfigError
+
+    with pytest.raises(ConfigError, match="--baseline-gb"):
+        P.make_plan("demo", device="cpu", micro_batch=256, **kw)
+    with pytest.raises(ConfigError, match="ZeRO-1/2"):
+        P.make_plan("demo", device="cpu", baseline_gb=0.7, micro_batch=256, **{**kw, "zero": 3})
+    with pytest.raises(ConfigError, match="must divide"):
+        P.make_plan("demo", device="cpu", baseline_gb=0.7, micro_batch=1000, **kw)
