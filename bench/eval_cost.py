@@ -49,8 +49,6 @@ def make_folder(root: Path, n_images: int, size: int = 64) -> Path:
 
 
 def _rank(rank, world, a):
-    import torch
-
     from dsclip.config import make_run_config
     from dsclip.data import build_tokenizer
     from dsclip.eval.evaluator import Evaluator, evaluate_zeroshot
