@@ -79,7 +79,21 @@ def _first(x):
     return x[0] if isinstance(x, (tuple, list)) else x
 
 
-@torch.no_grad()
+def eval_loader(dataset: Dataset, *, batch_size: int = 256, workers: int = 0, persistent: bool = False) -> DataLoader:
+    """This rank's shard of ``dataset`` in batches. ``persistent``: keep the worker processes alive
+    between passes (the training evaluator reuses one loader per dataset: starting workers for every
+    evaluation cost more than encoding a digits-sized set, bench/eval_cost.py)."""
+    rank, world = rank_world()
+    return DataLoader(
+        Subset(dataset, shard_indices(len(dataset), rank, world)),
+        batch_size=batch_size,
+        shuffle=False,
+        num_workers=workers,
+        collate_fn=_stack_first,
+        persistent_workers=persistent and workers > 0,
+    )
+
+
 def encode_dataset(
     model,
     dataset: Dataset,
@@ -89,33 +103,37 @@ def encode_dataset(
     device=None,
     workers: int = 0,
     input_dtype: torch.dtype | None = None,
+    loader: DataLoader | None = None,
+    inference: bool = True,
 ) -> torch.Tensor:
     """(len(dataset), D) float32 features on every rank. ``dataset[i]`` is an image (3,H,W) or a
-    token row (L,) (or a tuple whose first element is); ``kind`` is "image" or "text"."""
+    token row (L,) (or a tuple whose first element is); ``kind`` is "image" or "text".
+
+    ``loader``: a prebuilt :func:`eval_loader` of ``dataset`` (kept between evaluations).
+    ``inference``: run under ``torch.inference_mode`` (no autograd bookkeeping at all, no version
+    counters); ``False`` gives ``torch.no_grad``, which a ZeRO-3 engine needs (DeepSpeed's parameter
+    gathering writes to tensors that inference mode would not let it touch)."""
     if kind not in ("image", "text"):
         raise ValueError(f"kind must be image or text, got {kind!r}")
     n = len(dataset)
     if n == 0:
         raise ValueError(f"cannot encode an empty {kind} dataset")
-    rank, world = rank_world()
     device = torch.device(device) if device is not None else _infer_device(model)
     input_dtype = input_dtype or _infer_dtype(model)
-    loader = DataLoader(
-        Subset(dataset, shard_indices(n, rank, world)),
-        batch_size=batch_size,
-        shuffle=False,
-        num_workers=workers,
-        collate_fn=_stack_first,
-    )
+    loader = loader if loader is not None else eval_loader(dataset, batch_size=batch_size, workers=workers)
     feats = []
-    for x in loader:  # the same number of batches on every rank (equal shard lengths)
-        x = x.to(device, non_blocking=True)
-        if kind == "image":
-            out = model(image=x.to(input_dtype))["image_features"]
-        else:
-            out = model(text=x)["text_features"]
-        feats.append(out.float())
-    return gather_rows(torch.cat(feats), n)
+    with torch.inference_mode() if inference else torch.no_grad():
+        for x in loader:  # the same number of batches on every rank (equal shard lengths)
+            x = x.to(device, non_blocking=True)
+            if kind == "image":
+                out = model(image=x.to(input_dtype))["image_features"]
+            else:
+                out = model(text=x)["text_features"]
+            feats.append(out.float())
+        local = torch.cat(feats)
+    # out of inference mode: later arithmetic on the features (metrics, tests) may need autograd-free
+    # ordinary tensors; the clone is (n, D) floats
+    return gather_rows(local.clone() if inference else local, n)
 
 
 def _stack_first(samples):
@@ -135,12 +153,21 @@ class _Rows(Dataset):
 
 @torch.no_grad()
 def zeroshot_classifier(
-    model, tokenizer, classnames: list[str], templates: list[str], *, batch_size: int = 256, device=None
+    model,
+    tokenizer,
+    classnames: list[str],
+    templates: list[str],
+    *,
+    batch_size: int = 256,
+    device=None,
+    tokens: torch.Tensor | None = None,
+    inference: bool = True,
 ) -> torch.Tensor:
-    """(C, D) class embeddings: every prompt encoded (sharded over ranks), averaged per class."""
-    tokens = tokenizer(expand_prompts(classnames, templates))
+    """(C, D) class embeddings: every prompt encoded (sharded over ranks), averaged per class.
+    ``tokens``: the prompts already tokenized (the training evaluator tokenizes them once)."""
+    tokens = tokens if tokens is not None else tokenizer(expand_prompts(classnames, templates))
     with eval_mode(model):
-        feats = encode_dataset(model, _Rows(tokens), "text", batch_size=batch_size, device=device)
+        feats = encode_dataset(model, _Rows(tokens), "text", batch_size=batch_size, device=device, inference=inference)
     return class_embeddings(feats, len(classnames))
 
 
@@ -156,11 +183,32 @@ def evaluate_zeroshot(
     batch_size: int = 256,
     device=None,
     workers: int = 0,
+    image_loader: DataLoader | None = None,
+    prompt_tokens: torch.Tensor | None = None,
+    inference: bool = True,
 ) -> dict[str, float]:
     """Top-1/top-5 of ``dataset`` (images, or (image, label) tuples) against prompt-built classes."""
     with eval_mode(model):
-        classifier = zeroshot_classifier(model, tokenizer, classnames, templates, batch_size=batch_size, device=device)
-        feats = encode_dataset(model, dataset, "image", batch_size=batch_size, device=device, workers=workers)
+        classifier = zeroshot_classifier(
+            model,
+            tokenizer,
+            classnames,
+            templates,
+            batch_size=batch_size,
+            device=device,
+            tokens=prompt_tokens,
+            inference=inference,
+        )
+        feats = encode_dataset(
+            model,
+            dataset,
+            "image",
+            batch_size=batch_size,
+            device=device,
+            workers=workers,
+            loader=image_loader,
+            inference=inference,
+        )
     out = zeroshot_topk(feats, torch.as_tensor(labels, device=feats.device), classifier.to(feats.device))
     return {**out, "num_samples": len(dataset), "num_classes": len(classnames)}
 
@@ -176,11 +224,24 @@ def evaluate_retrieval(
     batch_size: int = 256,
     device=None,
     workers: int = 0,
+    image_loader: DataLoader | None = None,
+    caption_tokens: torch.Tensor | None = None,
+    inference: bool = True,
 ) -> dict[str, float]:
     """Retrieval metrics for images and their captions (``text_to_image[t]`` = image of caption t)."""
+    tokens = caption_tokens if caption_tokens is not None else tokenizer(list(captions))
     with eval_mode(model):
-        img = encode_dataset(model, image_dataset, "image", batch_size=batch_size, device=device, workers=workers)
-        txt = encode_dataset(model, _Rows(tokenizer(list(captions))), "text", batch_size=batch_size, device=device)
+        img = encode_dataset(
+            model,
+            image_dataset,
+            "image",
+            batch_size=batch_size,
+            device=device,
+            workers=workers,
+            loader=image_loader,
+            inference=inference,
+        )
+        txt = encode_dataset(model, _Rows(tokens), "text", batch_size=batch_size, device=device, inference=inference)
     out = retrieval_metrics(img, txt, torch.as_tensor(text_to_image, device=img.device))
     return {**out, "num_images": img.shape[0], "num_texts": txt.shape[0]}
 
@@ -199,6 +260,7 @@ def evaluate_demo_zeroshot(
     retrieval: bool = False,
     mean=None,
     std=None,
+    inference: bool = True,
 ) -> dict[str, float]:
     """Zero-shot accuracy on held-out demo images (never seen in training): {"top1", "top5", ...}.
 
@@ -219,6 +281,7 @@ def evaluate_demo_zeroshot(
         templates or demo_zeroshot_templates(),
         batch_size=batch_size,
         device=device,
+        inference=inference,
     )
     if retrieval:
         r = evaluate_retrieval(
@@ -229,6 +292,7 @@ def evaluate_demo_zeroshot(
             list(range(num_samples)),
             batch_size=batch_size,
             device=device,
+            inference=inference,
         )
         out.update({f"retrieval_{k}": v for k, v in r.items()})
     return out
@@ -253,11 +317,16 @@ class Evaluator:
         batch_size: int = 256,
         device=None,
         workers: int | None = None,
+        inference: bool = True,
     ):
         self.cfg, self.tokenizer = data_cfg, tokenizer
         self.image_size = data_cfg.force_image_size or image_size
         self.batch_size, self.device = batch_size, device
         self.workers = data_cfg.workers if workers is None else workers
+        self.inference = inference  # torch.inference_mode (False under ZeRO-3: torch.no_grad)
+        # Built on first use and kept: datasets indexed once, prompts/captions tokenized once, image
+        # loaders whose worker processes stay alive between evaluations (every epoch's evaluation
+        # otherwise pays the workers' start-up, more than encoding a small set costs).
         self._zs = None
         self._v2 = None
         self._val = None
@@ -273,6 +342,9 @@ class Evaluator:
     def _transform(self):
 
         return image_transform(self.image_size, is_train=False, **self.cfg.preprocess_args())
+
+    def _loader(self, dataset) -> DataLoader:
+        return eval_loader(dataset, batch_size=self.batch_size, workers=self.workers, persistent=True)
 
     def zeroshot(self, model) -> dict[str, float]:
         out = self._folder_zeroshot(model) if self.cfg.zeroshot_data else {}
@@ -306,14 +378,15 @@ class Evaluator:
                 templates=load_templates(self.cfg.zeroshot_templates) if self.cfg.zeroshot_templates else None,
                 mean=self.cfg.image_mean,
                 std=self.cfg.image_std,
+                inference=self.inference,
             )
         else:
             if self._zs is None:
-                self._zs = (
-                    ClassFolderDataset(self.cfg.zeroshot_data, self._transform()),
-                    load_templates(self.cfg.zeroshot_templates),
-                )
-            ds, templates = self._zs
+                ds = ClassFolderDataset(self.cfg.zeroshot_data, self._transform())
+                templates = load_templates(self.cfg.zeroshot_templates)
+                tokens = self.tokenizer(expand_prompts(ds.classnames, templates))
+                self._zs = (ds, templates, self._loader(ds), tokens)
+            ds, templates, loader, tokens = self._zs
             r = evaluate_zeroshot(
                 model,
                 self.tokenizer,
@@ -323,7 +396,9 @@ class Evaluator:
                 templates,
                 batch_size=self.batch_size,
                 device=self.device,
-                workers=self.workers,
+                image_loader=loader,
+                prompt_tokens=tokens,
+                inference=self.inference,
             )
         return {"zeroshot-top1": r["top1"], "zeroshot-top5": r["top5"]}
 
@@ -331,7 +406,7 @@ class Evaluator:
         if not self.has_retrieval:
             return {}
         if self._val is None:
-            self._val = load_retrieval_set(
+            ds, captions, t2i = load_retrieval_set(
                 self.cfg.val_data,
                 self._transform(),
                 csv_img_key=self.cfg.csv_img_key,
@@ -339,7 +414,8 @@ class Evaluator:
                 csv_separator=self.cfg.csv_separator,
                 max_samples=self.cfg.val_num_samples,
             )
-        ds, captions, t2i = self._val
+            self._val = (ds, captions, t2i, self._loader(ds), self.tokenizer(list(captions)))
+        ds, captions, t2i, loader, tokens = self._val
         return evaluate_retrieval(
             model,
             self.tokenizer,
@@ -348,7 +424,9 @@ class Evaluator:
             t2i,
             batch_size=self.batch_size,
             device=self.device,
-            workers=self.workers,
+            image_loader=loader,
+            caption_tokens=tokens,
+            inference=self.inference,
         )
 
 

@@ -17,6 +17,13 @@ from dsclip.eval.evaluator import Evaluator, append_results, evaluate_demo_zeros
 from dsclip.train.metrics import LogArgs, MetricsLogger
 
 
+def _inference_mode_ok(engine) -> bool:
+    """torch.inference_mode for evaluation forwards, except under ZeRO-3, whose parameter gathering
+    needs torch.no_grad (docs: DEEPSPEED-NOTES)."""
+    stage = engine.zero_optimization_stage() if hasattr(engine, "zero_optimization_stage") else 0
+    return stage != 3
+
+
 class TrainingEvaluator:
     def __init__(
         self,
@@ -52,6 +59,7 @@ class TrainingEvaluator:
         due_val = self.evaluator.has_retrieval and val and (epoch + 1) % val == 0
         if not (due_zs or due_val):
             return
+        self.evaluator.inference = _inference_mode_ok(engine)
         engine.eval()
         t0 = time.perf_counter()
         with torch.no_grad():
@@ -83,6 +91,7 @@ class TrainingEvaluator:
                     task=task,
                     mean=self.evaluator.cfg.image_mean,
                     std=self.evaluator.cfg.image_std,
+                    inference=_inference_mode_ok(engine),
                 )
                 res.update({f"{task}_{k}": v for k, v in r.items() if k in ("top1", "top5")})
         self._log(step, epoch, "demo_zeroshot", res)

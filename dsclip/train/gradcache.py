@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from dsclip.dist import rank_world
 from dsclip.engine.grad_hooks import hooks_removable, zero_grad_hooks_suspended
+from dsclip.engine.local_flush import install_local_flush, local_flush_supported
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # images (B,3,H,W), tokens (B,L)
 
@@ -98,6 +99,7 @@ class GradCacheStep:
         reduction: str = "auto",
         extra_flags: Callable[[], Sequence[float]] = tuple,
         teacher: Callable[[torch.Tensor, torch.Tensor], dict] | None = None,
+        local_flush: bool = True,
     ):
         self.engine = engine
         self.loss_fn = loss_fn
@@ -116,6 +118,11 @@ class GradCacheStep:
         self.reduction = reduction
         # ZeRO-1/2 hooks do nothing useful inside a coalesced block (dsclip/engine/grad_hooks.py)
         self.skip_zero_hooks = reduction == "coalesced" and hooks_removable(engine)
+        # one rank: the coalesced "reduction" is one copy per gradient (dsclip/engine/local_flush.py)
+        # (local_flush=False keeps DeepSpeed's flush: the side-by-side reference in tests and bench/)
+        self.local_flush = local_flush and reduction == "coalesced" and local_flush_supported(engine)
+        if self.local_flush:
+            install_local_flush(engine)
 
     def _coalescing_supported(self) -> bool:
         e = self.engine

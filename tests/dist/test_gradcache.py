@@ -182,6 +182,7 @@ def _rank_step(rank, world, stage, k, reduction, patch_dropout, keep_last, compi
         "optimizer": type(getattr(engine.optimizer, "optimizer", engine.optimizer)).__name__,
         # ZeRO-1/2: DeepSpeed's per-parameter hooks were left out of the K backwards and are back afterwards
         "hooks_skipped": step.skip_zero_hooks,
+        "local_flush": step.local_flush,  # one rank, ZeRO-1/2: dsclip/engine/local_flush.py
         "hooks_restored": len(getattr(engine.optimizer, "_grad_acc_hooks", []))
         == sum(p.requires_grad for p in engine.module.parameters()),
     }
@@ -279,6 +280,7 @@ def test_gradcache_equals_big_batch(world, stage, k, shared_dir):
     if stage == 2:
         assert all(r["hooks_skipped"] and r["hooks_restored"] for r in results)
     assert_matches(results, reference_step(results[0]["initial"], world, k), world, k)
+    assert all(r["local_flush"] == (world == 1 and stage == 2) for r in results)
 
 
 @pytest.mark.parametrize("stage", [0, 1, "2off", "3off"])
@@ -286,7 +288,7 @@ def test_gradcache_other_zero_stages_and_offload(stage):
     """ZeRO-0/1 reduce at the boundary (no coalescing needed); ZeRO-2/3 with CPU offload coalesce, and
     their offloaded step is DeepSpeed's CPU Adam, whose weights must equal torch AdamW's reference."""
     results = run_world(_rank_step, 2, stage, 2, "auto", 0.0, True)
-    expected = "DeepSpeedCPUAdam" if str(stage).endswith("off") else "AdamW"
+    expected = "DeepSpeedCPUAdam" if str(stage).endswith("off") else "BlockedAdamW"
     assert all(r["optimizer"] == expected for r in results), [r["optimizer"] for r in results]
     assert_matches(results, reference_step(results[0]["initial"], 2, 2), 2, 2)
 

@@ -143,3 +143,44 @@ def test_checkpoints_of_another_parameter_order_resume_through_universal():
     assert not needs_universal({"world_size": 2, "param_order": PARAM_ORDER}, 2)
     assert needs_universal({"world_size": 2, "param_order": PARAM_ORDER}, 4)
     assert needs_universal({"world_size": 2}, 2)  # written before the order had a version: flat state differs
+
+
+def test_blocked_adamw_is_bitwise_torch_adamw():
+    """dsclip's CPU AdamW runs torch's arithmetic over cache-sized blocks of each tensor: weights and
+    moments must equal torch.optim.AdamW's bit for bit after several steps, for a flat partition-sized
+    tensor whose length is not a multiple of the block (the last block is partial) as well as for small
+    tensors, with decay and without; the state_dicts load into each other."""
+    import torch
+
+    from dsclip.engine.optim import BlockedAdamW, build_optimizer
+
+    o = make_run_config({"name": "t", "lr": 1e-2, "wd": 0.3, "beta1": 0.8, "beta2": 0.95, "eps": 1e-6}).optim
+    assert isinstance(build_optimizer(create_model("tiny"), o, "cpu"), BlockedAdamW)
+    g = torch.Generator().manual_seed(0)
+    shapes = [(3 * 4096 + 77,), (64, 33), (5,)]  # flat partition-like, a matrix, a bias
+    init = [torch.randn(s, generator=g) for s in shapes]
+    hyper = {"lr": 1e-2, "betas": (0.8, 0.95), "eps": 1e-6}
+
+    def make(cls, **kw):
+        ps = [torch.nn.Parameter(t.clone()) for t in init]
+        groups = [{"params": ps[:2], "weight_decay": 0.3}, {"params": ps[2:], "weight_decay": 0.0}]
+        return ps, cls(groups, **hyper, **kw)
+
+    ours_p, ours = make(BlockedAdamW, block=1024)
+    ref_p, ref = make(torch.optim.AdamW)
+    for _ in range(4):
+        for a, b in zip(ours_p, ref_p):
+            grad = torch.randn(a.shape, generator=g) * 10 ** torch.randint(-4, 2, a.shape, generator=g)
+            a.grad, b.grad = grad.clone(), grad.clone()
+        ours.step()
+        ref.step()
+    for a, b in zip(ours_p, ref_p):
+        assert torch.equal(a, b)
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(ours.state[a][key], ref.state[b][key]), key
+    assert not torch.equal(ours_p[0], init[0])
+    # interchangeable checkpoints: torch's AdamW continues from ours and vice versa
+    ref.load_state_dict(ours.state_dict())
+    ours.load_state_dict(ref.state_dict())
+    with pytest.raises(ValueError, match="multiple of 64"):
+        BlockedAdamW(ours_p, block=100)
