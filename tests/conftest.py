@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from _pytest.nodeid import coerce_node_id  # pytest 9's node ids (see _group_node_ids)
 
 SHM_PATTERN = "/dev/shm/deepspeed_allreduce_buffer_*"
 
@@ -88,6 +89,23 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("launch"):
             item.add_marker(pytest.mark.xdist_group("launch"))
+    if getattr(config.option, "loadgroup", False):  # on an xdist worker of `--dist loadgroup`
+        _group_node_ids(items)
+
+
+def _group_node_ids(items) -> None:
+    """Append "@group" to the node id of every xdist_group test: what xdist's scheduler groups by.
+
+    xdist 3.8 does this by setting ``item._nodeid``, which pytest 9 no longer reads (it keeps ``item._id``):
+    without this, loadgroup silently spreads a group's tests over the workers (each spawning its own
+    gloo world for a result that the group's tests share, and the launch tests racing for the cluster).
+    """
+    for item in items:
+        names = sorted(
+            {str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in item.iter_markers("xdist_group")}
+        )
+        if names and "@" not in item.nodeid.rpartition("]")[2]:  # not already done by xdist
+            item._id = coerce_node_id(f"{item.nodeid}@{'_'.join(names)}")
 
 
 def pytest_terminal_summary(terminalreporter):

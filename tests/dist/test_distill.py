@@ -99,11 +99,15 @@ def _loss_worker(rank, world):
                     return sum(oc(a, b, c, tx[rows], ty[rows], ts))
 
                 out[sizes, name, "openclip"] = loss_and_grads(oc_fn, x[rows], y[rows], s, None)
+    # last: the mismatch error is raised on every rank after the row counts' exchange (the world stays usable)
+    out["mismatch"] = _mismatch(rank)
     return out
 
 
 @functools.cache
 def loss_results():
+    """One 2-rank world for every loss case (spawn + imports are most of a case's time); the tests that read
+    it share an xdist group so that one worker spawns it once."""
     return run_world(_loss_worker, 2, timeout=TIMEOUT)
 
 
@@ -114,6 +118,7 @@ def _tol(n):
     return worst_case(2 * loss_terms(n, max(D, DT)), loss_size(n, T_SCALE), torch.float64)
 
 
+@pytest.mark.xdist_group("distill_loss_world")
 @pytest.mark.parametrize("sizes", SIZES, ids=[str(s) for s in SIZES])
 @pytest.mark.parametrize("name", MODES)
 def test_distill_loss_world2_matches_openclip_single_process(name, sizes):
@@ -135,6 +140,7 @@ def test_distill_loss_world2_matches_openclip_single_process(name, sizes):
     assert abs(float(ref_loss - contrastive)) > 1.0
 
 
+@pytest.mark.xdist_group("distill_loss_world")
 @pytest.mark.parametrize("name", MODES)
 def test_distill_loss_equals_openclip_per_rank(name):
     """Equal local batches: the same per-rank loss and gradients as OpenCLIP's own DistillClipLoss on gloo."""
@@ -148,12 +154,13 @@ def test_distill_loss_equals_openclip_per_rank(name):
             torch.testing.assert_close(a, b, atol=tol, rtol=0)
 
 
+@pytest.mark.xdist_group("distill_loss_world")
 def test_mismatched_teacher_rows_fail_on_every_rank():
-    results = run_world(_mismatch_worker, 2, timeout=TIMEOUT)
+    results = [res["mismatch"] for res in loss_results()]
     assert all("teacher rows per rank (3, 4) != student rows per rank (4, 4)" in r for r in results), results
 
 
-def _mismatch_worker(rank, world):
+def _mismatch(rank):
     from dsclip.losses import LossConfig, LossInputError, build_loss
 
     x, y, s, _ = make_batch(4, D, seed=rank)
@@ -178,7 +185,7 @@ def make_teacher_model():
     return create_model(cfg, vocab_size=256, eos_id=2, pad_id=0)
 
 
-def _rank_step(rank, world, stage, k, loss_name):
+def _rank_step(rank, world, stage, loss_name, k):
     import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 
@@ -274,10 +281,26 @@ def reference_step(initial, world, k, loss_name):
     return loss.item(), grads, weights, [p.item() for p in parts]
 
 
-@pytest.mark.parametrize("stage,loss_name", [(2, "infonce"), (3, "infonce_local")])
+STEP_CASES = [(2, "infonce"), (3, "infonce_local")]  # ZeRO-3 last: its zero.Init context is the one that patches
+
+
+def _rank_steps(rank, world, k):
+    return {case: _rank_step(rank, world, *case, k) for case in STEP_CASES}
+
+
+@functools.cache
+def step_results(world, k):
+    """Both cases' engines, one after the other in one 2-rank world (spawn + imports + DeepSpeed's
+    set-up are most of a case's time); the tests share an xdist group so that one worker spawns it once."""
+    per_rank = run_world(_rank_steps, world, k, timeout=TIMEOUT)
+    return {case: [res[case] for res in per_rank] for case in STEP_CASES}
+
+
+@pytest.mark.xdist_group("distill_step_world")
+@pytest.mark.parametrize("stage,loss_name", STEP_CASES)
 def test_gradcache_distill_step_equals_openclip_big_batch(stage, loss_name):
     world, k = 2, 2
-    results = run_world(_rank_step, world, stage, k, loss_name, timeout=TIMEOUT)
+    results = step_results(world, k)[stage, loss_name]
     ref = reference_step(results[0]["initial"], world, k, loss_name)
     # The distillation term chains a second set of logits and cross-entropies into every gradient: the
     # derived rounding tolerance (which grows as the square root of the chained terms) widens by that factor.
