@@ -8,7 +8,6 @@ import sys
 
 import pytest
 import torch
-from _pytest.nodeid import coerce_node_id  # pytest 9's node ids (see _group_node_ids)
 
 SHM_PATTERN = "/dev/shm/deepspeed_allreduce_buffer_*"
 
@@ -105,6 +104,9 @@ def _group_node_ids(items) -> None:
             {str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in item.iter_markers("xdist_group")}
         )
         if names and "@" not in item.nodeid.rpartition("]")[2]:  # not already done by xdist
+            # here, not at the top: pytest < 9 has no _pytest.nodeid, and there xdist's own suffix is in place
+            from _pytest.nodeid import coerce_node_id
+
             item._id = coerce_node_id(f"{item.nodeid}@{'_'.join(names)}")
 
 
