@@ -1,6 +1,7 @@
 """OpenCLIP options through `dsclip train` itself: --dataset-type synthetic with --opt timm/NAME, --device,
 --use-bn-sync, --dist-backend and --imagenet-v2 in one run; --dist-url rendezvous of two ranks; bad values
-as one-line errors."""
+as one-line errors (one through a real `dsclip train` process, the parse-time ones through the CLI entry point
+in-process: a process start costs seconds and tests nothing more for an error raised before any work)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import subprocess
 import pytest
 from PIL import Image
 
+from dsclip.cli import main as cli_main
 from tests.distutil import free_port
 from tests.e2e.test_train_cli import PY, ROOT, env, run_cli
 
@@ -24,13 +26,13 @@ def test_synthetic_run_with_a_timm_optimizer_and_imagenet_v2(tmp_path):
     (tmp_path / "t.txt").write_text("a photo of a {c}.\n")
     run_cli(
         ["train", "--config", "tiny", "--logs", str(tmp_path), "--name", "syn", "--max-steps", "100"]
-        + ["--dataset-type", "synthetic", "--train-num-samples", "64", "--epochs", "1"]  # 4 steps of 16
+        + ["--dataset-type", "synthetic", "--train-num-samples", "32", "--epochs", "1"]  # 2 steps of 16
         + ["--opt", "timm/lion", "--lr", "1e-4", "--device", "cpu", "--use-bn-sync", "--dist-backend", "gloo"]
         + ["--imagenet-v2", str(tmp_path / "v2"), "--zeroshot-templates", str(tmp_path / "t.txt")]
     )
     run = tmp_path / "syn"
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert sorted({r["step"] for r in records if "loss" in r}) == [1, 2, 3, 4]
+    assert sorted({r["step"] for r in records if "loss" in r}) == [1, 2]
     results = [json.loads(line) for line in (run / "results.jsonl").read_text().splitlines()]
     zs = [r["zeroshot"] for r in results if "zeroshot" in r]
     assert len(zs) == 1 and {"imagenetv2-zeroshot-val-top1", "imagenetv2-zeroshot-val-top5"} <= set(zs[0])
@@ -74,20 +76,37 @@ def test_dist_url_is_the_rendezvous_of_the_ranks(tmp_path):
     assert sorted({r["step"] for r in records if "loss" in r}) == [1, 2]
 
 
+def _one_error_line(stderr: str, expect: str) -> None:
+    assert "Traceback" not in stderr
+    err = [line for line in stderr.splitlines() if line.startswith("dsclip train: error:")]
+    assert len(err) == 1 and expect in err[0], stderr[-3000:]
+
+
+def test_bad_device_is_one_line_and_nonzero(tmp_path):
+    # a real process: the exit code and stderr of `python -m dsclip`; --device is checked after the world is up
+    p = run_cli(
+        ["train", "--config", "tiny", "--logs", str(tmp_path), "--name", "bad", "--device", "cuda"], check=False
+    )
+    assert p.returncode == 2, p.stderr[-3000:]
+    _one_error_line(p.stderr, "--device cuda: the DeepSpeed accelerator here is cpu")
+    assert not (tmp_path / "bad" / "checkpoints").exists() and os.path.isdir(tmp_path)
+
+
 @pytest.mark.parametrize(
     "extra, expect",
     [
         (["--opt", "timm/lino"], "timm has no optimizer 'lino' (did you mean timm/lion?)"),
-        (["--device", "cuda"], "--device cuda: the DeepSpeed accelerator here is cpu"),
         (["--dataset-type", "synthetic"], "--dataset-type synthetic needs --train-num-samples"),
         (["--imagenet-v2", "/nonexistent/v2"], "--imagenet-v2 folder not found"),
     ],
-    ids=["opt", "device", "synthetic", "imagenet_v2"],
+    ids=["opt", "synthetic", "imagenet_v2"],
 )
-def test_bad_values_are_one_line_and_nonzero(tmp_path, extra, expect):
-    p = run_cli(["train", "--config", "tiny", "--logs", str(tmp_path), "--name", "bad", *extra], check=False)
-    assert p.returncode == 2, p.stderr[-3000:]
-    assert "Traceback" not in p.stderr
-    err = [line for line in p.stderr.splitlines() if line.startswith("dsclip train: error:")]
-    assert len(err) == 1 and expect in err[0], p.stderr[-3000:]
+def test_bad_values_are_one_line_and_nonzero(tmp_path, capsys, monkeypatch, extra, expect):
+    # errors of the run config: raised before the world starts, so `python -m dsclip`'s main in this process
+    # gives the same exit code and stderr as a subprocess would (test_bad_device_... covers the real exit path)
+    monkeypatch.delenv("DSCLIP_DEBUG", raising=False)
+    rc = cli_main(["train", "--config", "tiny", "--logs", str(tmp_path), "--name", "bad", *extra])
+    err = capsys.readouterr().err
+    assert rc == 2, err[-3000:]
+    _one_error_line(err, expect)
     assert not (tmp_path / "bad" / "checkpoints").exists() and os.path.isdir(tmp_path)

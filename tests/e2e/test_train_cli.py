@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from dsclip.cli import main as cli_main
 from tests.distutil import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -156,8 +157,6 @@ def _write(tmp_path, name, text):
 @pytest.mark.parametrize(
     "case",
     [
-        "missing_recipe",
-        "unknown_flag",
         "unknown_json_key",
         "batch_mismatch",
         "unknown_model",
@@ -169,10 +168,10 @@ def _write(tmp_path, name, text):
     ],
 )
 def test_bad_input_is_one_line_and_nonzero(tmp_path, case):
+    # real processes: these errors come after the world is up (DeepSpeed config, model, data), where only a
+    # process of its own shows the exit path; parse-time errors are in test_bad_flags_are_one_line_in_process
     base = ["train", "--config", "tiny", "--logs", str(tmp_path), "--name", "bad"]
     args, expect = {
-        "missing_recipe": (["train", "--config", str(tmp_path / "nope.yaml")], "recipe not found"),
-        "unknown_flag": (base + ["--batch-sise", "4"], "unknown flag --batch-sise"),
         "unknown_json_key": (
             base + ["--deepspeed-config", _write(tmp_path, "k.json", '{"zero_optimisation": {}}')],
             "unknown key 'zero_optimisation'",
@@ -200,3 +199,22 @@ def test_bad_input_is_one_line_and_nonzero(tmp_path, case):
     assert "Traceback" not in p.stderr
     err_lines = [line for line in p.stderr.splitlines() if line.startswith("dsclip train: error:")]
     assert len(err_lines) == 1 and expect in err_lines[0], p.stderr[-3000:]
+
+
+@pytest.mark.parametrize(
+    "case, argv, expect",
+    [
+        ("missing_recipe", ["--config", "{tmp}/nope.yaml"], "recipe not found"),
+        ("unknown_flag", ["--config", "tiny", "--batch-sise", "4"], "unknown flag --batch-sise"),
+    ],
+    ids=["missing_recipe", "unknown_flag"],
+)
+def test_bad_flags_are_one_line_in_process(tmp_path, capsys, monkeypatch, case, argv, expect):
+    # raised while parsing, before any work: the CLI's main in this process gives the exit code and stderr a
+    # subprocess would, without seconds of process start (the cases above cover the real exit path)
+    monkeypatch.delenv("DSCLIP_DEBUG", raising=False)
+    rc = cli_main(["train", *[a.format(tmp=tmp_path) for a in argv], "--logs", str(tmp_path), "--name", "bad"])
+    err = capsys.readouterr().err
+    assert rc == 2, (case, err[-3000:])
+    err_lines = [line for line in err.splitlines() if line.startswith("dsclip train: error:")]
+    assert len(err_lines) == 1 and expect in err_lines[0] and "Traceback" not in err, (case, err[-3000:])
