@@ -28,7 +28,10 @@ def test_openclip_flags_through_a_run_and_its_resume(tmp_path, monkeypatch):
             + ["--ddp-static-graph", "--report-to", "tensorboard,wandb", "--wandb-notes", "e2e", "--debug"]
         )
 
-    run_cli(args(2))  # 64 samples / batch 16 = 4 steps per epoch
+    first = run_cli(args(2))  # 64 samples / batch 16 = 4 steps per epoch
+    # the default context length cuts no demo caption: no warning, zero counted (the control run of
+    # test_training_counts_cut_captions_and_warns_once, made here to save a process start)
+    assert "warning:" not in first.stdout, first.stdout[-3000:]
     ckpts = run_dir / "checkpoints"
     # epoch 1's save exists only for --save-most-recent and gave way to epoch 2's (--save-frequency 2)
     assert dc.complete_tags(ckpts) == ["step_000000008"]
@@ -39,6 +42,8 @@ def test_openclip_flags_through_a_run_and_its_resume(tmp_path, monkeypatch):
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     lrs = {r["step"]: r["lr"] for r in records if "lr" in r}
     assert sorted(lrs) == list(range(1, 13)) and set(lrs.values()) == {2.0e-3}  # no warm-up, no decay
+    cut = [r["truncated_captions"] for r in records if "truncated_captions" in r]
+    assert len(cut) >= 4 and set(cut) == {0}, cut
     model_cfg = json.loads((ckpts / "step_000000012" / dc.MODEL_CONFIG_FILE).read_text())["model_cfg"]
     assert model_cfg["quick_gelu"] is True  # tiny.json says false
     log = (run_dir / "out-0.log").read_text()
@@ -90,14 +95,12 @@ def test_bad_openclip_values_are_one_line_and_nonzero(tmp_path, capsys, monkeypa
 
 
 def test_training_counts_cut_captions_and_warns_once(tmp_path):
-    # the demo's captions are longer than 4 tokens: nearly all are cut at --context-length 4
+    # the demo's captions are longer than 4 tokens: nearly all are cut at --context-length 4. The control (the
+    # default context length cuts none, no warning) is asserted on the run of
+    # test_openclip_flags_through_a_run_and_its_resume.
     base = ["train", "--config", "tiny", "--logs", str(tmp_path), "--max-steps", "3"]
-    assert "warning:" not in run_cli(base + ["--name", "cut"]).stdout
     out = run_cli(base + ["--name", "cut4", "--force-context-length", "4"]).stdout
     assert out.count("warning:") == 1 and "longer than the context length 4" in out
-    counts = {}
-    for name in ("cut", "cut4"):
-        recs = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-        counts[name] = [r["truncated_captions"] for r in recs if "truncated_captions" in r]
-    assert counts["cut"] == [0, 0, 0]
-    assert counts["cut4"][-1] > 0.9 * 3 * 16 and counts["cut4"] == sorted(counts["cut4"])  # cumulative
+    recs = [json.loads(line) for line in (tmp_path / "cut4" / "metrics.jsonl").read_text().splitlines()]
+    counts = [r["truncated_captions"] for r in recs if "truncated_captions" in r]
+    assert len(counts) == 3 and counts[-1] > 0.9 * 3 * 16 and counts == sorted(counts)  # cumulative
