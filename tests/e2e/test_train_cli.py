@@ -154,24 +154,10 @@ def _write(tmp_path, name, text):
     return str(p)
 
 
-@pytest.mark.parametrize(
-    "case",
-    [
-        "unknown_json_key",
-        "batch_mismatch",
-        "unknown_model",
-        "invalid_json",
-        "fp16_on_cpu",
-        "missing_tokenizer",
-        "missing_shards",
-        "unknown_compile_backend",
-    ],
-)
-def test_bad_input_is_one_line_and_nonzero(tmp_path, case):
-    # real processes: these errors come after the world is up (DeepSpeed config, model, data), where only a
-    # process of its own shows the exit path; parse-time errors are in test_bad_flags_are_one_line_in_process
+def _bad_cases(tmp_path) -> dict[str, tuple[list[str], str]]:
+    """case -> (dsclip argv, what its one error line says): errors raised after the world is up."""
     base = ["train", "--config", "tiny", "--logs", str(tmp_path), "--name", "bad"]
-    args, expect = {
+    return {
         "unknown_json_key": (
             base + ["--deepspeed-config", _write(tmp_path, "k.json", '{"zero_optimisation": {}}')],
             "unknown key 'zero_optimisation'",
@@ -193,12 +179,45 @@ def test_bad_input_is_one_line_and_nonzero(tmp_path, case):
             + ["--tokenizer", _demo_tokenizer(tmp_path), "--train-data", str(tmp_path / "s" / "{00000..00003}.tar")],
             "00000.tar",
         ),
-    }[case]
+    }
+
+
+def test_bad_input_is_one_line_and_nonzero(tmp_path):
+    # the real exit path: `python -m dsclip` of its own, stopped by an error found after the world is up
+    args, expect = _bad_cases(tmp_path)["fp16_on_cpu"]
     p = run_cli(args, check=False, timeout=300)
     assert p.returncode == 2, p.stderr[-3000:]
     assert "Traceback" not in p.stderr
     err_lines = [line for line in p.stderr.splitlines() if line.startswith("dsclip train: error:")]
     assert len(err_lines) == 1 and expect in err_lines[0], p.stderr[-3000:]
+
+
+# One process runs the CLI's main (what `python -m dsclip` calls) for each case in turn: a process start with
+# torch + DeepSpeed imports and the world's init is ~10 s, the cases themselves milliseconds. The world stays
+# up between cases (init_distributed is idempotent), as it would be when each case ran first.
+_BAD_CASES_DRIVER = """
+import json, sys
+from dsclip.cli import main
+for name, argv in json.loads(sys.argv[1]):
+    print(f"@@case {name}", file=sys.stderr, flush=True)
+    rc = main(argv)
+    print(f"@@rc {name} {rc}", file=sys.stderr, flush=True)
+"""
+
+
+def test_bad_inputs_after_the_world_is_up_are_one_line_and_nonzero(tmp_path):
+    cases = {k: v for k, v in _bad_cases(tmp_path).items() if k != "fp16_on_cpu"}  # that one runs above
+    payload = json.dumps([[name, argv] for name, (argv, _) in cases.items()])
+    p = subprocess.run(
+        [PY, "-c", _BAD_CASES_DRIVER, payload], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300
+    )
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    chunks = p.stderr.split("@@case ")[1:]
+    assert [c.split("\n", 1)[0] for c in chunks] == list(cases), p.stderr[-3000:]
+    for (name, (_, expect)), chunk in zip(cases.items(), chunks):
+        assert f"@@rc {name} 2" in chunk, (name, chunk[-3000:])
+        err_lines = [line for line in chunk.splitlines() if line.startswith("dsclip train: error:")]
+        assert len(err_lines) == 1 and expect in err_lines[0], (name, chunk[-3000:])
 
 
 @pytest.mark.parametrize(
