@@ -195,29 +195,40 @@ def test_bad_input_is_one_line_and_nonzero(tmp_path):
 # One process runs the CLI's main (what `python -m dsclip` calls) for each case in turn: a process start with
 # torch + DeepSpeed imports and the world's init is ~10 s, the cases themselves milliseconds. The world stays
 # up between cases (init_distributed is idempotent), as it would be when each case ran first.
-_BAD_CASES_DRIVER = """
+_CASES_DRIVER = """
 import json, sys
 from dsclip.cli import main
 for name, argv in json.loads(sys.argv[1]):
     print(f"@@case {name}", file=sys.stderr, flush=True)
     rc = main(argv)
-    print(f"@@rc {name} {rc}", file=sys.stderr, flush=True)
+    print(f"@@rc {rc}", file=sys.stderr, flush=True)
 """
+
+
+def run_cli_cases(cases: dict[str, list[str]], e: dict | None = None, timeout: int = 300) -> dict[str, tuple[int, str]]:
+    """Run ``dsclip ARGV`` for every case in ONE process; case -> (return code of main, that case's stderr)."""
+    payload = json.dumps(list(cases.items()))
+    p = subprocess.run(
+        [PY, "-c", _CASES_DRIVER, payload], cwd=ROOT, env=e or env(), capture_output=True, text=True, timeout=timeout
+    )
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    out = {}
+    for chunk in p.stderr.split("@@case ")[1:]:
+        name, rest = chunk.split("\n", 1)
+        rest, _, rc = rest.rpartition("@@rc ")
+        out[name] = (int(rc.split()[0]), rest)
+    assert list(out) == list(cases), p.stderr[-3000:]
+    return out
 
 
 def test_bad_inputs_after_the_world_is_up_are_one_line_and_nonzero(tmp_path):
     cases = {k: v for k, v in _bad_cases(tmp_path).items() if k != "fp16_on_cpu"}  # that one runs above
-    payload = json.dumps([[name, argv] for name, (argv, _) in cases.items()])
-    p = subprocess.run(
-        [PY, "-c", _BAD_CASES_DRIVER, payload], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300
-    )
-    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr[-3000:]
-    chunks = p.stderr.split("@@case ")[1:]
-    assert [c.split("\n", 1)[0] for c in chunks] == list(cases), p.stderr[-3000:]
-    for (name, (_, expect)), chunk in zip(cases.items(), chunks):
-        assert f"@@rc {name} 2" in chunk, (name, chunk[-3000:])
-        err_lines = [line for line in chunk.splitlines() if line.startswith("dsclip train: error:")]
-        assert len(err_lines) == 1 and expect in err_lines[0], (name, chunk[-3000:])
+    results = run_cli_cases({name: argv for name, (argv, _) in cases.items()})
+    for name, (_, expect) in cases.items():
+        rc, err = results[name]
+        assert rc == 2, (name, err[-3000:])
+        err_lines = [line for line in err.splitlines() if line.startswith("dsclip train: error:")]
+        assert len(err_lines) == 1 and expect in err_lines[0], (name, err[-3000:])
 
 
 @pytest.mark.parametrize(
