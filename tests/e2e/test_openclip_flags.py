@@ -10,6 +10,7 @@ import os
 import pytest
 
 from dsclip.checkpoint import ds_checkpoint as dc
+from dsclip.cli import main as cli_main
 from tests.e2e.test_train_cli import run_cli
 
 
@@ -27,7 +28,10 @@ def test_openclip_flags_through_a_run_and_its_resume(tmp_path, monkeypatch):
             + ["--ddp-static-graph", "--report-to", "tensorboard,wandb", "--wandb-notes", "e2e", "--debug"]
         )
 
-    run_cli(args(2))  # 64 samples / batch 16 = 4 steps per epoch
+    first = run_cli(args(2))  # 64 samples / batch 16 = 4 steps per epoch
+    # the default context length cuts no demo caption: no warning, zero counted (the control run of
+    # test_training_counts_cut_captions_and_warns_once, made here to save a process start)
+    assert "warning:" not in first.stdout, first.stdout[-3000:]
     ckpts = run_dir / "checkpoints"
     # epoch 1's save exists only for --save-most-recent and gave way to epoch 2's (--save-frequency 2)
     assert dc.complete_tags(ckpts) == ["step_000000008"]
@@ -38,6 +42,8 @@ def test_openclip_flags_through_a_run_and_its_resume(tmp_path, monkeypatch):
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     lrs = {r["step"]: r["lr"] for r in records if "lr" in r}
     assert sorted(lrs) == list(range(1, 13)) and set(lrs.values()) == {2.0e-3}  # no warm-up, no decay
+    cut = [r["truncated_captions"] for r in records if "truncated_captions" in r]
+    assert len(cut) >= 4 and set(cut) == {0}, cut
     model_cfg = json.loads((ckpts / "step_000000012" / dc.MODEL_CONFIG_FILE).read_text())["model_cfg"]
     assert model_cfg["quick_gelu"] is True  # tiny.json says false
     log = (run_dir / "out-0.log").read_text()
@@ -53,33 +59,48 @@ def test_openclip_flags_through_a_run_and_its_resume(tmp_path, monkeypatch):
     assert sum("demo_zeroshot/shape_top1" in r for r in rows) == 2  # eval scalars too, once per run
 
 
+def _one_error_line(stderr: str, expect: str) -> None:
+    assert "Traceback" not in stderr
+    err = [line for line in stderr.splitlines() if line.startswith("dsclip train: error:")]
+    assert len(err) == 1 and expect in err[0], stderr[-3000:]
+
+
+def test_bad_momentum_is_one_line_and_nonzero(tmp_path):
+    # a real process: the exit code and stderr of `python -m dsclip`; --momentum is checked after the world is up
+    p = run_cli(
+        ["train", "--config", "tiny", "--logs", str(tmp_path), "--name", "bad", "--momentum", "0.9"], check=False
+    )
+    assert p.returncode == 2, p.stderr[-3000:]
+    _one_error_line(p.stderr, "--momentum: dsclip's default optimizer is AdamW")
+    assert not (tmp_path / "bad" / "checkpoints").exists() and os.path.isdir(tmp_path)
+
+
 @pytest.mark.parametrize(
     "extra, expect",
     [
         (["--report-to", "tensorboard,mlflow"], "--report-to 'mlflow' is not supported"),
         (["--precision", "pure_bf16"], "use --precision bf16"),
-        (["--momentum", "0.9"], "--momentum: dsclip's default optimizer is AdamW"),
     ],
-    ids=["report_to", "pure_precision", "momentum"],
+    ids=["report_to", "pure_precision"],
 )
-def test_bad_openclip_values_are_one_line_and_nonzero(tmp_path, extra, expect):
-    p = run_cli(["train", "--config", "tiny", "--logs", str(tmp_path), "--name", "bad", *extra], check=False)
-    assert p.returncode == 2, p.stderr[-3000:]
-    assert "Traceback" not in p.stderr
-    err = [line for line in p.stderr.splitlines() if line.startswith("dsclip train: error:")]
-    assert len(err) == 1 and expect in err[0], p.stderr[-3000:]
+def test_bad_openclip_values_are_one_line_and_nonzero(tmp_path, capsys, monkeypatch, extra, expect):
+    # run-config errors, raised before the world starts: the CLI's main in this process gives the exit code and
+    # stderr a subprocess would (a process start costs seconds; test_bad_momentum_... covers the real exit path)
+    monkeypatch.delenv("DSCLIP_DEBUG", raising=False)
+    rc = cli_main(["train", "--config", "tiny", "--logs", str(tmp_path), "--name", "bad", *extra])
+    err = capsys.readouterr().err
+    assert rc == 2, err[-3000:]
+    _one_error_line(err, expect)
     assert not (tmp_path / "bad" / "checkpoints").exists() and os.path.isdir(tmp_path)
 
 
 def test_training_counts_cut_captions_and_warns_once(tmp_path):
-    # the demo's captions are longer than 4 tokens: nearly all are cut at --context-length 4
+    # the demo's captions are longer than 4 tokens: nearly all are cut at --context-length 4. The control (the
+    # default context length cuts none, no warning) is asserted on the run of
+    # test_openclip_flags_through_a_run_and_its_resume.
     base = ["train", "--config", "tiny", "--logs", str(tmp_path), "--max-steps", "3"]
-    assert "warning:" not in run_cli(base + ["--name", "cut"]).stdout
     out = run_cli(base + ["--name", "cut4", "--force-context-length", "4"]).stdout
     assert out.count("warning:") == 1 and "longer than the context length 4" in out
-    counts = {}
-    for name in ("cut", "cut4"):
-        recs = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-        counts[name] = [r["truncated_captions"] for r in recs if "truncated_captions" in r]
-    assert counts["cut"] == [0, 0, 0]
-    assert counts["cut4"][-1] > 0.9 * 3 * 16 and counts["cut4"] == sorted(counts["cut4"])  # cumulative
+    recs = [json.loads(line) for line in (tmp_path / "cut4" / "metrics.jsonl").read_text().splitlines()]
+    counts = [r["truncated_captions"] for r in recs if "truncated_captions" in r]
+    assert len(counts) == 3 and counts[-1] > 0.9 * 3 * 16 and counts == sorted(counts)  # cumulative

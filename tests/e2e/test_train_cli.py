@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from dsclip.cli import main as cli_main
 from tests.distutil import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -153,26 +154,10 @@ def _write(tmp_path, name, text):
     return str(p)
 
 
-@pytest.mark.parametrize(
-    "case",
-    [
-        "missing_recipe",
-        "unknown_flag",
-        "unknown_json_key",
-        "batch_mismatch",
-        "unknown_model",
-        "invalid_json",
-        "fp16_on_cpu",
-        "missing_tokenizer",
-        "missing_shards",
-        "unknown_compile_backend",
-    ],
-)
-def test_bad_input_is_one_line_and_nonzero(tmp_path, case):
+def _bad_cases(tmp_path) -> dict[str, tuple[list[str], str]]:
+    """case -> (dsclip argv, what its one error line says): errors raised after the world is up."""
     base = ["train", "--config", "tiny", "--logs", str(tmp_path), "--name", "bad"]
-    args, expect = {
-        "missing_recipe": (["train", "--config", str(tmp_path / "nope.yaml")], "recipe not found"),
-        "unknown_flag": (base + ["--batch-sise", "4"], "unknown flag --batch-sise"),
+    return {
         "unknown_json_key": (
             base + ["--deepspeed-config", _write(tmp_path, "k.json", '{"zero_optimisation": {}}')],
             "unknown key 'zero_optimisation'",
@@ -194,9 +179,72 @@ def test_bad_input_is_one_line_and_nonzero(tmp_path, case):
             + ["--tokenizer", _demo_tokenizer(tmp_path), "--train-data", str(tmp_path / "s" / "{00000..00003}.tar")],
             "00000.tar",
         ),
-    }[case]
+    }
+
+
+def test_bad_input_is_one_line_and_nonzero(tmp_path):
+    # the real exit path: `python -m dsclip` of its own, stopped by an error found after the world is up
+    args, expect = _bad_cases(tmp_path)["fp16_on_cpu"]
     p = run_cli(args, check=False, timeout=300)
     assert p.returncode == 2, p.stderr[-3000:]
     assert "Traceback" not in p.stderr
     err_lines = [line for line in p.stderr.splitlines() if line.startswith("dsclip train: error:")]
     assert len(err_lines) == 1 and expect in err_lines[0], p.stderr[-3000:]
+
+
+# One process runs the CLI's main (what `python -m dsclip` calls) for each case in turn: a process start with
+# torch + DeepSpeed imports and the world's init is ~10 s, the cases themselves milliseconds. The world stays
+# up between cases (init_distributed is idempotent), as it would be when each case ran first.
+_CASES_DRIVER = """
+import json, sys
+from dsclip.cli import main
+for name, argv in json.loads(sys.argv[1]):
+    print(f"@@case {name}", file=sys.stderr, flush=True)
+    rc = main(argv)
+    print(f"@@rc {rc}", file=sys.stderr, flush=True)
+"""
+
+
+def run_cli_cases(cases: dict[str, list[str]], e: dict | None = None, timeout: int = 300) -> dict[str, tuple[int, str]]:
+    """Run ``dsclip ARGV`` for every case in ONE process; case -> (return code of main, that case's stderr)."""
+    payload = json.dumps(list(cases.items()))
+    p = subprocess.run(
+        [PY, "-c", _CASES_DRIVER, payload], cwd=ROOT, env=e or env(), capture_output=True, text=True, timeout=timeout
+    )
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    out = {}
+    for chunk in p.stderr.split("@@case ")[1:]:
+        name, rest = chunk.split("\n", 1)
+        rest, _, rc = rest.rpartition("@@rc ")
+        out[name] = (int(rc.split()[0]), rest)
+    assert list(out) == list(cases), p.stderr[-3000:]
+    return out
+
+
+def test_bad_inputs_after_the_world_is_up_are_one_line_and_nonzero(tmp_path):
+    cases = {k: v for k, v in _bad_cases(tmp_path).items() if k != "fp16_on_cpu"}  # that one runs above
+    results = run_cli_cases({name: argv for name, (argv, _) in cases.items()})
+    for name, (_, expect) in cases.items():
+        rc, err = results[name]
+        assert rc == 2, (name, err[-3000:])
+        err_lines = [line for line in err.splitlines() if line.startswith("dsclip train: error:")]
+        assert len(err_lines) == 1 and expect in err_lines[0], (name, err[-3000:])
+
+
+@pytest.mark.parametrize(
+    "case, argv, expect",
+    [
+        ("missing_recipe", ["--config", "{tmp}/nope.yaml"], "recipe not found"),
+        ("unknown_flag", ["--config", "tiny", "--batch-sise", "4"], "unknown flag --batch-sise"),
+    ],
+    ids=["missing_recipe", "unknown_flag"],
+)
+def test_bad_flags_are_one_line_in_process(tmp_path, capsys, monkeypatch, case, argv, expect):
+    # raised while parsing, before any work: the CLI's main in this process gives the exit code and stderr a
+    # subprocess would, without seconds of process start (the cases above cover the real exit path)
+    monkeypatch.delenv("DSCLIP_DEBUG", raising=False)
+    rc = cli_main(["train", *[a.format(tmp=tmp_path) for a in argv], "--logs", str(tmp_path), "--name", "bad"])
+    err = capsys.readouterr().err
+    assert rc == 2, (case, err[-3000:])
+    err_lines = [line for line in err.splitlines() if line.startswith("dsclip train: error:")]
+    assert len(err_lines) == 1 and expect in err_lines[0] and "Traceback" not in err, (case, err[-3000:])
