@@ -11,7 +11,7 @@ import pytest
 
 from dsclip.checkpoint import ds_checkpoint as dc
 from dsclip.cli import main as cli_main
-from tests.e2e.test_train_cli import run_cli
+from tests.e2e.test_train_cli import assert_one_error_line, run_cli
 
 
 def test_openclip_flags_through_a_run_and_its_resume(tmp_path, monkeypatch):
@@ -59,19 +59,13 @@ def test_openclip_flags_through_a_run_and_its_resume(tmp_path, monkeypatch):
     assert sum("demo_zeroshot/shape_top1" in r for r in rows) == 2  # eval scalars too, once per run
 
 
-def _one_error_line(stderr: str, expect: str) -> None:
-    assert "Traceback" not in stderr
-    err = [line for line in stderr.splitlines() if line.startswith("dsclip train: error:")]
-    assert len(err) == 1 and expect in err[0], stderr[-3000:]
-
-
 def test_bad_momentum_is_one_line_and_nonzero(tmp_path):
     # a real process: the exit code and stderr of `python -m dsclip`; --momentum is checked after the world is up
     p = run_cli(
         ["train", "--config", "tiny", "--logs", str(tmp_path), "--name", "bad", "--momentum", "0.9"], check=False
     )
     assert p.returncode == 2, p.stderr[-3000:]
-    _one_error_line(p.stderr, "--momentum: dsclip's default optimizer is AdamW")
+    assert_one_error_line(p.stderr, "--momentum: dsclip's default optimizer is AdamW")
     assert not (tmp_path / "bad" / "checkpoints").exists() and os.path.isdir(tmp_path)
 
 
@@ -90,7 +84,7 @@ def test_bad_openclip_values_are_one_line_and_nonzero(tmp_path, capsys, monkeypa
     rc = cli_main(["train", "--config", "tiny", "--logs", str(tmp_path), "--name", "bad", *extra])
     err = capsys.readouterr().err
     assert rc == 2, err[-3000:]
-    _one_error_line(err, expect)
+    assert_one_error_line(err, expect)
     assert not (tmp_path / "bad" / "checkpoints").exists() and os.path.isdir(tmp_path)
 
 

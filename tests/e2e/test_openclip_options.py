@@ -16,7 +16,7 @@ from PIL import Image
 
 from dsclip.cli import main as cli_main
 from tests.distutil import free_port
-from tests.e2e.test_train_cli import PY, ROOT, env, run_cli
+from tests.e2e.test_train_cli import PY, ROOT, assert_one_error_line, env, run_cli
 
 
 def test_two_ranks_meet_at_the_dist_url_and_train_synthetic_data_with_timm_lion_and_imagenet_v2(tmp_path):
@@ -70,19 +70,13 @@ def test_two_ranks_meet_at_the_dist_url_and_train_synthetic_data_with_timm_lion_
         assert {k for st in states for k in st} == {"exp_avg"}, f
 
 
-def _one_error_line(stderr: str, expect: str) -> None:
-    assert "Traceback" not in stderr
-    err = [line for line in stderr.splitlines() if line.startswith("dsclip train: error:")]
-    assert len(err) == 1 and expect in err[0], stderr[-3000:]
-
-
 def test_bad_device_is_one_line_and_nonzero(tmp_path):
     # a real process: the exit code and stderr of `python -m dsclip`; --device is checked after the world is up
     p = run_cli(
         ["train", "--config", "tiny", "--logs", str(tmp_path), "--name", "bad", "--device", "cuda"], check=False
     )
     assert p.returncode == 2, p.stderr[-3000:]
-    _one_error_line(p.stderr, "--device cuda: the DeepSpeed accelerator here is cpu")
+    assert_one_error_line(p.stderr, "--device cuda: the DeepSpeed accelerator here is cpu")
     assert not (tmp_path / "bad" / "checkpoints").exists() and os.path.isdir(tmp_path)
 
 
@@ -102,5 +96,5 @@ def test_bad_values_are_one_line_and_nonzero(tmp_path, capsys, monkeypatch, extr
     rc = cli_main(["train", "--config", "tiny", "--logs", str(tmp_path), "--name", "bad", *extra])
     err = capsys.readouterr().err
     assert rc == 2, err[-3000:]
-    _one_error_line(err, expect)
+    assert_one_error_line(err, expect)
     assert not (tmp_path / "bad" / "checkpoints").exists() and os.path.isdir(tmp_path)

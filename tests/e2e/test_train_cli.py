@@ -36,6 +36,13 @@ def run_cli(args, *, world=1, timeout=600, check=True):
     return p
 
 
+def assert_one_error_line(stderr: str, expect: str) -> None:
+    """A bad-input failure as users see it: no traceback, exactly one `dsclip train: error:` line naming ``expect``."""
+    assert "Traceback" not in stderr
+    err = [line for line in stderr.splitlines() if line.startswith("dsclip train: error:")]
+    assert len(err) == 1 and expect in err[0], stderr[-3000:]
+
+
 def losses(run_dir: Path) -> dict[int, float]:
     out = {}
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
