@@ -7,6 +7,7 @@ weights and gradients. This is the step ZeRO-Offload runs on the host for its fp
 (ZeRO-2/3 hand the optimizer flat partitions; the per-tensor layout here is the harder case for torch's
 per-tensor loop, the flat one the same arithmetic). Methods are alternated within each round.
 
+  dsclip_fused     dsclip.engine.optim.FusedAdamW: torch's fused AdamW kernel (what dsclip runs without offload)
   ds_cpu_adam      deepspeed.ops.adam.DeepSpeedCPUAdam(adamw_mode=True) (vectorised C++, OpenMP)
   torch_adamw      torch.optim.AdamW defaults on CPU (per-tensor loop, foreach off on CPU tensors)
   torch_foreach    torch.optim.AdamW(foreach=True) (multi-tensor kernels)
@@ -27,14 +28,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dsclip.engine.optim import param_groups  # noqa: E402
+from dsclip.engine.optim import FusedAdamW, param_groups  # noqa: E402
 from dsclip.model import create_model  # noqa: E402
 
-METHODS = ("ds_cpu_adam", "torch_adamw", "torch_foreach")
+METHODS = ("dsclip_fused", "ds_cpu_adam", "torch_adamw", "torch_foreach")
 
 
-def parameter_set(name: str):
-    """(groups of real fp32 tensors with grads, parameter count) for the architecture ``name``."""
+def parameter_set(name: str, flat: bool = False):
+    """(groups of real fp32 tensors with grads, parameter count) for the architecture ``name``; ``flat``:
+    each group as ONE tensor, the layout ZeRO-1/2 hand the optimizer (its flat fp32 partition)."""
     with torch.device("meta"):
         model = create_model(name)
     g = torch.Generator().manual_seed(0)
@@ -49,6 +51,11 @@ def parameter_set(name: str):
         {"params": [real[ids[id(p)]] for p in grp["params"]], "weight_decay": grp["weight_decay"]}
         for grp in param_groups(model, 0.2)
     ]
+    if flat:
+        for grp in groups:
+            w = torch.nn.Parameter(torch.cat([p.detach().view(-1) for p in grp["params"]]))
+            w.grad = torch.cat([p.grad.view(-1) for p in grp["params"]])
+            grp["params"] = [w]
     return groups, sum(t.numel() for t in real.values())
 
 
@@ -58,6 +65,8 @@ def make_optimizer(method: str, groups):
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         return DeepSpeedCPUAdam(groups, adamw_mode=True, **kw)
+    if method == "dsclip_fused":
+        return FusedAdamW(groups, **kw)
     return torch.optim.AdamW(groups, foreach=method == "torch_foreach", **kw)
 
 
@@ -77,11 +86,12 @@ def main() -> None:
     ap.add_argument("--models", default="ViT-B-32,ViT-L-14")
     ap.add_argument("--steps", type=int, default=5, help="timed steps per measurement (after two untimed)")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--flat", action="store_true", help="one tensor per group (ZeRO's flat partition)")
     args = ap.parse_args()
     print(f"threads: torch {torch.get_num_threads()}", flush=True)
     rows = []
     for name in args.models.split(","):
-        groups, n = parameter_set(name)
+        groups, n = parameter_set(name, args.flat)
         times: dict[str, list[float]] = {m: [] for m in METHODS}
         for r in range(args.rounds):
             order = METHODS if r % 2 == 0 else METHODS[::-1]  # alternate: load drifts hit both sides

@@ -50,11 +50,11 @@ def test_opt_timm_builds_timms_optimizer_over_dsclips_weight_decay_groups():
     assert opt.defaults["lr"] == 1e-3 and opt.defaults["betas"] == (0.9, 0.98)
     sgd = build_optimizer(model, cfg(opt="timm/SGD", momentum=0.5).optim, "cpu")  # OpenCLIP lower-cases too
     assert type(sgd) is torch.optim.SGD and sgd.defaults["momentum"] == 0.5 and sgd.defaults["nesterov"]
-    # --opt AdamW is dsclip's own AdamW path (on CPU its blocked form, torch's arithmetic), not timm's
-    from dsclip.engine.optim import BlockedAdamW
+    # --opt AdamW is dsclip's own AdamW path (torch's fused kernel on CPU and CUDA), not timm's
+    from dsclip.engine.optim import FusedAdamW
 
-    assert type(build_optimizer(model, cfg(opt="AdamW").optim, "cpu")) is BlockedAdamW
-    assert type(build_optimizer(model, cfg(opt="AdamW").optim, "cuda")) is torch.optim.AdamW
+    assert type(build_optimizer(model, cfg(opt="AdamW").optim, "cpu")) is FusedAdamW
+    assert type(build_optimizer(model, cfg(opt="AdamW").optim, "cuda")) is FusedAdamW
 
 
 def test_opt_is_a_client_optimizer_and_its_conflicts_are_one_line_errors():
