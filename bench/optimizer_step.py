@@ -60,6 +60,9 @@ def parameter_set(name: str, flat: bool = False):
 
 
 def make_optimizer(method: str, groups):
+    # fresh group dicts: torch's add_param_group writes the optimizer's defaults (fused, foreach, ...) into
+    # the dicts it is given, so shared dicts would hand the first method's kernel choice to the others
+    groups = [dict(g) for g in groups]
     kw = dict(lr=5e-4, betas=(0.9, 0.98), eps=1e-6)
     if method == "ds_cpu_adam":
         from deepspeed.ops.adam import DeepSpeedCPUAdam

@@ -1,31 +1,41 @@
-"""With one data-parallel rank, ZeRO-1/2's coalesced gradient "reduction" is copies: make it one.
+"""ZeRO-1/2's coalesced gradient reduction on CPU as one flat buffer: one copy, one all-reduce.
 
 At the exit of ``engine.coalesce_grad_reduction()`` DeepSpeed 0.19 runs
 ``engine._flush_coalesced_reduction_zero12``: every parameter's gradient is copied into a reduction
-bucket, the bucket is all-reduced (over one rank), copied into the partition buffer, and the
-optimizer's ``step()`` then flattens the per-parameter gradients into a new flat tensor — three
-full-model copies, a collective and a per-parameter Python walk through the bucket code, for a sum
-over one rank (the average by a world of 1 is the identity). Measured with cProfile at world 1, K = 4,
-micro-batch 8 (bench/accumulation.py's model): the flush and the flatten were ~8 % of a step's CPU
-time, most of what kept the gradient cache behind OpenCLIP-style accumulation on one rank.
+bucket, the bucket is reduced rank by rank (``dist.reduce`` per destination partition, over gloo on
+CPU), copied into the partition buffer, and the optimizer's ``step()`` then flattens the per-parameter
+gradients into a new flat tensor. Measured with cProfile (bench/utilisation.py's ViT-B-32 step,
+micro-batch 8): at one rank the copies and the flatten were ~8 % of a gradient-cache step; at two ranks
+on one host the flush, the flatten and gloo's waits were 2.1 of 6.1 CPU-s.
 
-With one rank the partition is the whole parameter group, and the flat gradient that ``step()``
-wants is the parameters' ``.grad`` laid end to end in the group's order (the layout of the flat
-16-bit weights, checked below). ``install_local_flush`` replaces the engine's flush with one copy of
-each ``.grad`` into a flat buffer kept across steps, handed to ``step()`` through the interface
-DeepSpeed's own step reads for a pre-flattened partition (``averaged_gradients[i].flat_partition``);
-the list itself holds per-parameter views of that buffer, which is what the gradient norm and
-``deepspeed.utils.safe_get_full_grad`` read. Same numbers, bit for bit (tests/dist/test_local_flush.py).
+``install_local_flush`` replaces the flush: each ``.grad`` is copied once into a flat buffer kept
+across steps and laid out like the flat 16-bit weights (parameters end to end, checked below); with
+more than one rank the buffer is divided by the world size and summed by one all-reduce — DeepSpeed's
+shared-memory all-reduce when every rank is on this host (``deepspeed.comm.inference_all_reduce``:
+0.18 CPU-s for 150 M floats at two ranks against gloo's 0.26 all-reduce and 0.56 reduce-scatter),
+else the process group's; this rank's slice is handed to ``step()`` through the interface DeepSpeed's
+own step reads for a pre-flattened partition (``averaged_gradients[i].flat_partition``), and the list
+holds this partition's part of each gradient, which is what ``deepspeed.utils.safe_get_full_grad``
+reads. The gradient norm is taken over the same flat slice (``_flat_grad_norm``), and with shared
+memory the weight all-gather after the step is a shared-memory sum too (``_all_gather_dp_groups``).
+Dividing then summing is DeepSpeed's own order (``average_tensor``), so at one and two ranks every
+number is bit for bit DeepSpeed's (tests/dist/test_local_flush.py).
 
-Anything outside the plain case (more than one rank, offload, a separate gradient-accumulation dtype,
-fp16 overflow checks, MoE, Muon, round-robin padding, a layout that is not the parameters end to end)
-keeps DeepSpeed's flush.
+Anything outside the plain case (offload, a separate gradient-accumulation dtype, fp16 overflow checks,
+MoE, Muon, round-robin padding, sequence parallelism, a layout that is not the parameters end to end,
+more than one rank on a GPU, where NCCL's reduce-scatter is the right tool) keeps DeepSpeed's flush.
 """
 
 from __future__ import annotations
 
+import os
+import weakref
+
+import deepspeed.comm as ds_dist
+import deepspeed.runtime.zero.stage_1_and_2 as zero12
 import torch
 import torch.distributed as dist
+from deepspeed.runtime.utils import mask_nan_or_inf_with_val_inplace
 
 
 class _FlatGrads(list):
@@ -39,12 +49,16 @@ def _group_world(opt, i: int) -> int:
     return dist.get_world_size(group=pg) if dist.is_initialized() else 1
 
 
+def _group_rank(opt, i: int) -> int:
+    pg = opt.real_dp_process_group[i]
+    return dist.get_rank(group=pg) if dist.is_initialized() else 0
+
+
 def _layout(opt, i: int) -> list[tuple[int, int]] | None:
-    """(offset, numel) of every parameter of group i in its flat 16-bit buffer, if they lie end to end."""
+    """(offset, numel) of every parameter of group i in its flat 16-bit buffer, if they lie end to end
+    from offset 0 and DeepSpeed's view of this rank's partition is the one that layout implies."""
     params = opt.bit16_groups[i]
     flat = opt.bit16_groups_flat[i]
-    if list(map(id, opt.params_in_partition[i])) != list(map(id, params)) or opt.first_offset[i] != 0:
-        return None
     out, expected = [], 0
     for p in params:
         offset = (p.data.data_ptr() - flat.data_ptr()) // flat.element_size()
@@ -52,7 +66,69 @@ def _layout(opt, i: int) -> list[tuple[int, int]] | None:
             return None
         out.append((offset, p.numel()))
         expected += p.numel()
-    return out if expected <= int(opt.partition_size[i]) else None
+    size, rank = int(opt.partition_size[i]), _group_rank(opt, i)
+    if expected > size * _group_world(opt, i):
+        return None
+    fragments = _partition_fragments(out, rank * size, (rank + 1) * size)
+    first_offset = fragments[0][1] - out[fragments[0][0]][0] if fragments else 0
+    if [params[k] for k, _, _ in fragments] != list(opt.params_in_partition[i]) or first_offset != opt.first_offset[i]:
+        return None
+    return out
+
+
+def _partition_fragments(layout, start: int, end: int) -> list[tuple[int, int, int]]:
+    """(parameter index, flat offset, numel) of the part of each parameter inside [start, end)."""
+    out = []
+    for k, (off, n) in enumerate(layout):
+        lo, hi = max(off, start), min(off + n, end)
+        if lo < hi:
+            out.append((k, lo, hi - lo))
+    return out
+
+
+def _all_ranks_on_this_host(world: int) -> bool:
+    # DeepSpeed's shared-memory all-reduce spans every rank of the job and needs them on one host
+    # (csrc/cpu/comm/shm_interface.cpp: LOCAL_SIZE == world size); it ignores a process group.
+    return os.environ.get("LOCAL_SIZE") == str(world) and dist.get_world_size() == world
+
+
+# Elements per fp64 block of the gradient norm: large enough that the Python loop is negligible, small
+# enough that the fp64 copy of a block stays in cache.
+NORM_BLOCK = 1 << 20
+
+
+def sum_of_squares_fp64(flat: torch.Tensor) -> torch.Tensor:
+    """sum(x^2) of a flat tensor, every term squared and summed in float64 (DeepSpeed's norm precision)."""
+    total = torch.zeros((), dtype=torch.float64, device=flat.device)
+    for block in flat.split(NORM_BLOCK):
+        total += torch.linalg.vector_norm(block.double()).square()
+    return total
+
+
+def _flat_grad_norm(opt, deepspeed_norm):
+    """``get_grad_norm_direct`` over the flat partition: DeepSpeed's L2 norm in blocks.
+
+    DeepSpeed's own copies every gradient to float64 (a new tensor per parameter, the size of the
+    model in fp64) and takes one norm per parameter: on CPU that was 0.23 s of a ViT-B-32 step, more
+    than the AdamW update itself (cProfile, bench/utilisation.py's model). The same float64 arithmetic
+    over cache-sized blocks of the flat partition this flush already holds gives the same norm (the
+    terms are summed in another order, in float64, then rounded to float32 as DeepSpeed does:
+    tests/dist/test_local_flush.py compares the norms for equality). Other norms (inf), or gradients
+    that are not this flush's, go to DeepSpeed's method.
+    """
+
+    def grad_norm(gradients, params, norm_type=2):
+        flat = getattr(gradients, "flat_partition", None)
+        if flat is None or float(norm_type) != 2.0:
+            return deepspeed_norm(gradients, params, norm_type)
+        total = sum_of_squares_fp64(flat).float()
+        ds_dist.all_reduce(total, op=dist.ReduceOp.SUM, group=opt.dp_process_group)  # as DeepSpeed's
+        opt._model_parallel_all_reduce(tensor=total, op=dist.ReduceOp.SUM)
+        total = total.pow(0.5)
+        mask_nan_or_inf_with_val_inplace(total, device=opt.device)
+        return total
+
+    return grad_norm
 
 
 def local_flush_supported(engine) -> bool:
@@ -71,39 +147,91 @@ def local_flush_supported(engine) -> bool:
             and opt.dtype != torch.float16
             and not getattr(opt, "has_moe_layers", False)
             and getattr(opt, "gradient_predivide_factor", 1.0) == 1.0
+            and getattr(opt, "gradient_average", True)
+            and getattr(opt, "sequence_parallel_size", 1) == 1
             and not any(any(pads) for pads in opt.round_robin_bit16_padding)
             and not any(getattr(p, "use_muon", False) for g in opt.bit16_groups for p in g)
         )
+        groups = range(len(opt.bit16_groups))
+        worlds = {_group_world(opt, i) for i in groups}
+        # More than one rank: only on CPU, where one all-reduce of the flat buffer (shared memory) beats
+        # DeepSpeed's bucketed per-partition reduces over gloo; on GPUs NCCL's reduce-scatter stays.
+        on_cpu = all(opt.bit16_groups_flat[i].device.type == "cpu" for i in groups)
         return (
             plain
-            and all(_group_world(opt, i) == 1 for i in range(len(opt.bit16_groups)))
-            and all(_layout(opt, i) is not None for i in range(len(opt.bit16_groups)))
+            and len(worlds) == 1
+            and (worlds == {1} or on_cpu)
+            and all(_layout(opt, i) is not None for i in groups)
         )
     except AttributeError:  # another DeepSpeed optimizer class: keep its own flush
         return False
 
 
 def install_local_flush(engine) -> None:
-    """Replace the engine's ZeRO-1/2 coalesced flush by one copy per gradient (call only if supported)."""
+    """Replace the engine's ZeRO-1/2 coalesced flush by one copy per gradient into a flat buffer, plus
+    (more than one rank) one all-reduce of that buffer (call only if supported)."""
     opt = engine.optimizer
-    buffers, views = [], []
+    world = _group_world(opt, 0)
+    shm = world > 1 and _all_ranks_on_this_host(world)
+    groups = []
     for i, params in enumerate(opt.bit16_groups):
+        layout = _layout(opt, i)
+        size, rank = int(opt.partition_size[i]), _group_rank(opt, i)
         # zeros: the alignment padding after the last parameter is never written and must stay 0
-        flat = torch.zeros(int(opt.partition_size[i]), dtype=opt.dtype, device=opt.bit16_groups_flat[i].device)
-        buffers.append(flat)
-        views.append([flat.narrow(0, off, n).view(p.shape) for p, (off, n) in zip(params, _layout(opt, i))])
+        flat = torch.zeros(size * world, dtype=opt.dtype, device=opt.bit16_groups_flat[i].device)
+        copy_to = [flat.narrow(0, off, n).view(p.shape) for p, (off, n) in zip(params, layout)]
+        fragments = []  # what DeepSpeed's averaged_gradients holds: this partition's part of each gradient
+        for k, off, n in _partition_fragments(layout, rank * size, (rank + 1) * size):
+            whole = n == layout[k][1]
+            fragments.append(flat.narrow(0, off, n).view(params[k].shape) if whole else flat.narrow(0, off, n))
+        groups.append((flat, copy_to, fragments, flat.narrow(0, rank * size, size)))
 
     def flush(optimizer) -> None:  # the signature of DeepSpeedEngine._flush_coalesced_reduction_zero12
         for i, params in enumerate(optimizer.bit16_groups):
-            for p, v in zip(params, views[i]):
+            flat, copy_to, fragments, partition = groups[i]
+            for p, v in zip(params, copy_to):
                 if p.grad is None:  # unused in this step's graph: its gradient is zero
                     v.zero_()
                 else:
                     v.copy_(p.grad)
                 p.grad = None  # as DeepSpeed's epilogue leaves it: the gradient lives in the partition now
-            grads = _FlatGrads(views[i])
-            grads.flat_partition = buffers[i]
+            if world > 1:
+                # DeepSpeed's average: divide, then sum over the ranks (average_tensor); the sum of the same
+                # terms, so at two ranks bit for bit DeepSpeed's result
+                flat.div_(world)
+                if shm:
+                    ds_dist.inference_all_reduce(flat)  # falls back to the process group without the shm op
+                else:
+                    dist.all_reduce(flat, group=optimizer.real_dp_process_group[i])
+            grads = _FlatGrads(fragments)
+            grads.flat_partition = partition
             optimizer.averaged_gradients[i] = grads
 
     engine._flush_coalesced_reduction_zero12 = flush
-    engine._dsclip_local_flush = True
+    if shm:
+        _SHM_GATHER.add(opt)
+        zero12.all_gather_dp_groups = _all_gather_dp_groups
+    opt.get_grad_norm_direct = _flat_grad_norm(opt, opt.get_grad_norm_direct)
+    # which sum the flush does (tests and bench read it): none (one rank), shm, or the process group's
+    engine._dsclip_local_flush = "none" if world == 1 else "shm" if shm else "process_group"
+
+
+# After step() every rank holds the update of its own partition and ZeRO-1/2 all-gather the 16-bit flat
+# weights (deepspeed.runtime.utils.all_gather_dp_groups, gloo's all_gather on CPU: 0.45 CPU-s per
+# ViT-B-32 step at two ranks). For the optimizers whose flush above sums over shared memory, the
+# gather is the same kind of sum: every rank zeroes the partitions it does not own and the flat buffer
+# is all-reduced, so each element is its owner's value plus zeros (exact), in one shared-memory pass.
+_SHM_GATHER: weakref.WeakSet = weakref.WeakSet()
+_deepspeed_all_gather_dp_groups = zero12.all_gather_dp_groups
+
+
+def _all_gather_dp_groups(groups_flat, partitioned_param_groups, dp_process_group, *args, **kwargs):
+    if not any(groups_flat is opt.bit16_groups_flat for opt in _SHM_GATHER):
+        return _deepspeed_all_gather_dp_groups(groups_flat, partitioned_param_groups, dp_process_group, *args, **kwargs)
+    for i, flat in enumerate(groups_flat):
+        own = dist.get_rank(group=dp_process_group[i])
+        for r, part in enumerate(partitioned_param_groups[i]):
+            if r != own:
+                part.zero_()
+        ds_dist.inference_all_reduce(flat)
+    return None

@@ -1,11 +1,13 @@
-"""One rank, ZeRO-1/2: dsclip's one-copy gradient flush against DeepSpeed's own coalesced flush.
+"""ZeRO-1/2 on CPU: dsclip's flat gradient flush against DeepSpeed's own coalesced flush.
 
-dsclip/engine/local_flush.py replaces DeepSpeed's bucketed reduction (over a world of one) by one
-copy of every ``.grad`` into a flat buffer that ``step()`` reads as its pre-flattened partition. It
-moves the same numbers, so everything must be bit for bit what DeepSpeed's flush gives: the
-gradients (``safe_get_full_grad``), the gradient norm, the weights and the Adam moments after each
-of several steps (the buffer is reused across steps), for ZeRO-1 and ZeRO-2. The big-batch
-reference test (test_gradcache.py, world 1) covers the same path against an independent computation.
+dsclip/engine/local_flush.py replaces DeepSpeed's bucketed reduction by one copy of every ``.grad``
+into a flat buffer laid out like the flat weights, one all-reduce of it when there is more than one
+rank, and this rank's slice handed to ``step()`` as its pre-flattened partition. At one and two
+ranks it sums the same terms (x/2 + y/2), so everything must be bit for bit what DeepSpeed's flush
+gives: the gradients (``safe_get_full_grad``), the gradient norm, the weights and the Adam moments of
+every rank's partition after each of several steps (the buffer is reused across steps), for ZeRO-1
+and ZeRO-2. The big-batch reference test (test_gradcache.py, worlds 1 and 2) covers the same path
+against an independent computation.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ pytestmark = [pytest.mark.dist]
 K, STEPS = 3, 3
 
 
-def _run(rank, world, stage, local):
+def _run(rank, world, stage, local, shm=True):
+    import os
+
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 
     from dsclip.engine.build import build_engine
@@ -34,9 +38,20 @@ def _run(rank, world, stage, local):
         load_ds_json(cfg.train.deepspeed_config), cfg.train, cfg.optim, world_size=world, device_type="cpu"
     )
     engine = build_engine(ds, cfg.train, cfg.optim, make_model, total_steps=10, steps_per_epoch=10).engine
+    if not shm:  # ranks that are not all on one host: the flat buffer is summed by the process group
+        os.environ.pop("LOCAL_SIZE")
     step = GradCacheStep(engine, build_loss("infonce"), local_flush=local)
     named = list(engine.module.named_parameters())
-    out = {"local_flush": step.local_flush, "grads": [], "norms": [], "weights": [], "exp_avg_sq": []}
+    out = {
+        "local_flush": step.local_flush,
+        "all_reduce": getattr(engine, "_dsclip_local_flush", None),
+        "norm_fn": engine.optimizer.get_grad_norm_direct.__qualname__,
+        "grads": [],
+        "norms": [],
+        "weights": [],
+        "model": [],
+        "exp_avg_sq": [],
+    }
     for s in range(STEPS):
         images, tokens = make_batches(world, K, seed=100 + s)
         torch.manual_seed(7 + s)
@@ -46,21 +61,47 @@ def _run(rank, world, stage, local):
         engine.step()
         out["norms"].append(float(engine.get_global_grad_norm()))
         out["weights"].append({n: safe_get_full_fp32_param(p).clone() for n, p in named})
-        # one rank: the torch optimizer's state holds the whole flat fp32 partition of each group
+        # the model's own weights (what the next forward reads): gathered from every rank's partition
+        out["model"].append({n: p.detach().clone() for n, p in named})
+        # the torch optimizer's state holds this rank's flat fp32 partition of each group
         state = engine.optimizer.optimizer.state
         out["exp_avg_sq"].append({i: st["exp_avg_sq"].clone() for i, st in enumerate(state.values())})
     return out
 
 
-@pytest.mark.parametrize("stage", [1, 2])
-def test_local_flush_is_bitwise_deepspeeds_flush(stage):
-    (ours,) = run_world(_run, 1, stage, True)
-    (theirs,) = run_world(_run, 1, stage, False)
-    assert ours["local_flush"] and not theirs["local_flush"]
-    assert ours["norms"] == theirs["norms"] and all(n > 0.05 for n in ours["norms"])  # clipping was active
-    for key in ("grads", "weights", "exp_avg_sq"):
-        for s in range(STEPS):
-            diff = [n for n in ours[key][s] if not torch.equal(ours[key][s][n], theirs[key][s][n])]
-            assert not diff, f"step {s}: {key} differ for {diff}"
-    # the steps moved the weights (the comparison is not between two untouched models)
-    assert any(not torch.equal(ours["weights"][0][n], ours["weights"][-1][n]) for n in ours["weights"][0])
+@pytest.mark.parametrize("stage,world,shm", [(1, 1, True), (2, 1, True), (1, 2, True), (2, 2, True), (2, 2, False)])
+def test_local_flush_is_bitwise_deepspeeds_flush(stage, world, shm):
+    ours_ranks = run_world(_run, world, stage, True, shm)
+    theirs_ranks = run_world(_run, world, stage, False)
+    for ours, theirs in zip(ours_ranks, theirs_ranks, strict=True):
+        assert ours["local_flush"] and not theirs["local_flush"]
+        assert (
+            ours["norm_fn"] == "_flat_grad_norm.<locals>.grad_norm"
+            and theirs["norm_fn"] == "DeepSpeedZeroOptimizer.get_grad_norm_direct"
+        )
+        # tests/distutil.py sets LOCAL_SIZE: both ranks on this host share DeepSpeed's shm all-reduce
+        assert ours["all_reduce"] == ("none" if world == 1 else "shm" if shm else "process_group")
+        assert ours["norms"] == theirs["norms"] and all(n > 0.05 for n in ours["norms"])  # clipping was active
+        for key in ("grads", "weights", "model", "exp_avg_sq"):
+            for s in range(STEPS):
+                diff = [n for n in ours[key][s] if not torch.equal(ours[key][s][n], theirs[key][s][n])]
+                assert not diff, f"step {s}: {key} differ for {diff}"
+        # the steps moved the weights (the comparison is not between two untouched models)
+        assert any(not torch.equal(ours["weights"][0][n], ours["weights"][-1][n]) for n in ours["weights"][0])
+    if world > 1:  # every rank ends with the same whole model
+        last = [r["weights"][-1] for r in ours_ranks]
+        assert all(torch.equal(last[0][n], last[1][n]) for n in last[0])
+
+
+def test_blocked_sum_of_squares_is_float64_accurate():
+    """The norm's blocks (a partial last one included) sum every square in float64: within float64's
+    worst-case summation bound of the exact sum, where a float32 sum would be off by ~1e-3 here."""
+    from dsclip.engine.local_flush import NORM_BLOCK, sum_of_squares_fp64
+    from tests.tolerances import worst_case
+
+    x = torch.randn(2 * NORM_BLOCK + 12345, generator=torch.Generator().manual_seed(0)) * 1e-3
+    exact = torch.sum(x.double() ** 2)
+    got = sum_of_squares_fp64(x)
+    assert got.dtype == torch.float64
+    assert abs(got - exact) <= worst_case(x.numel(), float(exact), torch.float64)
+    assert abs(torch.sum(x * x) - exact) > abs(got - exact)  # the float32 sum is worse
