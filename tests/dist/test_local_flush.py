@@ -22,6 +22,18 @@ pytestmark = [pytest.mark.dist]
 K, STEPS = 3, 3
 
 
+def _run_cases(rank, world, cases):
+    """Every (stage, local, shm) case in this one world, engines built one after another (seeded model)."""
+    import os
+
+    out = []
+    local_size = os.environ["LOCAL_SIZE"]
+    for stage, local, shm in cases:
+        os.environ["LOCAL_SIZE"] = local_size
+        out.append(_run(rank, world, stage, local, shm))
+    return out
+
+
 def _run(rank, world, stage, local, shm=True):
     import os
 
@@ -69,28 +81,41 @@ def _run(rank, world, stage, local, shm=True):
     return out
 
 
-@pytest.mark.parametrize("stage,world,shm", [(1, 1, True), (2, 1, True), (1, 2, True), (2, 2, True), (2, 2, False)])
-def test_local_flush_is_bitwise_deepspeeds_flush(stage, world, shm):
-    ours_ranks = run_world(_run, world, stage, True, shm)
-    theirs_ranks = run_world(_run, world, stage, False)
+# (stage, shm) per world; shm=False: ranks not all on one host, the flat buffer summed by the process group
+CASES = {1: [(1, True), (2, True)], 2: [(1, True), (2, True), (2, False)]}
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_local_flush_is_bitwise_deepspeeds_flush(world):
+    # one gloo world per world size: ours and DeepSpeed's flush for every case, one after another
+    cases = [(stage, local, shm) for stage, shm in CASES[world] for local in (True, False)]
+    ranks = run_world(_run_cases, world, cases)
+    for i, (stage, shm) in enumerate(CASES[world]):
+        ours_ranks = [r[2 * i] for r in ranks]
+        theirs_ranks = [r[2 * i + 1] for r in ranks]
+        check_bitwise(ours_ranks, theirs_ranks, world, shm, f"stage {stage}, world {world}, shm {shm}")
+
+
+def check_bitwise(ours_ranks, theirs_ranks, world, shm, case):
     for ours, theirs in zip(ours_ranks, theirs_ranks, strict=True):
-        assert ours["local_flush"] and not theirs["local_flush"]
+        assert ours["local_flush"] and not theirs["local_flush"], case
         assert (
             ours["norm_fn"] == "_flat_grad_norm.<locals>.grad_norm"
             and theirs["norm_fn"] == "DeepSpeedZeroOptimizer.get_grad_norm_direct"
-        )
+        ), case
         # tests/distutil.py sets LOCAL_SIZE: both ranks on this host share DeepSpeed's shm all-reduce
-        assert ours["all_reduce"] == ("none" if world == 1 else "shm" if shm else "process_group")
-        assert ours["norms"] == theirs["norms"] and all(n > 0.05 for n in ours["norms"])  # clipping was active
+        assert ours["all_reduce"] == ("none" if world == 1 else "shm" if shm else "process_group"), case
+        assert ours["norms"] == theirs["norms"], case
+        assert all(n > 0.05 for n in ours["norms"]), case  # clipping was active
         for key in ("grads", "weights", "model", "exp_avg_sq"):
             for s in range(STEPS):
                 diff = [n for n in ours[key][s] if not torch.equal(ours[key][s][n], theirs[key][s][n])]
-                assert not diff, f"step {s}: {key} differ for {diff}"
+                assert not diff, f"{case}, step {s}: {key} differ for {diff}"
         # the steps moved the weights (the comparison is not between two untouched models)
-        assert any(not torch.equal(ours["weights"][0][n], ours["weights"][-1][n]) for n in ours["weights"][0])
+        assert any(not torch.equal(ours["weights"][0][n], ours["weights"][-1][n]) for n in ours["weights"][0]), case
     if world > 1:  # every rank ends with the same whole model
         last = [r["weights"][-1] for r in ours_ranks]
-        assert all(torch.equal(last[0][n], last[1][n]) for n in last[0])
+        assert all(torch.equal(last[0][n], last[1][n]) for n in last[0]), case
 
 
 def test_blocked_sum_of_squares_is_float64_accurate():
