@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.e2e.test_train_cli import ROOT, env
+from tests.e2e.test_train_cli import ROOT, env, run_cli_cases
 from tests.tolerances import embedding_tol
 
 open_clip = pytest.importorskip("open_clip")
@@ -270,25 +270,40 @@ def test_bad_input_is_one_line_before_training(tmp_path):
     cache = tmp_path / "hf"
     write_hub_model(cache)
     e = hub_env(cache)
+    # one case as a real `dsclip train` process (the exit path a user sees)
     msg = _bad(tmp_path, ["--model", "ViT-B-32", "--pretrained", "laion2b_no_such_tag"], e)
     assert "neither a file nor an OpenCLIP tag of ViT-B-32" in msg and "laion2b_s34b_b79k" in msg and "openai" in msg
-    msg = _bad(tmp_path, ["--pretrained", "hf-hub:dsclip-test/no-such-model"], e)
-    assert "hf-hub:dsclip-test/no-such-model" in msg
-    msg = _bad(tmp_path, ["--lock-image", "--lock-image-unlocked-groups", "5"])
-    assert "--lock-image-unlocked-groups 5 is out of range: the image tower has 4 groups" in msg
-    msg = _bad(tmp_path, ["--lock-image", "--lock-text", "--lock-text-freeze-layer-norm"])
-    assert "nothing is left to train" in msg
     # a tag resolved through OpenCLIP's registry to the (offline) cache, whose weights are another architecture:
     # the tiny hub model placed where open_clip.download_pretrained looks for ViT-B-32/laion2b_s34b_b79k
     snap = hf_repo_dir(cache, "laion/CLIP-ViT-B-32-laion2B-s34B-b79K")
     (snap / "open_clip_model.safetensors").symlink_to(hf_repo_dir(cache, HUB_REPO) / "open_clip_model.safetensors")
-    msg = _bad(tmp_path, ["--model", "ViT-B-32", "--pretrained", "laion2b_s34b_b79k", "--cache-dir", str(cache)], e)
+    spec = "open_clip:ViT-B-32/laion2b_s34b_b79k"  # the architecture named by the spec, not by --model
+    cases = {
+        "hub_missing": (["--pretrained", "hf-hub:dsclip-test/no-such-model"], "hf-hub:dsclip-test/no-such-model"),
+        "unlocked_groups": (
+            ["--lock-image", "--lock-image-unlocked-groups", "5"],
+            "--lock-image-unlocked-groups 5 is out of range: the image tower has 4 groups",
+        ),
+        "all_locked": (["--lock-image", "--lock-text", "--lock-text-freeze-layer-norm"], "nothing is left to train"),
+        "tag_other_arch": (
+            ["--model", "ViT-B-32", "--pretrained", "laion2b_s34b_b79k", "--cache-dir", str(cache)],
+            "first mismatch visual.",
+        ),
+        "spec_other_arch": (["--pretrained", spec, "--cache-dir", str(cache)], "first mismatch visual."),
+    }
+    # the others in one process (the same CLI entry point, without five more interpreters importing torch)
+    logs = ["--config", "tiny", "--logs", str(tmp_path / "logs"), "--name", "bad"]
+    results = run_cli_cases({name: ["train", *logs, *argv] for name, (argv, _) in cases.items()}, e)
+    for name, (_, expect) in cases.items():
+        rc, err = results[name]
+        errors = [ln for ln in err.splitlines() if "error:" in ln]
+        assert rc != 0 and len(errors) == 1 and expect in errors[0], (name, err[-3000:])
+    assert not (tmp_path / "logs" / "bad" / "checkpoints").exists()
+    msg = [ln for ln in results["tag_other_arch"][1].splitlines() if "error:" in ln][0]
     assert re.search(
         r"do not fit --model ViT-B-32: first mismatch visual\.\S+: file \(64,?\) vs model \(768,?\)", msg
     ), msg
     assert str(snap) in msg  # resolved by OpenCLIP's registry + hub download, offline
-    spec = "open_clip:ViT-B-32/laion2b_s34b_b79k"  # the architecture named by the spec, not by --model
-    assert "first mismatch visual." in _bad(tmp_path, ["--pretrained", spec, "--cache-dir", str(cache)], e)
 
 
 def _convert(*args):
