@@ -12,11 +12,11 @@ from __future__ import annotations
 import os
 
 from .config import DataConfig
-from .csv_data import build_csv_train_data
+from .csv_data import csv_train_dataset
 from .demo import DemoDataset, ensure_demo_tokenizer
 from .loader import MapStyleTrainData, TrainData
 from .openclip_tokenizer import OpenCLIPTokenizer
-from .synthetic import build_synthetic_train_data
+from .synthetic import synthetic_train_dataset
 from .tokenizer import SentencePieceTokenizer
 from .webdataset import build_wds_train_data
 
@@ -51,27 +51,35 @@ def build_train_data(
         raise ValueError(f"bad batch_size/rank/world_size: {batch_size}/{rank}/{world_size}")
     image_size = data_cfg.force_image_size or image_size
     kind = data_cfg.resolved_dataset_type()
-    if kind == "demo":
-        n = data_cfg.train_num_samples or data_cfg.demo_num_samples
-        # fixed universe (the run seed sets the order); rendered at the model size, normalized, not augmented
-        ds = DemoDataset(n, image_size=image_size, seed=0, mean=data_cfg.image_mean, std=data_cfg.image_std)
-        return MapStyleTrainData(
-            ds,
+    if kind == "webdataset":
+        return build_wds_train_data(
+            data_cfg,
             tokenizer=tokenizer,
+            image_size=image_size,
             batch_size=batch_size,
             rank=rank,
             world_size=world_size,
             seed=seed,
-            workers=data_cfg.workers,
-            name="demo data",
         )
-    common = dict(
-        tokenizer=tokenizer, image_size=image_size, batch_size=batch_size, rank=rank, world_size=world_size, seed=seed
+    if kind == "demo":
+        n = data_cfg.train_num_samples or data_cfg.demo_num_samples
+        # fixed universe (the run seed sets the order); rendered at the model size, normalized, not augmented
+        ds = DemoDataset(n, image_size=image_size, seed=0, mean=data_cfg.image_mean, std=data_cfg.image_std)
+        name = "demo data"
+    elif kind == "csv":
+        ds, name = csv_train_dataset(data_cfg, image_size, seed)
+    elif kind == "synthetic":
+        ds, name = synthetic_train_dataset(data_cfg, image_size)
+    else:
+        raise ValueError(f"unknown dataset_type {kind!r}")
+    # the map-style sets (demo, CSV, synthetic) share one loader: rank-sharded sampler, workers, tokenization
+    return MapStyleTrainData(
+        ds,
+        tokenizer=tokenizer,
+        batch_size=batch_size,
+        rank=rank,
+        world_size=world_size,
+        seed=seed,
+        workers=data_cfg.workers,
+        name=name,
     )
-    if kind == "csv":
-        return build_csv_train_data(data_cfg, **common)
-    if kind == "webdataset":
-        return build_wds_train_data(data_cfg, **common)
-    if kind == "synthetic":
-        return build_synthetic_train_data(data_cfg, **common)
-    raise ValueError(f"unknown dataset_type {kind!r}")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from torch.utils.data import Dataset
 
-from .loader import MapStyleTrainData, mix_seed
+from .loader import mix_seed
 from .shards import BadData, decode_image
 from .transforms import image_transform, seeded_rngs
 
@@ -88,7 +88,8 @@ class CsvDataset(Dataset):
         return self.get_sample(index)
 
 
-def build_csv_train_data(data_cfg, *, tokenizer, image_size, batch_size, rank, world_size, seed) -> MapStyleTrainData:
+def csv_train_dataset(data_cfg, image_size: int, seed: int) -> tuple[CsvDataset, str]:
+    """The CSV training set and its name in logs (the loader is built by build_train_data)."""
     images, captions = read_csv(
         data_cfg.train_data, data_cfg.csv_img_key, data_cfg.csv_caption_key, data_cfg.csv_separator
     )
@@ -96,13 +97,4 @@ def build_csv_train_data(data_cfg, *, tokenizer, image_size, batch_size, rank, w
     ds = CsvDataset(
         images, captions, image_transform(image_size, is_train=True, **data_cfg.preprocess_args()), seed=seed
     )
-    return MapStyleTrainData(
-        ds,
-        tokenizer=tokenizer,
-        batch_size=batch_size,
-        rank=rank,
-        world_size=world_size,
-        seed=seed,
-        workers=data_cfg.workers,
-        name=f"CSV {data_cfg.train_data}",
-    )
+    return ds, f"CSV {data_cfg.train_data}"

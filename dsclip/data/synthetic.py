@@ -11,7 +11,6 @@ from __future__ import annotations
 from PIL import Image
 from torch.utils.data import Dataset
 
-from .loader import MapStyleTrainData
 from .transforms import image_transform
 
 CAPTION = "Dummy caption"  # OpenCLIP's
@@ -29,21 +28,9 @@ class SyntheticDataset(Dataset):
         return self.transform(self.image), CAPTION
 
 
-def build_synthetic_train_data(
-    data_cfg, *, tokenizer, image_size, batch_size, rank, world_size, seed
-) -> MapStyleTrainData:
+def synthetic_train_dataset(data_cfg, image_size: int) -> tuple[SyntheticDataset, str]:
+    """OpenCLIP's synthetic training set and its name in logs (the loader is built by build_train_data)."""
     if not data_cfg.train_num_samples:
         raise ValueError("--dataset-type synthetic needs --train-num-samples (the epoch length), as OpenCLIP")
-    ds = SyntheticDataset(
-        data_cfg.train_num_samples, image_size, image_transform(image_size, is_train=True, **data_cfg.preprocess_args())
-    )
-    return MapStyleTrainData(
-        ds,
-        tokenizer=tokenizer,
-        batch_size=batch_size,
-        rank=rank,
-        world_size=world_size,
-        seed=seed,
-        workers=data_cfg.workers,
-        name="synthetic data",
-    )
+    transform = image_transform(image_size, is_train=True, **data_cfg.preprocess_args())
+    return SyntheticDataset(data_cfg.train_num_samples, image_size, transform), "synthetic data"

@@ -33,6 +33,7 @@ from tests.dist.test_gradcache import (
     make_cfg,
     make_model,
     rank_chunks,
+    whole_batch_features,
 )
 from tests.distutil import run_world
 from tests.tolerances import loss_size, loss_terms, rounding, worst_case
@@ -256,20 +257,11 @@ def reference_step(initial, world, k, loss_name):
     model.load_state_dict(initial)
     model.train()
     teacher = make_teacher_model().eval()
+    img_f, txt_f, scale = whole_batch_features(model, world, k)
     images, tokens = make_batches(world, k)
-    img_f, txt_f, scale = [], [], None
-    for r in range(world):
-        torch.manual_seed(SEED + 17 * r)
-        for im, tk in rank_chunks(images, tokens, r, world, k):
-            out = model(image=im, text=tk)
-            img_f.append(out["image_features"])
-            txt_f.append(out["text_features"])
-            scale = out["logit_scale"]
     with torch.no_grad():
         t = teacher(image=images, text=tokens)
-    parts = oc_loss.DistillClipLoss()(
-        torch.cat(img_f), torch.cat(txt_f), scale, t["image_features"], t["text_features"], t["logit_scale"]
-    )
+    parts = oc_loss.DistillClipLoss()(img_f, txt_f, scale, t["image_features"], t["text_features"], t["logit_scale"])
     loss = sum(parts)
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}

@@ -189,13 +189,9 @@ def _rank_step(rank, world, stage, k, reduction, patch_dropout, keep_last, compi
     }
 
 
-def reference_step(initial, world, k, patch_dropout=0.0, lr=LR):
-    """Single process, whole batch, from the engine's initial weights (ZeRO-3 initialises layer by layer,
-    so the same seed does not give the same numbers). Masks: each rank's chunks are drawn from that
-    rank's seed in order, as the gradient cache's first pass draws them."""
-    model = make_model(patch_dropout)
-    model.load_state_dict(initial)
-    model.train()
+def whole_batch_features(model, world, k):
+    """Every rank's chunks through ``model`` in one process, in rank order, each rank's dropout masks drawn
+    from its seed as the gradient cache's first pass draws them: (image features, text features, scale)."""
     images, tokens = make_batches(world, k)
     img_f, txt_f, scale = [], [], None
     for r in range(world):
@@ -205,7 +201,18 @@ def reference_step(initial, world, k, patch_dropout=0.0, lr=LR):
             img_f.append(out["image_features"])
             txt_f.append(out["text_features"])
             scale = out["logit_scale"]
-    loss = reference_loss(torch.cat(img_f), torch.cat(txt_f), scale)
+    return torch.cat(img_f), torch.cat(txt_f), scale
+
+
+def reference_step(initial, world, k, patch_dropout=0.0, lr=LR):
+    """Single process, whole batch, from the engine's initial weights (ZeRO-3 initialises layer by layer,
+    so the same seed does not give the same numbers). Masks: each rank's chunks are drawn from that
+    rank's seed in order, as the gradient cache's first pass draws them."""
+    model = make_model(patch_dropout)
+    model.load_state_dict(initial)
+    model.train()
+    img_f, txt_f, scale = whole_batch_features(model, world, k)
+    loss = reference_loss(img_f, txt_f, scale)
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     from dsclip.engine.optim import param_groups

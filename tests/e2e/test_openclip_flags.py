@@ -5,13 +5,11 @@
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
 from dsclip.checkpoint import ds_checkpoint as dc
-from dsclip.cli import main as cli_main
-from tests.e2e.test_train_cli import assert_one_error_line, run_cli
+from tests.e2e.test_train_cli import assert_bad_train_in_process, assert_bad_train_process, run_cli
 
 
 def test_openclip_flags_through_a_run_and_its_resume(tmp_path, monkeypatch):
@@ -61,12 +59,7 @@ def test_openclip_flags_through_a_run_and_its_resume(tmp_path, monkeypatch):
 
 def test_bad_momentum_is_one_line_and_nonzero(tmp_path):
     # a real process: the exit code and stderr of `python -m dsclip`; --momentum is checked after the world is up
-    p = run_cli(
-        ["train", "--config", "tiny", "--logs", str(tmp_path), "--name", "bad", "--momentum", "0.9"], check=False
-    )
-    assert p.returncode == 2, p.stderr[-3000:]
-    assert_one_error_line(p.stderr, "--momentum: dsclip's default optimizer is AdamW")
-    assert not (tmp_path / "bad" / "checkpoints").exists() and os.path.isdir(tmp_path)
+    assert_bad_train_process(tmp_path, ["--momentum", "0.9"], "--momentum: dsclip's default optimizer is AdamW")
 
 
 @pytest.mark.parametrize(
@@ -81,11 +74,7 @@ def test_bad_openclip_values_are_one_line_and_nonzero(tmp_path, capsys, monkeypa
     # run-config errors, raised before the world starts: the CLI's main in this process gives the exit code and
     # stderr a subprocess would (a process start costs seconds; test_bad_momentum_... covers the real exit path)
     monkeypatch.delenv("DSCLIP_DEBUG", raising=False)
-    rc = cli_main(["train", "--config", "tiny", "--logs", str(tmp_path), "--name", "bad", *extra])
-    err = capsys.readouterr().err
-    assert rc == 2, err[-3000:]
-    assert_one_error_line(err, expect)
-    assert not (tmp_path / "bad" / "checkpoints").exists() and os.path.isdir(tmp_path)
+    assert_bad_train_in_process(tmp_path, capsys, extra, expect)
 
 
 def test_training_counts_cut_captions_and_warns_once(tmp_path):

@@ -6,7 +6,6 @@ in-process: a process start costs seconds and tests nothing more for an error ra
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 
@@ -14,9 +13,8 @@ import pytest
 import torch
 from PIL import Image
 
-from dsclip.cli import main as cli_main
 from tests.distutil import free_port
-from tests.e2e.test_train_cli import PY, ROOT, assert_one_error_line, env, run_cli
+from tests.e2e.test_train_cli import PY, ROOT, assert_bad_train_in_process, assert_bad_train_process, env
 
 
 def test_two_ranks_meet_at_the_dist_url_and_train_synthetic_data_with_timm_lion_and_imagenet_v2(tmp_path):
@@ -72,12 +70,7 @@ def test_two_ranks_meet_at_the_dist_url_and_train_synthetic_data_with_timm_lion_
 
 def test_bad_device_is_one_line_and_nonzero(tmp_path):
     # a real process: the exit code and stderr of `python -m dsclip`; --device is checked after the world is up
-    p = run_cli(
-        ["train", "--config", "tiny", "--logs", str(tmp_path), "--name", "bad", "--device", "cuda"], check=False
-    )
-    assert p.returncode == 2, p.stderr[-3000:]
-    assert_one_error_line(p.stderr, "--device cuda: the DeepSpeed accelerator here is cpu")
-    assert not (tmp_path / "bad" / "checkpoints").exists() and os.path.isdir(tmp_path)
+    assert_bad_train_process(tmp_path, ["--device", "cuda"], "--device cuda: the DeepSpeed accelerator here is cpu")
 
 
 @pytest.mark.parametrize(
@@ -93,8 +86,4 @@ def test_bad_values_are_one_line_and_nonzero(tmp_path, capsys, monkeypatch, extr
     # errors of the run config: raised before the world starts, so `python -m dsclip`'s main in this process
     # gives the same exit code and stderr as a subprocess would (test_bad_device_... covers the real exit path)
     monkeypatch.delenv("DSCLIP_DEBUG", raising=False)
-    rc = cli_main(["train", "--config", "tiny", "--logs", str(tmp_path), "--name", "bad", *extra])
-    err = capsys.readouterr().err
-    assert rc == 2, err[-3000:]
-    assert_one_error_line(err, expect)
-    assert not (tmp_path / "bad" / "checkpoints").exists() and os.path.isdir(tmp_path)
+    assert_bad_train_in_process(tmp_path, capsys, extra, expect)

@@ -43,6 +43,31 @@ def assert_one_error_line(stderr: str, expect: str) -> None:
     assert len(err) == 1 and expect in err[0], stderr[-3000:]
 
 
+def bad_train_args(tmp_path: Path, extra: list[str]) -> list[str]:
+    return ["train", "--config", "tiny", "--logs", str(tmp_path), "--name", "bad", *extra]
+
+
+def assert_bad_train_process(tmp_path: Path, extra: list[str], expect: str) -> None:
+    """`dsclip train --config tiny EXTRA` as a real process: exit code 2, one error line naming ``expect``,
+    no checkpoint written."""
+    p = run_cli(bad_train_args(tmp_path, extra), check=False)
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert_one_error_line(p.stderr, expect)
+    assert not (tmp_path / "bad" / "checkpoints").exists() and os.path.isdir(tmp_path)
+
+
+def assert_bad_train_in_process(tmp_path: Path, capsys, extra: list[str], expect: str) -> None:
+    """The same through the CLI's main in this process (errors raised before the world starts: the exit code
+    and stderr a subprocess would give, without seconds of process start)."""
+    from dsclip.cli import main as cli_main
+
+    rc = cli_main(bad_train_args(tmp_path, extra))
+    err = capsys.readouterr().err
+    assert rc == 2, err[-3000:]
+    assert_one_error_line(err, expect)
+    assert not (tmp_path / "bad" / "checkpoints").exists() and os.path.isdir(tmp_path)
+
+
 def losses(run_dir: Path) -> dict[int, float]:
     out = {}
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
