@@ -124,13 +124,15 @@ def openclip_run(name, cfg, bs, steps, dev):
     return sps, peak_mem_gb(dev)  # model and optimizer are freed on return
 
 
-def dsclip_run(name, cfg, bs, steps, dev):
+def dsclip_run(name, cfg, bs, steps, dev, compile_blocks=False):
     from dsclip.engine.build import autocast_dtype
     from dsclip.losses import build_loss
     from dsclip.train.gradcache import GradCacheStep
 
     precision = "bf16" if dev.type == "cuda" else "fp32"
-    engine, bundle, _ = V.dsclip_engine(precision, bs, 1, cfg, 1, device_type=dev.type)
+    # compile_blocks: --torchcompile (inductor, every transformer block); compiled in the untimed warm-up
+    extra = {"torchcompile": True} if compile_blocks else None
+    engine, bundle, _ = V.dsclip_engine(precision, bs, 1, cfg, 1, extra=extra, device_type=dev.type)
     step = GradCacheStep(engine, build_loss("infonce"), compute_dtype=autocast_dtype(bundle))
     for b in make_batches(cfg, bs, 2, dev):
         step([b])
@@ -147,6 +149,13 @@ def dsclip_run(name, cfg, bs, steps, dev):
     engine.destroy()
     del engine, step, bundle
     return sps, mem
+
+
+TRAINERS = {
+    "openclip": openclip_run,
+    "dsclip": dsclip_run,
+    "dsclip_compile": lambda *a: dsclip_run(*a, compile_blocks=True),
+}
 
 
 def fitting_batch(name, cfg, bs, dev):
@@ -199,13 +208,23 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default="ViT-B-32=512,ViT-L-14=128", help="NAME=micro-batch,...")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--loss-sizes", default="32768,65536,131072")
+    ap.add_argument(
+        "--trainers",
+        default="openclip,dsclip",
+        help="compared trainers, alternated: openclip, dsclip, dsclip_compile (dsclip with --torchcompile)",
+    )
+    ap.add_argument("--assume-fits", action="store_true", help="skip the OOM probe: the given batch is known to fit")
+    ap.add_argument("--loss-sizes", default="32768,65536,131072", help="N for the loss-memory rows ('' skips them)")
     ap.add_argument("--loss-dim", type=int, default=768)
     ap.add_argument("--json-out")
     a = ap.parse_args(argv)
     for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29533", "RANK": "0", "WORLD_SIZE": "1"}.items():
         os.environ.setdefault(k, v)
     os.environ.setdefault("LOCAL_RANK", "0")
+    trainers = a.trainers.split(",")
+    unknown = set(trainers) - set(TRAINERS)
+    if unknown:
+        ap.error(f"unknown trainer(s) {sorted(unknown)}; choose from {sorted(TRAINERS)}")
     dev = torch.device(a.device)
     report = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "models": {}}
     peak = report["bf16_peak_tflops"] = bf16_peak_tflops(dev)
@@ -214,12 +233,11 @@ def main(argv=None) -> int:
         name, bs = spec.split("=")
         cfg = get_model_config(name)
         flops = U.train_flops_per_sample(cfg)
-        bs = fitting_batch(name, cfg, int(bs), dev)
-        rows = {"openclip": [], "dsclip": []}
+        bs = int(bs) if a.assume_fits else fitting_batch(name, cfg, int(bs), dev)
+        rows = {t: [] for t in trainers}
         for r in range(a.rounds):
-            for impl in ("openclip", "dsclip") if r % 2 == 0 else ("dsclip", "openclip"):
-                fn = openclip_run if impl == "openclip" else dsclip_run
-                sps, mem = fn(name, cfg, bs, a.steps, dev)
+            for impl in trainers if r % 2 == 0 else trainers[::-1]:
+                sps, mem = TRAINERS[impl](name, cfg, bs, a.steps, dev)
                 reset_mem(dev)
                 mfu = sps * flops / (peak * 1e12)
                 rows[impl].append({"samples_per_s": sps, "peak_mem_gb": mem, "mfu": mfu})
@@ -228,17 +246,18 @@ def main(argv=None) -> int:
                     flush=True,
                 )
         report["models"][name] = {"batch": bs, "train_gflop_per_sample": flops / 1e9, **rows}
-    report["loss"] = loss_memory(dev, [int(n) for n in a.loss_sizes.split(",")], a.loss_dim)
-    print("\n| model | micro-batch | trainer | samples/s (median, min-max) | MFU | peak GiB | dsclip / OpenCLIP |")
+    report["loss"] = loss_memory(dev, [int(n) for n in a.loss_sizes.split(",") if n], a.loss_dim)
+    base = trainers[0]
+    print(f"\n| model | micro-batch | trainer | samples/s (median, min-max) | MFU | peak GiB | / {base} |")
     print("|---|---:|---|---:|---:|---:|---:|")
     for name, m in report["models"].items():
-        med = {k: statistics.median(r["samples_per_s"] for r in m[k]) for k in ("openclip", "dsclip")}
-        for k in ("openclip", "dsclip"):
+        med = {k: statistics.median(r["samples_per_s"] for r in m[k]) for k in trainers}
+        for k in trainers:
             sps = sorted(r["samples_per_s"] for r in m[k])
             print(
                 f"| {name} | {m['batch']} | {k} | {med[k]:.0f} ({sps[0]:.0f}-{sps[-1]:.0f}) | "
                 f"{100 * statistics.median(r['mfu'] for r in m[k]):.1f}% | "
-                f"{max(r['peak_mem_gb'] for r in m[k]):.1f} | {med[k] / med['openclip']:.2f}x |"
+                f"{max(r['peak_mem_gb'] for r in m[k]):.1f} | {med[k] / med[base]:.2f}x |"
             )
     if a.json_out:
         Path(a.json_out).write_text(json.dumps(report, indent=1))

@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
-# GPU checks and measurements on one H200 (the device machine), as one prepared script (~6 min).
+# GPU checks and measurements on one H200 (the device machine), as one prepared script (~8 min).
 #
-#   1. fp16 and bf16 training through the real CLI (fp16 cannot run on CPU): `deepspeed --num_gpus 1
-#      --module dsclip train` on the demo recipe with ZeRO-2 fp16 (NCCL, device binding by the launcher),
-#      then `python -m dsclip train` with ZeRO-3 bf16 and the gradient cache (--accum-freq 2). Each run's
-#      final zero-shot line is compared with the CPU fp32 result in README (shape top-1 0.767).
+#   1. fp16 and bf16 training through the real CLI (fp16 cannot run on CPU), one demo epoch each:
+#      `deepspeed --num_gpus 1 --module dsclip train` with ZeRO-2 fp16 (NCCL, device binding by the
+#      launcher), then `python -m dsclip train` with ZeRO-2 bf16 and the gradient cache (--accum-freq 2,
+#      the one-rank flat flush). Each run's zero-shot line against the CPU fp32 result in README.
 #   2. bench/gpu_bench.py: dsclip vs open_clip_train samples/s, peak memory and MFU (bf16, fused AdamW,
-#      same synthetic batches, alternated) for ViT-B-32 and ViT-L-14; tiled vs local InfoNCE at large N.
-#   3. bench/utilisation.py --device cuda: GEMM rate at the ViT block shapes, FLOPs per training sample.
+#      same synthetic batches, alternated) for ViT-B-32 and ViT-L-14.
+#   3. bench/gpu_flush_check.py: the flat flush against DeepSpeed's flush on the GPU (ZeRO-2 bf16, K=2).
+#   4. bench/gpu_profile.py: step-time variants and profiler tables (where the remaining time goes).
+#   5. bench/gpu_bench.py --trainers dsclip,dsclip_compile: --torchcompile on/off (features table's GPU column).
+# (Measured once and not repeated each lease: bench/utilisation.py --device cuda, the GEMM rate at the ViT
+# block shapes; bench/gpu_bench.py's loss-memory rows, --loss-sizes 32768,65536,131072.)
 # Results land in $OUT (or ./gpu_results): logs and JSON.
 #
 # The device machine has its own python3 with torch and timm; what dsclip needs beyond that travels as
@@ -40,15 +44,17 @@ stage() {  # stage NAME SECONDS CMD...: run with a time limit, log to $OUT/NAME.
     | grep -v "^\[" | tail -n 30 | tee -a "$OUT/summary.txt"
 }
 
-DEMO=(--config demo --logs "$OUT/runs" --demo-num-samples 16384 --epochs 3 --batch-size 128 --workers 6
-      --log-every-n-steps 64 --save-frequency 0)
-stage fp16_zero2_launcher 120 deepspeed --num_gpus 1 --master_port 29611 --module dsclip train "${DEMO[@]}" \
+DEMO=(--config demo --logs "$OUT/runs" --demo-num-samples 16384 --epochs 1 --batch-size 128 --workers 6
+      --log-every-n-steps 32 --save-frequency 0)
+stage fp16_zero2_launcher 50 deepspeed --num_gpus 1 --master_port 29611 --module dsclip train "${DEMO[@]}" \
   --name fp16_zero2 --deepspeed-config zero2_fp16 --precision fp16
-stage bf16_zero3_gradcache 120 "$PY" -m dsclip train "${DEMO[@]}" --name bf16_zero3_accum2 \
-  --deepspeed-config zero3_bf16 --precision bf16 --accum-freq 2 --batch-size 64
-stage gpu_bench 240 "$PY" bench/gpu_bench.py --models ViT-B-32=512,ViT-L-14=128 --rounds 2 --steps 8 \
-  --json-out "$OUT/gpu_bench.json"
-stage utilisation 80 "$PY" bench/utilisation.py --device cuda --models ViT-B-32,ViT-L-14 \
-  --json-out "$OUT/utilisation.json"
+stage bf16_zero2_gradcache 50 "$PY" -m dsclip train "${DEMO[@]}" --name bf16_zero2_accum2 \
+  --deepspeed-config zero2_bf16 --precision bf16 --accum-freq 2 --batch-size 64
+stage gpu_bench 210 "$PY" bench/gpu_bench.py --models ViT-B-32=512,ViT-L-14=128 --rounds 2 --steps 8 \
+  --assume-fits --loss-sizes ""
+stage flush_check 50 "$PY" bench/gpu_flush_check.py --model ViT-B-32 --batch 64 --accum-freq 2
+stage gpu_profile 90 "$PY" bench/gpu_profile.py --model ViT-B-32 --batch 512 --top 25
+stage torchcompile 110 "$PY" bench/gpu_bench.py --models ViT-B-32=512 --trainers dsclip,dsclip_compile \
+  --rounds 2 --steps 8 --assume-fits --loss-sizes ""
 rm -rf "$OUT/runs"  # checkpoints stay on the machine; the logs above hold the numbers
 echo "results: $OUT/summary.txt"

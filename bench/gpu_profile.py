@@ -84,7 +84,8 @@ def time_steps(step, batches, dev) -> float:
     return statistics.median(times)
 
 
-def profile(step, batches, dev, label, top):
+def profile(step, batches, dev, label, top, sort=None):
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as prof
 
@@ -99,9 +100,40 @@ def profile(step, batches, dev, label, top):
     wall = (time.perf_counter() - t) / 2
     ka = p.key_averages()
     key = "self_device_time_total" if dev.type == "cuda" else "self_cpu_time_total"
-    busy = sum(getattr(e, key) for e in ka) / 2 / 1e6
-    print(f"\n== {label}: {wall * 1e3:.1f} ms/step wall, {busy * 1e3:.1f} ms/step device-busy (profiled)", flush=True)
-    print(ka.table(sort_by=key, row_limit=top, max_name_column_width=70), flush=True)
+    # device-busy: the kernels' own time only (an aten op's self device time is its kernels' again)
+    kernels = [e for e in ka if getattr(e, "device_type", None) == DeviceType.CUDA] if dev.type == "cuda" else ka
+    busy = sum(getattr(e, key) for e in kernels) / 2 / 1e6
+    host = sum(e.self_cpu_time_total for e in ka) / 2 / 1e6
+    print(
+        f"\n== {label}: {wall * 1e3:.1f} ms/step wall, {busy * 1e3:.1f} ms/step device-busy, "
+        f"{host * 1e3:.1f} ms/step host CPU in ops (profiled)",
+        flush=True,
+    )
+    print(ka.table(sort_by=sort or key, row_limit=top, max_name_column_width=70), flush=True)
+
+
+def host_profile(step, batches, dev, label, lines):
+    """cProfile (wall clock) of the host side of a few steps: where the Python time goes, and where the
+    host waits for the device (``item``/``tolist`` are the synchronisation points)."""
+    import cProfile
+    import io
+    import pstats
+
+    step(batches[0])
+    G.sync(dev)
+    prof = cProfile.Profile(time.perf_counter)
+    t = time.perf_counter()
+    prof.enable()
+    for b in batches[1:]:
+        step(b)
+    G.sync(dev)
+    prof.disable()
+    n = len(batches) - 1
+    print(f"\n== {label}: cProfile of {n} steps, {(time.perf_counter() - t) / n * 1e3:.1f} ms/step wall", flush=True)
+    for order in ("tottime", "cumulative"):
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats(order).print_stats(lines)
+        print(out.getvalue(), flush=True)
 
 
 def main(argv=None) -> int:
@@ -112,6 +144,11 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--top", type=int, default=18)
     ap.add_argument("--no-profile", action="store_true", help="step times only")
+    ap.add_argument("--variants", default="openclip,dsclip-autocast,dsclip-bf16,dsclip-engine")
+    ap.add_argument("--sort", help="profiler table order (default: self device time; e.g. self_cpu_time_total)")
+    ap.add_argument(
+        "--cprofile", type=int, default=0, help="lines of a cProfile of dsclip-engine's host side (0: none)"
+    )
     a = ap.parse_args(argv)
     for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29534", "RANK": "0", "WORLD_SIZE": "1"}.items():
         os.environ.setdefault(k, v)
@@ -127,15 +164,18 @@ def main(argv=None) -> int:
         "dsclip-engine": lambda: engine_step_fn(cfg, a.batch, dev),
     }
     steps = {}
-    for name, make in variants.items():
+    for name in a.variants.split(","):
+        make = variants[name]
         steps[name] = make()
         t = time_steps(steps[name], batches, dev)
         print(f"{a.model} batch {a.batch} {name}: {t * 1e3:.1f} ms/step, {a.batch / t:.0f} samples/s", flush=True)
         if name not in ("openclip", "dsclip-engine"):
             del steps[name]
         G.reset_mem(dev)
-    for name in () if a.no_profile else ("openclip", "dsclip-engine"):
-        profile(steps[name], batches, dev, name, a.top)
+    for name in () if a.no_profile else [n for n in ("openclip", "dsclip-engine") if n in steps]:
+        profile(steps[name], batches, dev, name, a.top, a.sort)
+    if a.cprofile and "dsclip-engine" in steps:
+        host_profile(steps["dsclip-engine"], batches, dev, "dsclip-engine", a.cprofile)
     return 0
 
 

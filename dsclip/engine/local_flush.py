@@ -16,8 +16,12 @@ shared-memory all-reduce when every rank is on this host (``deepspeed.comm.infer
 else the process group's; this rank's slice is handed to ``step()`` through the interface DeepSpeed's
 own step reads for a pre-flattened partition (``averaged_gradients[i].flat_partition``), and the list
 holds this partition's part of each gradient, which is what ``deepspeed.utils.safe_get_full_grad``
-reads. The gradient norm is taken over the same flat slice (``_flat_grad_norm``), and with shared
-memory the weight all-gather after the step is a shared-memory sum too (``_all_gather_dp_groups``).
+reads. The gradient norm and bf16's inf/NaN check are taken over the same flat slice
+(``_flat_grad_norm``, ``_flat_overflow_check``), the step's re-pointing of every parameter at its slice
+is skipped while they already are (``_skip_if_views_in_place``), and with shared memory the weight
+all-gather after the step is a shared-memory sum too (``_all_gather_dp_groups``). On a GPU, where only
+one rank takes this path, those per-parameter loops were host time the device waited for: ViT-B-32
+bf16 on an H200 went from 0.94x to 1.19x open_clip_train's samples/s (bench/README.md, "GPU").
 Dividing then summing is DeepSpeed's own order (``average_tensor``), so at one and two ranks every
 number is bit for bit DeepSpeed's (tests/dist/test_local_flush.py).
 
@@ -35,7 +39,7 @@ import deepspeed.comm as ds_dist
 import deepspeed.runtime.zero.stage_1_and_2 as zero12
 import torch
 import torch.distributed as dist
-from deepspeed.runtime.utils import mask_nan_or_inf_with_val_inplace
+from deepspeed.runtime.utils import has_inf_or_nan, mask_nan_or_inf_with_val_inplace
 
 
 class _FlatGrads(list):
@@ -93,14 +97,17 @@ def _all_ranks_on_this_host(world: int) -> bool:
 
 
 # Elements per fp64 block of the gradient norm: large enough that the Python loop is negligible, small
-# enough that the fp64 copy of a block stays in cache.
+# enough that the fp64 copy of a block stays in cache (CPU). On a GPU each block is four kernel launches
+# and the host's launch rate is what bounds the step, so blocks there are 16x larger (ViT-B-32: ~10
+# blocks, a 128 MiB fp64 temporary; DeepSpeed's own norm makes a per-parameter fp64 copy of each gradient).
 NORM_BLOCK = 1 << 20
+NORM_BLOCK_GPU = 1 << 24
 
 
 def sum_of_squares_fp64(flat: torch.Tensor) -> torch.Tensor:
     """sum(x^2) of a flat tensor, every term squared and summed in float64 (DeepSpeed's norm precision)."""
     total = torch.zeros((), dtype=torch.float64, device=flat.device)
-    for block in flat.split(NORM_BLOCK):
+    for block in flat.split(NORM_BLOCK if flat.device.type == "cpu" else NORM_BLOCK_GPU):
         total += torch.linalg.vector_norm(block.double()).square()
     return total
 
@@ -129,6 +136,30 @@ def _flat_grad_norm(opt, deepspeed_norm):
         return total
 
     return grad_norm
+
+
+def _flat_overflow_check(opt, deepspeed_check):
+    """``has_overflow_partitioned_grads_serial`` over the flat partition: one check per group.
+
+    With bf16 DeepSpeed checks the gradients for inf/NaN before every step (``check_grad_overflow``, on by
+    default) one parameter at a time: ~12 small kernels per parameter, 3,600 launches for ViT-B-32's 302
+    tensors, measured at 66 ms of host time per step on an H200 (bench/gpu_profile.py --cprofile), with
+    the GPU idle behind it — half of the 46 ms by which the engine trailed a plain bf16 loop. The
+    partition holds exactly the per-parameter fragments DeepSpeed checks, end to end (plus zero
+    padding), so the same reduction over it gives the same answer. Gradients that are not this flush's
+    go to DeepSpeed's method.
+    """
+
+    def has_overflow_partitioned_grads_serial():
+        flats = [getattr(opt.averaged_gradients.get(i), "flat_partition", None) for i in range(len(opt.bit16_groups))]
+        if any(f is None for f in flats):
+            return deepspeed_check()
+        invalid = torch.zeros([1], dtype=torch.float, device=flats[0].device)
+        for flat in flats:
+            invalid += has_inf_or_nan(flat)
+        return invalid.bool()
+
+    return has_overflow_partitioned_grads_serial
 
 
 def local_flush_supported(engine) -> bool:
@@ -189,12 +220,17 @@ def install_local_flush(engine) -> None:
     def flush(optimizer) -> None:  # the signature of DeepSpeedEngine._flush_coalesced_reduction_zero12
         for i, params in enumerate(optimizer.bit16_groups):
             flat, copy_to, fragments, partition = groups[i]
+            dst, src = [], []
             for p, v in zip(params, copy_to):
                 if p.grad is None:  # unused in this step's graph: its gradient is zero
                     v.zero_()
                 else:
-                    v.copy_(p.grad)
+                    dst.append(v)
+                    src.append(p.grad)
                 p.grad = None  # as DeepSpeed's epilogue leaves it: the gradient lives in the partition now
+            # one multi-tensor copy instead of a copy per parameter (302 kernel launches for ViT-B-32 on a GPU,
+            # where the host's launch rate bounds the step: bench/README.md, "GPU")
+            torch._foreach_copy_(dst, src)
             if world > 1:
                 # DeepSpeed's average: divide, then sum over the ranks (average_tensor); the sum of the same
                 # terms, so at two ranks bit for bit DeepSpeed's result
@@ -208,12 +244,40 @@ def install_local_flush(engine) -> None:
             optimizer.averaged_gradients[i] = grads
 
     engine._flush_coalesced_reduction_zero12 = flush
+    opt._update_model_bit16_weights = _skip_if_views_in_place(opt, opt._update_model_bit16_weights)
     if shm:
         _SHM_GATHER.add(opt)
         zero12.all_gather_dp_groups = _all_gather_dp_groups
     opt.get_grad_norm_direct = _flat_grad_norm(opt, opt.get_grad_norm_direct)
+    opt.has_overflow_partitioned_grads_serial = _flat_overflow_check(opt, opt.has_overflow_partitioned_grads_serial)
     # which sum the flush does (tests and bench read it): none (one rank), shm, or the process group's
     engine._dsclip_local_flush = "none" if world == 1 else "shm" if shm else "process_group"
+
+
+def _skip_if_views_in_place(opt, update):
+    """``_update_model_bit16_weights`` that does nothing when every parameter already is its view.
+
+    ZeRO-1/2's step ends by re-pointing every parameter's ``.data`` at its slice of the flat 16-bit
+    buffer ("TODO: we probably don't need this? just to be safe"): two views and a ``.data`` assignment
+    per parameter, every step, although the all-gather wrote into that buffer in place. On a GPU that is
+    host time the device waits for. The layout was checked at install (parameters end to end); the
+    step skips the re-pointing while every parameter's storage still starts where its slice does (what
+    DeepSpeed would set), and anything else (a checkpoint load, a ``.data`` set by someone else) takes
+    DeepSpeed's method.
+    """
+    # byte offset of each parameter in its group's flat buffer (the buffer itself may be replaced: a load)
+    byte_offsets = [
+        [off * opt.bit16_groups_flat[i].element_size() for off, _ in _layout(opt, i)]
+        for i in range(len(opt.bit16_groups))
+    ]
+
+    def update_model_bit16_weights(group_index: int) -> None:
+        params, offsets = opt.bit16_groups[group_index], byte_offsets[group_index]
+        base = opt.bit16_groups_flat[group_index].data_ptr()
+        if len(params) != len(offsets) or any(p.data_ptr() != base + o for p, o in zip(params, offsets)):
+            update(group_index)
+
+    return update_model_bit16_weights
 
 
 # After step() every rank holds the update of its own partition and ZeRO-1/2 all-gather the 16-bit flat

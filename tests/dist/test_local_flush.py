@@ -28,36 +28,42 @@ def _run_cases(rank, world, cases):
 
     out = []
     local_size = os.environ["LOCAL_SIZE"]
-    for stage, local, shm in cases:
+    for stage, local, shm, precision in cases:
         os.environ["LOCAL_SIZE"] = local_size
-        out.append(_run(rank, world, stage, local, shm))
+        out.append(_run(rank, world, stage, local, shm, precision))
     return out
 
 
-def _run(rank, world, stage, local, shm=True):
+def _run(rank, world, stage, local, shm=True, precision="fp32"):
     import os
 
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 
-    from dsclip.engine.build import build_engine
+    from dsclip.engine.build import autocast_dtype, build_engine
     from dsclip.engine.ds_config import load_ds_json, resolve_ds_config
     from dsclip.losses import build_loss
     from dsclip.train.gradcache import GradCacheStep
 
     cfg = make_cfg(stage, K)
     cfg.optim.grad_clip_norm = 0.05  # clipping rescales the flat buffer in place: covered too
+    if precision == "bf16":  # DeepSpeed checks bf16 gradients for inf/NaN before each step (check_grad_overflow)
+        cfg.train.precision, cfg.train.deepspeed_config = "bf16", f"ds_configs/zero{stage}_bf16.json"
     ds = resolve_ds_config(
         load_ds_json(cfg.train.deepspeed_config), cfg.train, cfg.optim, world_size=world, device_type="cpu"
     )
-    engine = build_engine(ds, cfg.train, cfg.optim, make_model, total_steps=10, steps_per_epoch=10).engine
+    bundle = build_engine(ds, cfg.train, cfg.optim, make_model, total_steps=10, steps_per_epoch=10)
+    engine = bundle.engine
     if not shm:  # ranks that are not all on one host: the flat buffer is summed by the process group
         os.environ.pop("LOCAL_SIZE")
-    step = GradCacheStep(engine, build_loss("infonce"), local_flush=local)
+    step = GradCacheStep(engine, build_loss("infonce"), local_flush=local, compute_dtype=autocast_dtype(bundle))
     named = list(engine.module.named_parameters())
     out = {
         "local_flush": step.local_flush,
         "all_reduce": getattr(engine, "_dsclip_local_flush", None),
         "norm_fn": engine.optimizer.get_grad_norm_direct.__qualname__,
+        "overflow_fn": engine.optimizer.has_overflow_partitioned_grads_serial.__qualname__,
+        "check_grad_overflow": engine.optimizer.check_grad_overflow,
+        "applied": [],
         "grads": [],
         "norms": [],
         "weights": [],
@@ -70,7 +76,11 @@ def _run(rank, world, stage, local, shm=True):
         engine.train()
         step(rank_chunks(images, tokens, rank, world, K), optimizer_step=False)
         out["grads"].append({n: safe_get_full_grad(p).clone() for n, p in named})
+        if precision == "bf16" and s == 1 and rank == 0:
+            # one non-finite gradient element on one rank: every rank must skip this step, as DeepSpeed's does
+            engine.optimizer.averaged_gradients[0][-1].view(-1)[0] = float("inf")
         engine.step()
+        out["applied"].append(bool(engine.was_step_applied()))
         out["norms"].append(float(engine.get_global_grad_norm()))
         out["weights"].append({n: safe_get_full_fp32_param(p).clone() for n, p in named})
         # the model's own weights (what the next forward reads): gathered from every rank's partition
@@ -81,32 +91,43 @@ def _run(rank, world, stage, local, shm=True):
     return out
 
 
-# (stage, shm) per world; shm=False: ranks not all on one host, the flat buffer summed by the process group
-CASES = {1: [(1, True), (2, True)], 2: [(1, True), (2, True), (2, False)]}
+# (stage, shm, precision) per world; shm=False: ranks not all on one host, the flat buffer summed by the
+# process group; bf16: DeepSpeed's overflow check runs before every step (fp32 has none), and step 1 of
+# the bf16 cases carries an inf gradient element on rank 0, which must skip that step on every rank
+CASES = {
+    1: [(1, True, "fp32"), (2, True, "fp32"), (2, True, "bf16")],
+    2: [(1, True, "fp32"), (2, True, "fp32"), (2, False, "fp32"), (2, True, "bf16")],
+}
 
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_local_flush_is_bitwise_deepspeeds_flush(world):
     # one gloo world per world size: ours and DeepSpeed's flush for every case, one after another
-    cases = [(stage, local, shm) for stage, shm in CASES[world] for local in (True, False)]
+    cases = [(stage, local, shm, precision) for stage, shm, precision in CASES[world] for local in (True, False)]
     ranks = run_world(_run_cases, world, cases)
-    for i, (stage, shm) in enumerate(CASES[world]):
+    for i, (stage, shm, precision) in enumerate(CASES[world]):
         ours_ranks = [r[2 * i] for r in ranks]
         theirs_ranks = [r[2 * i + 1] for r in ranks]
-        check_bitwise(ours_ranks, theirs_ranks, world, shm, f"stage {stage}, world {world}, shm {shm}")
+        case = f"stage {stage}, world {world}, shm {shm}, {precision}"
+        check_bitwise(ours_ranks, theirs_ranks, world, shm, case, overflow_checked=precision == "bf16")
 
 
-def check_bitwise(ours_ranks, theirs_ranks, world, shm, case):
+def check_bitwise(ours_ranks, theirs_ranks, world, shm, case, overflow_checked=False):
     for ours, theirs in zip(ours_ranks, theirs_ranks, strict=True):
         assert ours["local_flush"] and not theirs["local_flush"], case
         assert (
             ours["norm_fn"] == "_flat_grad_norm.<locals>.grad_norm"
             and theirs["norm_fn"] == "DeepSpeedZeroOptimizer.get_grad_norm_direct"
         ), case
+        assert ours["overflow_fn"] == "_flat_overflow_check.<locals>.has_overflow_partitioned_grads_serial", case
+        assert ours["check_grad_overflow"] == theirs["check_grad_overflow"] == overflow_checked, case
         # tests/distutil.py sets LOCAL_SIZE: both ranks on this host share DeepSpeed's shm all-reduce
         assert ours["all_reduce"] == ("none" if world == 1 else "shm" if shm else "process_group"), case
+        # bf16: the step with the inf element is skipped by both checks on every rank, the others applied
+        expected = [s != 1 for s in range(STEPS)] if overflow_checked else [True] * STEPS
+        assert ours["applied"] == theirs["applied"] == expected, case
         assert ours["norms"] == theirs["norms"], case
-        assert all(n > 0.05 for n in ours["norms"]), case  # clipping was active
+        assert all(n > 0.05 for i, n in enumerate(ours["norms"]) if expected[i]), case  # clipping was active
         for key in ("grads", "weights", "model", "exp_avg_sq"):
             for s in range(STEPS):
                 diff = [n for n in ours[key][s] if not torch.equal(ours[key][s][n], theirs[key][s][n])]
