@@ -88,6 +88,13 @@ def _run(rank, world, stage, local, shm=True, precision="fp32"):
         # the torch optimizer's state holds this rank's flat fp32 partition of each group
         state = engine.optimizer.optimizer.state
         out["exp_avg_sq"].append({i: st["exp_avg_sq"].clone() for i, st in enumerate(state.values())})
+    # The step's re-pointing of parameters at their flat slices is skipped while they already are those
+    # views (local_flush._skip_if_views_in_place); a parameter moved off its slice must still be put back.
+    opt = engine.optimizer
+    p0 = opt.bit16_groups[0][0]
+    p0.data = p0.data.clone()
+    opt._update_model_bit16_weights(0)
+    out["repointed"] = p0.data_ptr() == opt.bit16_groups_flat[0].data_ptr()
     return out
 
 
@@ -123,6 +130,7 @@ def check_bitwise(ours_ranks, theirs_ranks, world, shm, case, overflow_checked=F
         assert ours["check_grad_overflow"] == theirs["check_grad_overflow"] == overflow_checked, case
         # tests/distutil.py sets LOCAL_SIZE: both ranks on this host share DeepSpeed's shm all-reduce
         assert ours["all_reduce"] == ("none" if world == 1 else "shm" if shm else "process_group"), case
+        assert ours["repointed"] and theirs["repointed"], case
         # bf16: the step with the inf element is skipped by both checks on every rank, the others applied
         expected = [s != 1 for s in range(STEPS)] if overflow_checked else [True] * STEPS
         assert ours["applied"] == theirs["applied"] == expected, case
