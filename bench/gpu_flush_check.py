@@ -38,7 +38,14 @@ def run(cfg, batches, k, dev, local_flush: bool) -> dict:
     engine, bundle, _ = V.dsclip_engine(
         precision, batches[0][0].shape[0], k, cfg, 1, extra={"grad_clip_norm": 1.0}, device_type=dev.type
     )
-    step = GradCacheStep(engine, build_loss("infonce"), compute_dtype=autocast_dtype(bundle), local_flush=local_flush)
+    # DeepSpeed's runs keep its own per-parameter overflow check too: the reference is DeepSpeed's step as shipped
+    step = GradCacheStep(
+        engine,
+        build_loss("infonce"),
+        compute_dtype=autocast_dtype(bundle),
+        local_flush=local_flush,
+        fast_overflow_check=local_flush,
+    )
     named = list(engine.module.named_parameters())
     out = {"local_flush": step.local_flush, "grads": [], "norms": [], "weights": []}
     for s in range(len(batches) // k):

@@ -16,8 +16,8 @@ shared-memory all-reduce when every rank is on this host (``deepspeed.comm.infer
 else the process group's; this rank's slice is handed to ``step()`` through the interface DeepSpeed's
 own step reads for a pre-flattened partition (``averaged_gradients[i].flat_partition``), and the list
 holds this partition's part of each gradient, which is what ``deepspeed.utils.safe_get_full_grad``
-reads. The gradient norm and bf16's inf/NaN check are taken over the same flat slice
-(``_flat_grad_norm``, ``_flat_overflow_check``), the step's re-pointing of every parameter at its slice
+reads. The gradient norm is taken over the same flat slice (``_flat_grad_norm``; the inf/NaN check
+too: dsclip/engine/overflow_check.py reads ``flat_partition``), the step's re-pointing of every parameter at its slice
 is skipped while they already are (``_skip_if_views_in_place``), and with shared memory the weight
 all-gather after the step is a shared-memory sum too (``_all_gather_dp_groups``). On a GPU, where only
 one rank takes this path, those per-parameter loops were host time the device waited for: ViT-B-32
@@ -39,7 +39,7 @@ import deepspeed.comm as ds_dist
 import deepspeed.runtime.zero.stage_1_and_2 as zero12
 import torch
 import torch.distributed as dist
-from deepspeed.runtime.utils import has_inf_or_nan, mask_nan_or_inf_with_val_inplace
+from deepspeed.runtime.utils import mask_nan_or_inf_with_val_inplace
 
 
 class _FlatGrads(list):
@@ -138,30 +138,6 @@ def _flat_grad_norm(opt, deepspeed_norm):
     return grad_norm
 
 
-def _flat_overflow_check(opt, deepspeed_check):
-    """``has_overflow_partitioned_grads_serial`` over the flat partition: one check per group.
-
-    With bf16 DeepSpeed checks the gradients for inf/NaN before every step (``check_grad_overflow``, on by
-    default) one parameter at a time: ~12 small kernels per parameter, 3,600 launches for ViT-B-32's 302
-    tensors, measured at 66 ms of host time per step on an H200 (bench/gpu_profile.py --cprofile), with
-    the GPU idle behind it — half of the 46 ms by which the engine trailed a plain bf16 loop. The
-    partition holds exactly the per-parameter fragments DeepSpeed checks, end to end (plus zero
-    padding), so the same reduction over it gives the same answer. Gradients that are not this flush's
-    go to DeepSpeed's method.
-    """
-
-    def has_overflow_partitioned_grads_serial():
-        flats = [getattr(opt.averaged_gradients.get(i), "flat_partition", None) for i in range(len(opt.bit16_groups))]
-        if any(f is None for f in flats):
-            return deepspeed_check()
-        invalid = torch.zeros([1], dtype=torch.float, device=flats[0].device)
-        for flat in flats:
-            invalid += has_inf_or_nan(flat)
-        return invalid.bool()
-
-    return has_overflow_partitioned_grads_serial
-
-
 def local_flush_supported(engine) -> bool:
     opt = getattr(engine, "optimizer", None)
     needed = (
@@ -249,7 +225,6 @@ def install_local_flush(engine) -> None:
         _SHM_GATHER.add(opt)
         zero12.all_gather_dp_groups = _all_gather_dp_groups
     opt.get_grad_norm_direct = _flat_grad_norm(opt, opt.get_grad_norm_direct)
-    opt.has_overflow_partitioned_grads_serial = _flat_overflow_check(opt, opt.has_overflow_partitioned_grads_serial)
     # which sum the flush does (tests and bench read it): none (one rank), shm, or the process group's
     engine._dsclip_local_flush = "none" if world == 1 else "shm" if shm else "process_group"
 

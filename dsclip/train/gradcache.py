@@ -42,6 +42,7 @@ import torch.distributed as dist
 from dsclip.dist import rank_world
 from dsclip.engine.grad_hooks import hooks_removable, zero_grad_hooks_suspended
 from dsclip.engine.local_flush import install_local_flush, local_flush_supported
+from dsclip.engine.overflow_check import fast_overflow_check_supported, install_fast_overflow_check
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # images (B,3,H,W), tokens (B,L)
 
@@ -100,6 +101,7 @@ class GradCacheStep:
         extra_flags: Callable[[], Sequence[float]] = tuple,
         teacher: Callable[[torch.Tensor, torch.Tensor], dict] | None = None,
         local_flush: bool = True,
+        fast_overflow_check: bool = True,
     ):
         self.engine = engine
         self.loss_fn = loss_fn
@@ -123,6 +125,12 @@ class GradCacheStep:
         self.local_flush = local_flush and reduction == "coalesced" and local_flush_supported(engine)
         if self.local_flush:
             install_local_flush(engine)
+        # ZeRO-1/2's pre-step inf/NaN check (fp16; bf16 by default) in multi-tensor kernels, one GPU or many
+        # (dsclip/engine/overflow_check.py); False keeps DeepSpeed's per-parameter check (the reference)
+        opt = getattr(engine, "optimizer", None)
+        self.fast_overflow_check = fast_overflow_check and fast_overflow_check_supported(opt)
+        if self.fast_overflow_check:
+            install_fast_overflow_check(opt)
 
     def _coalescing_supported(self) -> bool:
         e = self.engine

@@ -28,13 +28,18 @@ def _run_cases(rank, world, cases):
 
     out = []
     local_size = os.environ["LOCAL_SIZE"]
-    for stage, local, shm, precision in cases:
+    for stage, mode, shm, precision in cases:
         os.environ["LOCAL_SIZE"] = local_size
-        out.append(_run(rank, world, stage, local, shm, precision))
+        out.append(_run(rank, world, stage, mode, shm, precision))
     return out
 
 
-def _run(rank, world, stage, local, shm=True, precision="fp32"):
+# ours: dsclip's flat flush + its overflow check; deepspeed: DeepSpeed's flush and check (the reference);
+# deepspeed+check: DeepSpeed's flush with dsclip's multi-tensor overflow check (what GPUs at world > 1 run)
+MODES = {"ours": (True, True), "deepspeed": (False, False), "deepspeed+check": (False, True)}
+
+
+def _run(rank, world, stage, mode, shm=True, precision="fp32"):
     import os
 
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
@@ -55,7 +60,14 @@ def _run(rank, world, stage, local, shm=True, precision="fp32"):
     engine = bundle.engine
     if not shm:  # ranks that are not all on one host: the flat buffer is summed by the process group
         os.environ.pop("LOCAL_SIZE")
-    step = GradCacheStep(engine, build_loss("infonce"), local_flush=local, compute_dtype=autocast_dtype(bundle))
+    local, check = MODES[mode]
+    step = GradCacheStep(
+        engine,
+        build_loss("infonce"),
+        local_flush=local,
+        fast_overflow_check=check,
+        compute_dtype=autocast_dtype(bundle),
+    )
     named = list(engine.module.named_parameters())
     out = {
         "local_flush": step.local_flush,
@@ -99,8 +111,9 @@ def _run(rank, world, stage, local, shm=True, precision="fp32"):
 
 
 # (stage, shm, precision) per world; shm=False: ranks not all on one host, the flat buffer summed by the
-# process group; bf16: DeepSpeed's overflow check runs before every step (fp32 has none), and step 1 of
-# the bf16 cases carries an inf gradient element on rank 0, which must skip that step on every rank
+# process group; bf16: DeepSpeed's overflow check runs before every step (fp32 has none), step 1 of the
+# bf16 cases carries an inf gradient element on rank 0, which must skip that step on every rank, and
+# DeepSpeed's flush also runs with dsclip's overflow check (deepspeed+check) against the reference
 CASES = {
     1: [(1, True, "fp32"), (2, True, "fp32"), (2, True, "bf16")],
     2: [(1, True, "fp32"), (2, True, "fp32"), (2, False, "fp32"), (2, True, "bf16")],
@@ -110,26 +123,41 @@ CASES = {
 @pytest.mark.parametrize("world", [1, 2])
 def test_local_flush_is_bitwise_deepspeeds_flush(world):
     # one gloo world per world size: ours and DeepSpeed's flush for every case, one after another
-    cases = [(stage, local, shm, precision) for stage, shm, precision in CASES[world] for local in (True, False)]
+    cases = []
+    for stage, shm, precision in CASES[world]:
+        modes = ("ours", "deepspeed", "deepspeed+check") if precision == "bf16" else ("ours", "deepspeed")
+        cases += [(stage, mode, shm, precision) for mode in modes]
     ranks = run_world(_run_cases, world, cases)
-    for i, (stage, shm, precision) in enumerate(CASES[world]):
-        ours_ranks = [r[2 * i] for r in ranks]
-        theirs_ranks = [r[2 * i + 1] for r in ranks]
+    results = {c: [r[i] for r in ranks] for i, c in enumerate(cases)}
+    for stage, shm, precision in CASES[world]:
         case = f"stage {stage}, world {world}, shm {shm}, {precision}"
-        check_bitwise(ours_ranks, theirs_ranks, world, shm, case, overflow_checked=precision == "bf16")
+        theirs = results[(stage, "deepspeed", shm, precision)]
+        assert all(t["overflow_fn"] == "DeepSpeedZeroOptimizer.has_overflow_partitioned_grads_serial" for t in theirs)
+        check_bitwise(results[(stage, "ours", shm, precision)], theirs, world, shm, case, precision == "bf16")
+        if precision == "bf16":
+            check_bitwise(
+                results[(stage, "deepspeed+check", shm, precision)],
+                theirs,
+                world,
+                shm,
+                case + ", DeepSpeed's flush with dsclip's overflow check",
+                overflow_checked=True,
+                local_flush=False,
+            )
 
 
-def check_bitwise(ours_ranks, theirs_ranks, world, shm, case, overflow_checked=False):
+def check_bitwise(ours_ranks, theirs_ranks, world, shm, case, overflow_checked=False, local_flush=True):
     for ours, theirs in zip(ours_ranks, theirs_ranks, strict=True):
-        assert ours["local_flush"] and not theirs["local_flush"], case
-        assert (
-            ours["norm_fn"] == "_flat_grad_norm.<locals>.grad_norm"
-            and theirs["norm_fn"] == "DeepSpeedZeroOptimizer.get_grad_norm_direct"
+        assert ours["local_flush"] == local_flush and not theirs["local_flush"], case
+        assert ours["norm_fn"] == (
+            "_flat_grad_norm.<locals>.grad_norm" if local_flush else "DeepSpeedZeroOptimizer.get_grad_norm_direct"
         ), case
-        assert ours["overflow_fn"] == "_flat_overflow_check.<locals>.has_overflow_partitioned_grads_serial", case
+        assert theirs["norm_fn"] == "DeepSpeedZeroOptimizer.get_grad_norm_direct", case
+        assert ours["overflow_fn"] == "_fast_overflow_check.<locals>.has_overflow_partitioned_grads_serial", case
         assert ours["check_grad_overflow"] == theirs["check_grad_overflow"] == overflow_checked, case
         # tests/distutil.py sets LOCAL_SIZE: both ranks on this host share DeepSpeed's shm all-reduce
-        assert ours["all_reduce"] == ("none" if world == 1 else "shm" if shm else "process_group"), case
+        if local_flush:
+            assert ours["all_reduce"] == ("none" if world == 1 else "shm" if shm else "process_group"), case
         assert ours["repointed"] and theirs["repointed"], case
         # bf16: the step with the inf element is skipped by both checks on every rank, the others applied
         expected = [s != 1 for s in range(STEPS)] if overflow_checked else [True] * STEPS
