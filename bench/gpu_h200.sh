@@ -53,7 +53,7 @@ stage bf16_zero2_gradcache 50 "$PY" -m dsclip train "${DEMO[@]}" --name bf16_zer
 stage gpu_bench 210 "$PY" bench/gpu_bench.py --models ViT-B-32=512,ViT-L-14=128 --rounds 2 --steps 8 \
   --assume-fits --loss-sizes ""
 stage flush_check 50 "$PY" bench/gpu_flush_check.py --model ViT-B-32 --batch 64 --accum-freq 2
-stage gpu_profile 90 "$PY" bench/gpu_profile.py --model ViT-B-32 --batch 512 --top 25
+stage gpu_profile 90 "$PY" bench/gpu_profile.py --model ViT-B-32 --batch 512 --top 25 --cprofile 30
 stage torchcompile 110 "$PY" bench/gpu_bench.py --models ViT-B-32=512 --trainers dsclip,dsclip_compile \
   --rounds 2 --steps 8 --assume-fits --loss-sizes ""
 rm -rf "$OUT/runs"  # checkpoints stay on the machine; the logs above hold the numbers
