@@ -183,6 +183,7 @@ def _rank_step(rank, world, stage, k, reduction, patch_dropout, keep_last, compi
         # ZeRO-1/2: DeepSpeed's per-parameter hooks were left out of the K backwards and are back afterwards
         "hooks_skipped": step.skip_zero_hooks,
         "local_flush": step.local_flush,  # ZeRO-1/2 on CPU: dsclip/engine/local_flush.py
+        "fast_overflow_check": step.fast_overflow_check,  # ZeRO-1/2 only: dsclip/engine/overflow_check.py
         "all_reduce": getattr(engine, "_dsclip_local_flush", None),
         "hooks_restored": len(getattr(engine.optimizer, "_grad_acc_hooks", []))
         == sum(p.requires_grad for p in engine.module.parameters()),
@@ -289,6 +290,8 @@ def test_gradcache_equals_big_batch(world, stage, k, shared_dir):
         assert all(r["hooks_skipped"] and r["hooks_restored"] for r in results)
     assert_matches(results, reference_step(results[0]["initial"], world, k), world, k)
     assert all(r["local_flush"] == (stage == 2) for r in results)
+    # ZeRO-3 checks its own flat buffer: the per-parameter check being replaced is ZeRO-1/2's
+    assert all(r["fast_overflow_check"] == (stage == 2) for r in results)
     # two ranks on one host: the flat buffer is summed by DeepSpeed's shared-memory all-reduce
     assert all(r["all_reduce"] == {1: "none", 2: "shm"}[world] for r in results if stage == 2)
 
