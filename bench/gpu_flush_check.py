@@ -27,14 +27,14 @@ import vs_openclip as V  # noqa: E402
 from dsclip.model import get_model_config  # noqa: E402
 
 
-def run(cfg, batches, k, dev, local_flush: bool) -> dict:
+def run(cfg, batches, k, dev, local_flush: bool, precision: str = "bf16") -> dict:
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 
     from dsclip.engine.build import autocast_dtype
     from dsclip.losses import build_loss
     from dsclip.train.gradcache import GradCacheStep
 
-    precision = "bf16" if dev.type == "cuda" else "fp32"
+    precision = precision if dev.type == "cuda" else "fp32"
     engine, bundle, _ = V.dsclip_engine(
         precision, batches[0][0].shape[0], k, cfg, 1, extra={"grad_clip_norm": 1.0}, device_type=dev.type
     )
@@ -80,6 +80,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--accum-freq", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--precision", default="bf16", choices=["bf16", "fp16"], help="on the GPU (CPU runs fp32)")
     a = ap.parse_args(argv)
     for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29535", "RANK": "0", "WORLD_SIZE": "1"}.items():
         os.environ.setdefault(k, v)
@@ -87,12 +88,13 @@ def main(argv=None) -> int:
     dev = torch.device(a.device)
     cfg = V.BENCH_CFG if a.model == "bench" else get_model_config(a.model)
     batches = G.make_batches(cfg, a.batch, a.steps * a.accum_freq, dev)
-    ds1 = run(cfg, batches, a.accum_freq, dev, local_flush=False)
-    ds2 = run(cfg, batches, a.accum_freq, dev, local_flush=False)
-    ours = run(cfg, batches, a.accum_freq, dev, local_flush=True)
+    ds1, ds2, ours = (run(cfg, batches, a.accum_freq, dev, local, a.precision) for local in (False, False, True))
     assert ours["local_flush"] and not ds1["local_flush"], "the flat flush was not (or always) installed"
     noise, diff = max_diff(ds2, ds1), max_diff(ours, ds1)
-    print(f"{a.model}, {dev.type}, micro-batch {a.batch} x K {a.accum_freq}, {a.steps} steps, ZeRO-2, clipping 1.0")
+    print(
+        f"{a.model}, {dev.type} {a.precision}, micro-batch {a.batch} x K {a.accum_freq}, {a.steps} steps, "
+        "ZeRO-2, clipping 1.0"
+    )
     print(
         "norms DeepSpeed flush:", [f"{x:.6g}" for x in ds1["norms"]], "flat flush:", [f"{x:.6g}" for x in ours["norms"]]
     )

@@ -7,7 +7,7 @@
 #      the one-rank flat flush). Each run's zero-shot line against the CPU fp32 result in README.
 #   2. bench/gpu_bench.py: dsclip vs open_clip_train samples/s, peak memory and MFU (bf16, fused AdamW,
 #      same synthetic batches, alternated) for ViT-B-32 and ViT-L-14.
-#   3. bench/gpu_flush_check.py: the flat flush against DeepSpeed's flush on the GPU (ZeRO-2 bf16, K=2).
+#   3. bench/gpu_flush_check.py: the flat flush against DeepSpeed's flush on the GPU (ZeRO-2 bf16 and fp16, K=2).
 #   4. bench/gpu_profile.py: step-time variants and profiler tables (where the remaining time goes).
 #   5. bench/gpu_bench.py --trainers dsclip,dsclip_compile: --torchcompile on/off (features table's GPU column).
 # (Measured once and not repeated each lease: bench/utilisation.py --device cuda, the GEMM rate at the ViT
@@ -52,7 +52,9 @@ stage bf16_zero2_gradcache 50 "$PY" -m dsclip train "${DEMO[@]}" --name bf16_zer
   --deepspeed-config zero2_bf16 --precision bf16 --accum-freq 2 --batch-size 64
 stage gpu_bench 210 "$PY" bench/gpu_bench.py --models ViT-B-32=512,ViT-L-14=128 --rounds 2 --steps 8 \
   --assume-fits --loss-sizes ""
-stage flush_check 50 "$PY" bench/gpu_flush_check.py --model ViT-B-32 --batch 64 --accum-freq 2
+# one stage (one log): at most 8 files come back from the device machine
+stage flush_check 100 bash -c "for p in bf16 fp16; do $PY bench/gpu_flush_check.py --model ViT-B-32 --batch 64 \
+  --accum-freq 2 --precision \$p || exit 1; done"
 stage gpu_profile 90 "$PY" bench/gpu_profile.py --model ViT-B-32 --batch 512 --top 25 --cprofile 30
 stage torchcompile 110 "$PY" bench/gpu_bench.py --models ViT-B-32=512 --trainers dsclip,dsclip_compile \
   --rounds 2 --steps 8 --assume-fits --loss-sizes ""

@@ -25,7 +25,9 @@ bf16 on an H200 went from 0.94x to 1.19x open_clip_train's samples/s (bench/READ
 Dividing then summing is DeepSpeed's own order (``average_tensor``), so at one and two ranks every
 number is bit for bit DeepSpeed's (tests/dist/test_local_flush.py).
 
-Anything outside the plain case (offload, a separate gradient-accumulation dtype, fp16 overflow checks,
+fp16 takes it too (its loss scale and overflow skip act on the same partition DeepSpeed's step reads;
+tests/dist/test_local_flush.py, fp16 cases, with the accelerator's fp16 support mocked on CPU).
+Anything outside the plain case (offload, a separate gradient-accumulation dtype,
 MoE, Muon, round-robin padding, sequence parallelism, a layout that is not the parameters end to end,
 more than one rank on a GPU, where NCCL's reduce-scatter is the right tool) keeps DeepSpeed's flush.
 """
@@ -151,7 +153,6 @@ def local_flush_supported(engine) -> bool:
             not opt.cpu_offload
             and not opt.use_grad_accum_attribute
             and not getattr(opt, "use_separate_grad_accum", False)
-            and opt.dtype != torch.float16
             and not getattr(opt, "has_moe_layers", False)
             and getattr(opt, "gradient_predivide_factor", 1.0) == 1.0
             and getattr(opt, "gradient_average", True)

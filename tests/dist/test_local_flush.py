@@ -51,11 +51,21 @@ def _run(rank, world, stage, mode, shm=True, precision="fp32"):
 
     cfg = make_cfg(stage, K)
     cfg.optim.grad_clip_norm = 0.05  # clipping rescales the flat buffer in place: covered too
-    if precision == "bf16":  # DeepSpeed checks bf16 gradients for inf/NaN before each step (check_grad_overflow)
-        cfg.train.precision, cfg.train.deepspeed_config = "bf16", f"ds_configs/zero{stage}_bf16.json"
+    device_type = "cpu"
+    if precision in ("bf16", "fp16"):  # DeepSpeed checks bf16/fp16 gradients for inf/NaN before each step
+        cfg.train.precision, cfg.train.deepspeed_config = precision, f"ds_configs/zero{stage}_{precision}.json"
+    if precision == "fp16":
+        # fp16 is a GPU path that DeepSpeed refuses on a CPU accelerator; torch runs fp16 on CPU, so the
+        # refusal is mocked at the boundary (the accelerator's is_fp16_supported, dsclip's CPU check)
+        from deepspeed.accelerator import get_accelerator
+
+        type(get_accelerator()).is_fp16_supported = lambda self: True
+        device_type = "cuda"
     ds = resolve_ds_config(
-        load_ds_json(cfg.train.deepspeed_config), cfg.train, cfg.optim, world_size=world, device_type="cpu"
+        load_ds_json(cfg.train.deepspeed_config), cfg.train, cfg.optim, world_size=world, device_type=device_type
     )
+    if precision == "fp16":
+        ds["fp16"]["initial_scale_power"] = 4  # a loss scale this model's gradients do not overflow at
     bundle = build_engine(ds, cfg.train, cfg.optim, make_model, total_steps=10, steps_per_epoch=10)
     engine = bundle.engine
     if not shm:  # ranks that are not all on one host: the flat buffer is summed by the process group
@@ -88,7 +98,7 @@ def _run(rank, world, stage, mode, shm=True, precision="fp32"):
         engine.train()
         step(rank_chunks(images, tokens, rank, world, K), optimizer_step=False)
         out["grads"].append({n: safe_get_full_grad(p).clone() for n, p in named})
-        if precision == "bf16" and s == 1 and rank == 0:
+        if precision != "fp32" and s == 1 and rank == 0:
             # one non-finite gradient element on one rank: every rank must skip this step, as DeepSpeed's does
             engine.optimizer.averaged_gradients[0][-1].view(-1)[0] = float("inf")
         engine.step()
@@ -111,12 +121,12 @@ def _run(rank, world, stage, mode, shm=True, precision="fp32"):
 
 
 # (stage, shm, precision) per world; shm=False: ranks not all on one host, the flat buffer summed by the
-# process group; bf16: DeepSpeed's overflow check runs before every step (fp32 has none), step 1 of the
-# bf16 cases carries an inf gradient element on rank 0, which must skip that step on every rank, and
+# process group; bf16 / fp16 (loss-scaled): DeepSpeed's overflow check runs before every step (fp32 has
+# none), step 1 carries an inf gradient element on rank 0, which must skip that step on every rank, and
 # DeepSpeed's flush also runs with dsclip's overflow check (deepspeed+check) against the reference
 CASES = {
-    1: [(1, True, "fp32"), (2, True, "fp32"), (2, True, "bf16")],
-    2: [(1, True, "fp32"), (2, True, "fp32"), (2, False, "fp32"), (2, True, "bf16")],
+    1: [(1, True, "fp32"), (2, True, "fp32"), (2, True, "bf16"), (2, True, "fp16")],
+    2: [(1, True, "fp32"), (2, True, "fp32"), (2, False, "fp32"), (2, True, "bf16"), (2, True, "fp16")],
 }
 
 
@@ -125,7 +135,7 @@ def test_local_flush_is_bitwise_deepspeeds_flush(world):
     # one gloo world per world size: ours and DeepSpeed's flush for every case, one after another
     cases = []
     for stage, shm, precision in CASES[world]:
-        modes = ("ours", "deepspeed", "deepspeed+check") if precision == "bf16" else ("ours", "deepspeed")
+        modes = ("ours", "deepspeed", "deepspeed+check") if precision != "fp32" else ("ours", "deepspeed")
         cases += [(stage, mode, shm, precision) for mode in modes]
     ranks = run_world(_run_cases, world, cases)
     results = {c: [r[i] for r in ranks] for i, c in enumerate(cases)}
@@ -133,8 +143,8 @@ def test_local_flush_is_bitwise_deepspeeds_flush(world):
         case = f"stage {stage}, world {world}, shm {shm}, {precision}"
         theirs = results[(stage, "deepspeed", shm, precision)]
         assert all(t["overflow_fn"] == "DeepSpeedZeroOptimizer.has_overflow_partitioned_grads_serial" for t in theirs)
-        check_bitwise(results[(stage, "ours", shm, precision)], theirs, world, shm, case, precision == "bf16")
-        if precision == "bf16":
+        check_bitwise(results[(stage, "ours", shm, precision)], theirs, world, shm, case, precision != "fp32")
+        if precision != "fp32":
             check_bitwise(
                 results[(stage, "deepspeed+check", shm, precision)],
                 theirs,
