@@ -150,6 +150,10 @@ def main(argv=None) -> int:
         "--cprofile", type=int, default=0, help="lines of a cProfile of dsclip-engine's host side (0: none)"
     )
     a = ap.parse_args(argv)
+    known = ("openclip", "dsclip-autocast", "dsclip-bf16", "dsclip-engine")
+    unknown = sorted(set(a.variants.split(",")) - set(known))
+    if unknown:
+        ap.error(f"unknown --variants {unknown}; choose from {', '.join(known)}")
     for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29534", "RANK": "0", "WORLD_SIZE": "1"}.items():
         os.environ.setdefault(k, v)
     os.environ.setdefault("LOCAL_RANK", "0")
@@ -165,8 +169,7 @@ def main(argv=None) -> int:
     }
     steps = {}
     for name in a.variants.split(","):
-        make = variants[name]
-        steps[name] = make()
+        steps[name] = variants[name]()
         t = time_steps(steps[name], batches, dev)
         print(f"{a.model} batch {a.batch} {name}: {t * 1e3:.1f} ms/step, {a.batch / t:.0f} samples/s", flush=True)
         if name not in ("openclip", "dsclip-engine"):

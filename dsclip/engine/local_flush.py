@@ -181,9 +181,8 @@ def install_local_flush(engine) -> None:
     opt = engine.optimizer
     world = _group_world(opt, 0)
     shm = world > 1 and _all_ranks_on_this_host(world)
-    groups = []
-    for i, params in enumerate(opt.bit16_groups):
-        layout = _layout(opt, i)
+    groups, layouts = [], [_layout(opt, i) for i in range(len(opt.bit16_groups))]
+    for i, (params, layout) in enumerate(zip(opt.bit16_groups, layouts)):
         size, rank = int(opt.partition_size[i]), _group_rank(opt, i)
         # zeros: the alignment padding after the last parameter is never written and must stay 0
         flat = torch.zeros(size * world, dtype=opt.dtype, device=opt.bit16_groups_flat[i].device)
@@ -221,7 +220,7 @@ def install_local_flush(engine) -> None:
             optimizer.averaged_gradients[i] = grads
 
     engine._flush_coalesced_reduction_zero12 = flush
-    opt._update_model_bit16_weights = _skip_if_views_in_place(opt, opt._update_model_bit16_weights)
+    opt._update_model_bit16_weights = _skip_if_views_in_place(opt, opt._update_model_bit16_weights, layouts)
     if shm:
         _SHM_GATHER.add(opt)
         zero12.all_gather_dp_groups = _all_gather_dp_groups
@@ -230,7 +229,7 @@ def install_local_flush(engine) -> None:
     engine._dsclip_local_flush = "none" if world == 1 else "shm" if shm else "process_group"
 
 
-def _skip_if_views_in_place(opt, update):
+def _skip_if_views_in_place(opt, update, layouts):
     """``_update_model_bit16_weights`` that does nothing when every parameter already is its view.
 
     ZeRO-1/2's step ends by re-pointing every parameter's ``.data`` at its slice of the flat 16-bit
@@ -243,8 +242,7 @@ def _skip_if_views_in_place(opt, update):
     """
     # byte offset of each parameter in its group's flat buffer (the buffer itself may be replaced: a load)
     byte_offsets = [
-        [off * opt.bit16_groups_flat[i].element_size() for off, _ in _layout(opt, i)]
-        for i in range(len(opt.bit16_groups))
+        [off * opt.bit16_groups_flat[i].element_size() for off, _ in layout] for i, layout in enumerate(layouts)
     ]
 
     def update_model_bit16_weights(group_index: int) -> None:
