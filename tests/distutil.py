@@ -1,7 +1,14 @@
 """Run a function on N gloo ranks in fresh processes and collect what each rank returns.
 
-Used by the multi-process tests (losses, gradient cache, sharding). Each rank is a spawned process
-with its own interpreter, so state never leaks between ranks or into the pytest process.
+Used by the multi-process tests (losses, gradient cache, sharding). Each rank is a fresh process, so
+state never leaks between ranks, between tests or into the pytest process.
+
+The ranks come from a fork server (one per pytest worker) that has imported torch, timm, DeepSpeed and
+dsclip once and done nothing else: a rank is a fork of that pristine process. Spawning an interpreter per
+rank spent ~4-5 s of CPU on start-up and imports before each test's first line, on every rank of ~120
+worlds per `make test`. What a fork server does not give by itself, and ``_rank_main`` restores: the
+environment of the test at the time it starts the world (the server's is the one of its own start), and
+the settings torch reads from that environment at import (inductor's compile threads).
 """
 
 from __future__ import annotations
@@ -57,7 +64,20 @@ def rank_threads() -> int:
     return max(1, int(os.environ.get("OMP_NUM_THREADS") or 1))
 
 
-def _rank_main(rank, world_size, port, fn, args, queue):
+# Imported once by the fork server; nothing here may start threads or read per-test state at import.
+FORKSERVER_PRELOAD = ["torch", "timm", "deepspeed", "dsclip.engine.build", "dsclip.train.loop"]
+
+
+def _context():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
+    return ctx
+
+
+def _rank_main(rank, world_size, port, fn, args, queue, environ):
+    # the test's environment now (monkeypatch.setenv included), not the fork server's from its start
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -71,6 +91,10 @@ def _rank_main(rank, world_size, port, fn, args, queue):
     import torch.distributed as dist
 
     torch.set_num_threads(rank_threads())
+    if "TORCHINDUCTOR_COMPILE_THREADS" in os.environ:  # read by torch._inductor.config at import (preloaded)
+        import torch._inductor.config as inductor_config
+
+        inductor_config.compile_threads = int(os.environ["TORCHINDUCTOR_COMPILE_THREADS"])
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
@@ -91,10 +115,13 @@ def run_world(fn, world_size: int, *args, timeout: float = 600.0) -> list:
     ``fn`` must be importable (module-level) and its result picklable. Raises with the failing
     rank's traceback if any rank fails.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
+    environ = dict(os.environ)
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, world_size, port, fn, args, queue, environ)) for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     results: dict[int, object] = {}
