@@ -243,6 +243,7 @@ def _dsclip_rank(rank, world, precision, batch, warmup, steps, cfg, accum_freq, 
     from dsclip.losses import build_loss
     from dsclip.train.gradcache import GradCacheStep
     from dsclip.train.loop import step_seed
+    from dsclip.train.metrics import LogArgs
 
     one_thread()
     opts = opts or {}
@@ -269,12 +270,13 @@ def _dsclip_rank(rank, world, precision, batch, warmup, steps, cfg, accum_freq, 
         compute_dtype=autocast_dtype(bundle),
     )
     k = accum_freq
+    log_every = LogArgs().log_every_n_steps  # as `dsclip train` logs (and so takes the gradient norm) by default
 
     def run(data, n0):
         for i in range(len(data) // k):
             torch.manual_seed(step_seed(0, n0 + i, rank))
             engine.train()
-            step_fn(data[i * k : (i + 1) * k])
+            step_fn(data[i * k : (i + 1) * k], grad_norm=(n0 + i + 1) % log_every == 0)
             engine.get_lr()
 
     run(synthetic_batches(warmup * k, batch, cfg, seed=1 + 100 * rank), 0)

@@ -221,12 +221,41 @@ def install_local_flush(engine) -> None:
 
     engine._flush_coalesced_reduction_zero12 = flush
     opt._update_model_bit16_weights = _skip_if_views_in_place(opt, opt._update_model_bit16_weights, layouts)
+    engine._dsclip_master_aliased = world == 1 and _alias_fp32_master(opt)
     if shm:
         _SHM_GATHER.add(opt)
         zero12.all_gather_dp_groups = _all_gather_dp_groups
     opt.get_grad_norm_direct = _flat_grad_norm(opt, opt.get_grad_norm_direct)
     # which sum the flush does (tests and bench read it): none (one rank), shm, or the process group's
     engine._dsclip_local_flush = "none" if world == 1 else "shm" if shm else "process_group"
+
+
+def _alias_fp32_master(opt) -> bool:
+    """One rank, fp32 weights: make the fp32 "master" partition the model's own flat weights.
+
+    ZeRO-1/2 keep the optimizer's fp32 partition as a copy of the 16-bit flat weights, and copy it back
+    into them after every step. With fp32 weights at one rank the two are the same numbers in two
+    buffers: a second copy of the model (0.6 GB for ViT-B-32) and a copy of it on every step (~0.05 CPU-s
+    of a 4.4 CPU-s ViT-B-32 step; bench/README.md, "Utilisation"). Here the master tensor (the one object
+    the torch optimizer and its state know) is re-pointed at the flat weights, and DeepSpeed's fragment
+    links (``_hp_mapping``: what safe_get_full_fp32_param and universal checkpoints read and write) are
+    rebuilt over it; the step's copy back is then a copy onto itself, which torch skips. Only before the
+    first step (no optimizer state yet), and only where the two hold equal values of one dtype. At more
+    ranks the master is a slice of the flat buffer, and saving it would write the whole buffer (a view
+    saves its storage), so it stays a copy there."""
+    masters, parts = opt.single_partition_of_fp32_groups, [g[0] for g in opt.parallel_partitioned_bit16_groups]
+    if (
+        opt.cpu_offload
+        or opt._hp_optimizer_states_linked
+        or len(opt.optimizer.state) > 0
+        or any(m.dtype != p.dtype or m.shape != p.shape or m.device != p.device for m, p in zip(masters, parts))
+        or not all(torch.equal(m, p) for m, p in zip(masters, parts))
+    ):
+        return False
+    for master, part in zip(masters, parts):
+        master.data = part  # same Parameter object: the torch optimizer's param_groups still hold it
+    opt._link_all_hp_params()
+    return True
 
 
 def _skip_if_views_in_place(opt, update, layouts):

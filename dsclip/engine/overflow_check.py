@@ -47,7 +47,7 @@ def _fast_overflow_check(opt, deepspeed_check):
         for grads in groups:
             flat = getattr(grads, "flat_partition", None)
             if flat is not None:  # dsclip's flush: the partition holds exactly these fragments, end to end
-                flags.append(has_inf_or_nan(flat).float().reshape(1))
+                flags.append(_flat_non_finite(flat))
                 continue
             tensors = [g for g in grads if g is not None and g.numel() > 0]
             if any(g.is_sparse for g in tensors):
@@ -60,6 +60,16 @@ def _fast_overflow_check(opt, deepspeed_check):
         return found.bool()  # shape [1], as DeepSpeed's
 
     return has_overflow_partitioned_grads_serial
+
+
+def _flat_non_finite(flat: torch.Tensor) -> torch.Tensor:
+    """1.0 if the flat partition holds an inf or NaN. fp32 (checked only on the steps that skip the norm:
+    dsclip/engine/grad_norm.py) in one pass: a float32 sum is inf/NaN exactly when an element is, or when
+    finite gradients sum past float32's range (~3.4e38), where DeepSpeed's fp32 norm, whose overflow skips
+    the step, is inf already. 16-bit: DeepSpeed's two reductions (an fp16 sum overflows at 65504)."""
+    if flat.dtype == torch.float32:
+        return (~torch.isfinite(flat.sum())).float().reshape(1)
+    return has_inf_or_nan(flat).float().reshape(1)
 
 
 def _foreach_non_finite(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

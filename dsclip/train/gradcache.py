@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from dsclip.dist import rank_world
 from dsclip.engine.grad_hooks import hooks_removable, zero_grad_hooks_suspended
+from dsclip.engine.grad_norm import grad_norm_optional, without_grad_norm
 from dsclip.engine.local_flush import install_local_flush, local_flush_supported
 from dsclip.engine.overflow_check import fast_overflow_check_supported, install_fast_overflow_check
 
@@ -131,6 +132,9 @@ class GradCacheStep:
         self.fast_overflow_check = fast_overflow_check and fast_overflow_check_supported(opt)
         if self.fast_overflow_check:
             install_fast_overflow_check(opt)
+        # without clipping the norm is only reported: steps called with grad_norm=False skip it
+        # (dsclip/engine/grad_norm.py)
+        self.grad_norm_optional = grad_norm_optional(opt)
 
     def _coalescing_supported(self) -> bool:
         e = self.engine
@@ -206,11 +210,15 @@ class GradCacheStep:
                 e.backward(surrogate)
         e.set_gradient_accumulation_boundary(True)
 
-    def __call__(self, micro_batches: Sequence[Batch], *, optimizer_step: bool = True) -> StepResult:
+    def __call__(
+        self, micro_batches: Sequence[Batch], *, optimizer_step: bool = True, grad_norm: bool = True
+    ) -> StepResult:
         """One optimizer step over the K = len(micro_batches) chunks of this rank.
 
         ``optimizer_step=False`` stops after the gradients are reduced (tests inspect them with
         ``deepspeed.utils.safe_get_full_grad`` and then call ``engine.step()`` themselves).
+        ``grad_norm=False``: nobody reads this step's gradient norm (not a logged step), so where clipping
+        does not need it either the step skips computing it and reports None.
         """
         k = len(micro_batches)
         if k < 1:
@@ -294,7 +302,9 @@ class GradCacheStep:
                 terms(),
             )
         e = self.engine
-        e.step()
+        skip_norm = not grad_norm and self.grad_norm_optional
+        with without_grad_norm(e.optimizer) if skip_norm else contextlib.nullcontext():
+            e.step()
 
         applied = bool(e.was_step_applied()) if hasattr(e, "was_step_applied") else True
         grad_norm = e.get_global_grad_norm() if hasattr(e, "get_global_grad_norm") else None

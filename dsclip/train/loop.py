@@ -126,7 +126,7 @@ def fit(run: Run) -> tuple[int, str | None]:
             data_wait = time.perf_counter() - t_wait
             torch.manual_seed(step_seed(cfg.train.seed, step, run.rank))
             engine.train()
-            result = run.step_fn(chunk)
+            result = run.step_fn(chunk, grad_norm=run.metrics.logs_step(step + 1))
             chunk = []
             step, in_epoch = step + 1, in_epoch + 1
             epoch_end = in_epoch == run.plan.steps_per_epoch

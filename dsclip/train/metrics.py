@@ -169,6 +169,10 @@ class MetricsLogger:
         self.window_losses: list[float] = []
         self.window_skipped = 0
 
+    def logs_step(self, step: int) -> bool:
+        """Whether step ``step`` (1-based) ends a logging window: only its gradient norm is reported."""
+        return step % self.every == 0 or step == self.total_steps
+
     def step(self, step: int, result, *, data_wait_s: float, lr: float, epoch: int, extra: dict | None = None) -> None:
         """Record a finished optimizer step (1-based ``step``); log when the window is full."""
         self.window_steps += 1
@@ -183,7 +187,7 @@ class MetricsLogger:
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix(loss=f"{result.loss:.4f}")
-        if step % self.every == 0 or step == self.total_steps:
+        if self.logs_step(step):
             self.flush(step, result, lr=lr, epoch=epoch, extra=extra)
 
     def _check_truncation(self, cut: int) -> None:

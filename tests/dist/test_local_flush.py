@@ -117,6 +117,10 @@ def _run(rank, world, stage, mode, shm=True, precision="fp32"):
     p0.data = p0.data.clone()
     opt._update_model_bit16_weights(0)
     out["repointed"] = p0.data_ptr() == opt.bit16_groups_flat[0].data_ptr()
+    # one rank, fp32: the optimizer's master partition is the flat weights buffer itself (no second copy)
+    masters, parts = opt.single_partition_of_fp32_groups, [g[0] for g in opt.parallel_partitioned_bit16_groups]
+    out["master_aliased"] = getattr(engine, "_dsclip_master_aliased", False)
+    out["master_shares_weights"] = [m.data_ptr() == q.data_ptr() for m, q in zip(masters, parts)]
     return out
 
 
@@ -143,7 +147,15 @@ def test_local_flush_is_bitwise_deepspeeds_flush(world):
         case = f"stage {stage}, world {world}, shm {shm}, {precision}"
         theirs = results[(stage, "deepspeed", shm, precision)]
         assert all(t["overflow_fn"] == "DeepSpeedZeroOptimizer.has_overflow_partitioned_grads_serial" for t in theirs)
-        check_bitwise(results[(stage, "ours", shm, precision)], theirs, world, shm, case, precision != "fp32")
+        check_bitwise(
+            results[(stage, "ours", shm, precision)],
+            theirs,
+            world,
+            shm,
+            case,
+            precision != "fp32",
+            fp32=precision == "fp32",
+        )
         if precision != "fp32":
             check_bitwise(
                 results[(stage, "deepspeed+check", shm, precision)],
@@ -156,9 +168,13 @@ def test_local_flush_is_bitwise_deepspeeds_flush(world):
             )
 
 
-def check_bitwise(ours_ranks, theirs_ranks, world, shm, case, overflow_checked=False, local_flush=True):
+def check_bitwise(ours_ranks, theirs_ranks, world, shm, case, overflow_checked=False, local_flush=True, fp32=False):
     for ours, theirs in zip(ours_ranks, theirs_ranks, strict=True):
         assert ours["local_flush"] == local_flush and not theirs["local_flush"], case
+        aliased = local_flush and fp32 and world == 1
+        assert ours["master_aliased"] == aliased and not theirs["master_aliased"], case
+        assert all(s == aliased for s in ours["master_shares_weights"]), case
+        assert not any(theirs["master_shares_weights"]), case
         assert ours["norm_fn"] == (
             "_flat_grad_norm.<locals>.grad_norm" if local_flush else "DeepSpeedZeroOptimizer.get_grad_norm_direct"
         ), case
