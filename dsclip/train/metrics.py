@@ -42,7 +42,11 @@ class LogArgs:
 
     logs: str = opt("./logs", "Folder that holds run folders.")
     name: str | None = opt(None, "Run folder name (default: date-model-lr-batch).")
-    log_every_n_steps: int = opt(100, "Console/TensorBoard/jsonl logging interval in optimizer steps.")
+    log_every_n_steps: int = opt(
+        100,
+        "Console/TensorBoard/jsonl logging interval in optimizer steps. Without --grad-clip-norm the gradient "
+        "norm is computed on these steps only (it is logged, nothing else reads it).",
+    )
     report_to: str = opt(
         "", "Comma-separated extra loggers: tensorboard, wandb (all: both). metrics.jsonl is always written."
     )

@@ -6,8 +6,11 @@ rank, and this rank's slice handed to ``step()`` as its pre-flattened partition.
 ranks it sums the same terms (x/2 + y/2), so everything must be bit for bit what DeepSpeed's flush
 gives: the gradients (``safe_get_full_grad``), the gradient norm, the weights and the Adam moments of
 every rank's partition after each of several steps (the buffer is reused across steps), for ZeRO-1
-and ZeRO-2. The big-batch reference test (test_gradcache.py, worlds 1 and 2) covers the same path
-against an independent computation.
+and ZeRO-2. At one rank in fp32 the optimizer's master partition is the flat weights themselves
+(``_alias_fp32_master``): asserted by pointer, and the same bit-for-bit comparison holds with it. The
+big-batch reference test (test_gradcache.py, worlds 1 and 2) covers the same path against an
+independent computation; the resume tests (tests/e2e/test_checkpoint_resume.py: 2 ranks -> 1 -> 2,
+universal checkpoints) save and load through the aliased master.
 """
 
 from __future__ import annotations
