@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .common import LossInputError, acc_dtype, check_inputs
-from .distributed import all_gather_with_grad
+from .distributed import all_gather_columns_with_grad
 from .infonce import InfoNCELoss
 
 
@@ -65,13 +65,11 @@ class DistillInfoNCELoss(InfoNCELoss):
             )
         dt = acc_dtype(image_features.dtype)
         x, y = image_features.to(dt), text_features.to(dt)  # (b, D)
-        all_x = all_gather_with_grad(x, lay.sizes, self.group)  # (N, D), gradient flows back to owners
-        all_y = all_gather_with_grad(y, lay.sizes, self.group)
-        with torch.no_grad():  # the teacher is frozen: plain gathers, no graph
-            tx, ty = teacher_image_features.detach().to(dt), teacher_text_features.detach().to(dt)  # (b, Dt)
-            all_tx = all_gather_with_grad(tx, lay.sizes, self.group)  # (N, Dt)
-            all_ty = all_gather_with_grad(ty, lay.sizes, self.group)
-            t_scale = torch.as_tensor(teacher_logit_scale).detach().to(dt).reshape(())
+        # the teacher is frozen (detached: no gradient reaches it); student and teacher rows in one collective
+        tx, ty = teacher_image_features.detach().to(dt), teacher_text_features.detach().to(dt)  # (b, Dt)
+        all_x, all_y, all_tx, all_ty = all_gather_columns_with_grad((x, y, tx, ty), lay.sizes, self.group)
+        all_tx, all_ty = all_tx.detach(), all_ty.detach()  # (N, Dt)
+        t_scale = torch.as_tensor(teacher_logit_scale).detach().to(dt).reshape(())
         ls = self.label_smoothing
         if not self.local:
             # OpenCLIP's global branch for both models: (scale * X) @ Y^T, the text logits its transpose

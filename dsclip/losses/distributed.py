@@ -20,6 +20,7 @@ from torch import Tensor
 from dsclip.dist import rank_world
 
 __all__ = [
+    "all_gather_columns_with_grad",
     "all_gather_sizes",
     "all_gather_with_grad",
     "all_reduce_sum_with_grad",
@@ -98,6 +99,24 @@ def all_gather_with_grad(x: Tensor, sizes: Sequence[int] | None = None, group=No
     if sizes is None:
         sizes = all_gather_sizes(x.shape[0], x.device, group)
     return _AllGatherWithGrad.apply(x, tuple(int(s) for s in sizes), group)
+
+
+def all_gather_columns_with_grad(
+    tensors: Sequence[Tensor], sizes: Sequence[int] | None = None, group=None
+) -> list[Tensor]:
+    """``all_gather_with_grad`` of several (b, D_i) tensors of one dtype with equal row counts, as ONE
+    collective: they travel side by side as the columns of one (b, sum D_i) tensor (and their gradients
+    as one reduce-scatter). The gathered values are those of gathering each tensor alone (a gather moves
+    values), and each gradient element sums the same terms (bit for bit the separate gathers' on gloo:
+    tests/dist/test_loss_dist.py). It saves a collective, and the wait for the slowest rank inside it,
+    per tensor past the first: image and text features, 2 -> 1 forward and backward."""
+    _, world = rank_world(group)
+    if world == 1:
+        return list(tensors)
+    widths = [t.shape[1] for t in tensors]
+    gathered = all_gather_with_grad(torch.cat(list(tensors), dim=1), sizes, group)  # (N, sum D_i)
+    # contiguous: the matmuls downstream see the same operand layout as after separate gathers
+    return [part.contiguous() for part in gathered.split(widths, dim=1)]
 
 
 class _AllReduceSumWithGrad(torch.autograd.Function):

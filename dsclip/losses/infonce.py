@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .common import ContrastiveLoss, acc_dtype, check_label_smoothing
-from .distributed import all_gather_with_grad
+from .distributed import all_gather_columns_with_grad
 
 
 class InfoNCELoss(ContrastiveLoss):
@@ -40,8 +40,8 @@ class InfoNCELoss(ContrastiveLoss):
     def compute(self, image_features, text_features, logit_scale, logit_bias, lay) -> Tensor:
         dt = acc_dtype(image_features.dtype)
         x, y = image_features.to(dt), text_features.to(dt)  # (b, D) each; no copy for fp32/fp64
-        all_x = all_gather_with_grad(x, lay.sizes, self.group)  # (N, D), gradient flows back to owners
-        all_y = all_gather_with_grad(y, lay.sizes, self.group)
+        # (N, D) each, gradients flow back to their owners; one collective for both
+        all_x, all_y = all_gather_columns_with_grad((x, y), lay.sizes, self.group)
         ls = self.label_smoothing
         if not self.local:
             # Same op order as OpenCLIP's global branch: (scale * X) @ Y^T, texts = its transpose.

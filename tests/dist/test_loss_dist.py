@@ -84,6 +84,7 @@ def _global_batch(sizes, dtype=torch.float64):
 
 def _correctness_worker(rank, world):
     from dsclip.losses import all_gather_with_grad, all_reduce_mean, build_loss
+    from dsclip.losses.distributed import all_gather_columns_with_grad
 
     out = {}
     for sizes in SIZES[world]:
@@ -124,6 +125,22 @@ def _correctness_worker(rank, world):
         gathered = all_gather_with_grad(t)
         (gathered * _gather_weights(sizes)).sum().mul(_weight(rank)).backward()
         out[sizes, "gather"] = (gathered.detach(), t.grad, all_reduce_mean(torch.tensor(float(rank))))
+        # several tensors in one collective (the losses' image + text features): bit for bit separate gathers
+        base = [t.detach() * 0.37, torch.randn(sizes[rank], 3, dtype=torch.float64, generator=torch.Generator())]
+        n = sum(sizes)
+        weights = [torch.linspace(-1, 2, n * 2, dtype=torch.float64).reshape(n, 2), torch.ones(n, 3) * 0.3]
+        together, alone = [b.clone().requires_grad_() for b in base], [b.clone().requires_grad_() for b in base]
+        got = all_gather_columns_with_grad(together)
+        ref = [all_gather_with_grad(a) for a in alone]
+        for outs in (got, ref):
+            sum((o * w).sum() for o, w in zip(outs, weights)).mul(_weight(rank)).backward()
+        out[sizes, "columns"] = (
+            [g.detach() for g in got],
+            [r.detach() for r in ref],
+            [a.grad for a in together],
+            [a.grad for a in alone],
+            all(g.is_contiguous() for g in got),
+        )
     if world > 1:  # the tiled losses never materialise a big matrix on any rank
         sizes = MEM_SIZES[:world]
         x, y, s, b = make_batch(sum(sizes), MEM_D, seed=1)
@@ -207,6 +224,18 @@ def test_all_gather_with_grad_uneven_and_mean(world):
             assert torch.equal(gathered, full)
             assert_close(grad, wsum * _gather_weights(sizes)[_rows(sizes, r)])
             assert float(mean) == (world - 1) / 2
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_columns_gathered_together_equal_separate_gathers(world):
+    for sizes in SIZES[world]:
+        for r, res in enumerate(results(world)):
+            got, ref, grads, ref_grads, contiguous = res[sizes, "columns"]
+            assert contiguous, (sizes, r)
+            assert [tuple(g.shape) for g in got] == [(sum(sizes), 2), (sum(sizes), 3)], (sizes, r)
+            assert all(torch.equal(a, b) for a, b in zip(got, ref)), (sizes, r)
+            assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads)), (sizes, r)
+            assert sizes[r] == 0 or all(g.abs().sum() > 0 for g in grads), (sizes, r)  # gradients did flow
 
 
 BF16_CASES = [(w, sizes, mode) for w in SIZES for sizes in SIZES[w][:1] for mode in BF16_MODES]
