@@ -150,9 +150,13 @@ def test_resume_latest_without_checkpoint_starts_fresh_and_continues(tmp_path):
     assert "resumed from" not in first.stdout  # nothing to resume: a fresh start, as a requeued job wants
     assert sorted(losses(tmp_path / "r")) == [1, 2, 3, 4]
     assert list((tmp_path / "r" / "tensorboard").glob("events.out.tfevents.*"))
-    second = run_cli(args(6))
+    # logging every 2nd step from here: step 5 is not logged, and without clipping computes no gradient norm
+    second = run_cli(args(6) + ["--log-every-n-steps", "2"])
     assert "resumed from" in second.stdout and "step_000000004" in second.stdout
-    assert sorted(losses(tmp_path / "r")) == [1, 2, 3, 4, 5, 6]  # one metrics.jsonl, continued
+    assert sorted(losses(tmp_path / "r")) == [1, 2, 3, 4, 6]  # one metrics.jsonl, continued
+    records = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    norms = {r["step"]: r["grad_norm"] for r in records if "loss" in r}
+    assert all(isinstance(n, float) and 0 < n < float("inf") for n in norms.values()), norms  # every logged step
 
 
 def test_torchcompile_run_trains_like_eager_and_evaluates(tmp_path):
