@@ -128,6 +128,7 @@ def dsclip_run(name, cfg, bs, steps, dev, compile_blocks=False):
     from dsclip.engine.build import autocast_dtype
     from dsclip.losses import build_loss
     from dsclip.train.gradcache import GradCacheStep
+    from dsclip.train.metrics import LogArgs
 
     precision = "bf16" if dev.type == "cuda" else "fp32"
     # compile_blocks: --torchcompile (inductor, every transformer block); compiled in the untimed warm-up
@@ -140,9 +141,10 @@ def dsclip_run(name, cfg, bs, steps, dev, compile_blocks=False):
     reset_mem(dev)
     batches = make_batches(cfg, bs, steps, dev)
     sync(dev)
+    log_every = LogArgs().log_every_n_steps  # the gradient norm on logged steps only, as `dsclip train` runs
     t = time.perf_counter()
-    for b in batches:
-        step([b])
+    for i, b in enumerate(batches):
+        step([b], grad_norm=(i + 1) % log_every == 0)
     sync(dev)
     sps = steps * bs / (time.perf_counter() - t)
     mem = peak_mem_gb(dev)
