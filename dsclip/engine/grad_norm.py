@@ -34,7 +34,6 @@ def grad_norm_optional(opt) -> bool:
             and float(opt.clip_grad or 0.0) == 0.0
             and not opt.cpu_offload
             and not getattr(opt, "zenflow", False)
-            and opt.dtype in (torch.float32, torch.bfloat16, torch.float16)
         )
     except AttributeError:
         return False

@@ -244,9 +244,8 @@ def _alias_fp32_master(opt) -> bool:
     ranks the master is a slice of the flat buffer, and saving it would write the whole buffer (a view
     saves its storage), so it stays a copy there."""
     masters, parts = opt.single_partition_of_fp32_groups, [g[0] for g in opt.parallel_partitioned_bit16_groups]
-    if (
-        opt.cpu_offload
-        or opt._hp_optimizer_states_linked
+    if (  # (no offload here: the flat flush is not installed with it)
+        opt._hp_optimizer_states_linked
         or len(opt.optimizer.state) > 0
         or any(m.dtype != p.dtype or m.shape != p.shape or m.device != p.device for m, p in zip(masters, parts))
         or not all(torch.equal(m, p) for m, p in zip(masters, parts))
