@@ -1,4 +1,4 @@
-"""ZeRO-1/2's coalesced gradient reduction on CPU as one flat buffer: one copy, one all-reduce.
+"""ZeRO-1/2's coalesced gradient reduction on CPU as one flat buffer: one copy, one sum over the ranks.
 
 At the exit of ``engine.coalesce_grad_reduction()`` DeepSpeed 0.19 runs
 ``engine._flush_coalesced_reduction_zero12``: every parameter's gradient is copied into a reduction
@@ -9,17 +9,21 @@ micro-batch 8): at one rank the copies and the flatten were ~8 % of a gradient-c
 on one host the flush, the flatten and gloo's waits were 2.1 of 6.1 CPU-s.
 
 ``install_local_flush`` replaces the flush: each ``.grad`` is copied once into a flat buffer kept
-across steps and laid out like the flat 16-bit weights (parameters end to end, checked below); with
-more than one rank the buffer is divided by the world size and summed by one all-reduce — DeepSpeed's
-shared-memory all-reduce when every rank is on this host (``deepspeed.comm.inference_all_reduce``:
-0.18 CPU-s for 150 M floats at two ranks against gloo's 0.26 all-reduce and 0.56 reduce-scatter),
-else the process group's; this rank's slice is handed to ``step()`` through the interface DeepSpeed's
-own step reads for a pre-flattened partition (``averaged_gradients[i].flat_partition``), and the list
-holds this partition's part of each gradient, which is what ``deepspeed.utils.safe_get_full_grad``
-reads. The gradient norm is taken over the same flat slice (``_flat_grad_norm``; the inf/NaN check
-too: dsclip/engine/overflow_check.py reads ``flat_partition``), the step's re-pointing of every parameter at its slice
-is skipped while they already are (``_skip_if_views_in_place``), and with shared memory the weight
-all-gather after the step is a shared-memory sum too (``_all_gather_dp_groups``). On a GPU, where only
+across steps and laid out like the flat 16-bit weights (parameters end to end, checked below). With
+more than one rank, when every rank is on this host, that buffer is the rank's shared-memory slot
+(dsclip/engine/host_shm.py) and the sum is a reduce-scatter through the slots: one barrier, then each
+rank sums its own partition of every rank's buffer (``_HostExchange``); otherwise the buffer is divided
+by the world size and all-reduced by the process group. This rank's partition is handed to ``step()``
+through the interface DeepSpeed's own step reads for a pre-flattened partition
+(``averaged_gradients[i].flat_partition``), and the list holds this partition's part of each gradient,
+which is what ``deepspeed.utils.safe_get_full_grad`` reads. The gradient norm is taken over the same flat
+slice (``_flat_grad_norm``; the inf/NaN check too: dsclip/engine/overflow_check.py reads
+``flat_partition``), the step's re-pointing of every parameter at its slice is skipped while they
+already are (``_skip_if_views_in_place``), and with the slots the weight all-gather after the step goes
+through them too (``_all_gather_dp_groups``). Before the slots, DeepSpeed's shared-memory all-reduce
+(``deepspeed.comm.inference_all_reduce``) summed the whole buffer on every rank, twice per step (the
+gather as a sum with zeros), busy-waiting for the peer: 9.4 ms of a 0.136 CPU-s demo step at two ranks
+(bench/step_profile.py). On a GPU, where only
 one rank takes this path, those per-parameter loops were host time the device waited for: ViT-B-32
 bf16 on an H200 went from 0.94x to 1.19x open_clip_train's samples/s (bench/README.md, "GPU").
 Dividing then summing is DeepSpeed's own order (``average_tensor``), so at one and two ranks every
@@ -42,6 +46,8 @@ import deepspeed.runtime.zero.stage_1_and_2 as zero12
 import torch
 import torch.distributed as dist
 from deepspeed.runtime.utils import mask_nan_or_inf_with_val_inplace
+
+from dsclip.engine.host_shm import open_host_slots
 
 
 class _FlatGrads(list):
@@ -93,8 +99,8 @@ def _partition_fragments(layout, start: int, end: int) -> list[tuple[int, int, i
 
 
 def _all_ranks_on_this_host(world: int) -> bool:
-    # DeepSpeed's shared-memory all-reduce spans every rank of the job and needs them on one host
-    # (csrc/cpu/comm/shm_interface.cpp: LOCAL_SIZE == world size); it ignores a process group.
+    # The launcher's count of ranks on this host (deepspeed / torchrun / dsclip's SLURM wrappers set
+    # LOCAL_SIZE) is the whole job: the shared-memory slots can reach every rank of the group.
     return os.environ.get("LOCAL_SIZE") == str(world) and dist.get_world_size() == world
 
 
@@ -177,15 +183,24 @@ def local_flush_supported(engine) -> bool:
 
 def install_local_flush(engine) -> None:
     """Replace the engine's ZeRO-1/2 coalesced flush by one copy per gradient into a flat buffer, plus
-    (more than one rank) one all-reduce of that buffer (call only if supported)."""
+    (more than one rank) one sum over the ranks of that buffer (call only if supported)."""
     opt = engine.optimizer
     world = _group_world(opt, 0)
-    shm = world > 1 and _all_ranks_on_this_host(world)
-    groups, layouts = [], [_layout(opt, i) for i in range(len(opt.bit16_groups))]
+    group = opt.real_dp_process_group[0]
+    layouts = [_layout(opt, i) for i in range(len(opt.bit16_groups))]
+    sizes = [int(opt.partition_size[i]) for i in range(len(opt.bit16_groups))]
+    exchange = None
+    if world > 1 and _all_ranks_on_this_host(world):
+        exchange = _HostExchange.open(opt, sizes, group)
+    groups = []
     for i, (params, layout) in enumerate(zip(opt.bit16_groups, layouts)):
-        size, rank = int(opt.partition_size[i]), _group_rank(opt, i)
-        # zeros: the alignment padding after the last parameter is never written and must stay 0
-        flat = torch.zeros(size * world, dtype=opt.dtype, device=opt.bit16_groups_flat[i].device)
+        size, rank = sizes[i], _group_rank(opt, i)
+        # zeros (a new slot is zero-filled too): the alignment padding after the last parameter is never
+        # written and must stay 0
+        if exchange is not None:
+            flat = exchange.grads(i)
+        else:
+            flat = torch.zeros(size * world, dtype=opt.dtype, device=opt.bit16_groups_flat[i].device)
         copy_to = [flat.narrow(0, off, n).view(p.shape) for p, (off, n) in zip(params, layout)]
         fragments = []  # what DeepSpeed's averaged_gradients holds: this partition's part of each gradient
         for k, off, n in _partition_fragments(layout, rank * size, (rank + 1) * size):
@@ -194,6 +209,8 @@ def install_local_flush(engine) -> None:
         groups.append((flat, copy_to, fragments, flat.narrow(0, rank * size, size)))
 
     def flush(optimizer) -> None:  # the signature of DeepSpeedEngine._flush_coalesced_reduction_zero12
+        if exchange is not None:
+            exchange.before_writing_grads()
         for i, params in enumerate(optimizer.bit16_groups):
             flat, copy_to, fragments, partition = groups[i]
             dst, src = [], []
@@ -207,27 +224,27 @@ def install_local_flush(engine) -> None:
             # one multi-tensor copy instead of a copy per parameter (302 kernel launches for ViT-B-32 on a GPU,
             # where the host's launch rate bounds the step: bench/README.md, "GPU")
             torch._foreach_copy_(dst, src)
-            if world > 1:
+            if world > 1 and exchange is None:
                 # DeepSpeed's average: divide, then sum over the ranks (average_tensor); the sum of the same
                 # terms, so at two ranks bit for bit DeepSpeed's result
                 flat.div_(world)
-                if shm:
-                    ds_dist.inference_all_reduce(flat)  # falls back to the process group without the shm op
-                else:
-                    dist.all_reduce(flat, group=optimizer.real_dp_process_group[i])
+                dist.all_reduce(flat, group=optimizer.real_dp_process_group[i])
             grads = _FlatGrads(fragments)
             grads.flat_partition = partition
             optimizer.averaged_gradients[i] = grads
+        if exchange is not None:  # every group's partition in one exchange (one barrier)
+            exchange.reduce_scatter()
 
     engine._flush_coalesced_reduction_zero12 = flush
     opt._update_model_bit16_weights = _skip_if_views_in_place(opt, opt._update_model_bit16_weights, layouts)
     engine._dsclip_master_aliased = world == 1 and _alias_fp32_master(opt)
-    if shm:
-        _SHM_GATHER.add(opt)
+    if exchange is not None:
+        _HOST_GATHER[opt] = exchange
         zero12.all_gather_dp_groups = _all_gather_dp_groups
     opt.get_grad_norm_direct = _flat_grad_norm(opt, opt.get_grad_norm_direct)
-    # which sum the flush does (tests and bench read it): none (one rank), shm, or the process group's
-    engine._dsclip_local_flush = "none" if world == 1 else "shm" if shm else "process_group"
+    # which sum the flush does (tests and bench read it): none (one rank), shm (the host's shared-memory
+    # slots), or the process group's
+    engine._dsclip_local_flush = "none" if world == 1 else "shm" if exchange is not None else "process_group"
 
 
 def _alias_fp32_master(opt) -> bool:
@@ -284,20 +301,92 @@ def _skip_if_views_in_place(opt, update, layouts):
 
 # After step() every rank holds the update of its own partition and ZeRO-1/2 all-gather the 16-bit flat
 # weights (deepspeed.runtime.utils.all_gather_dp_groups, gloo's all_gather on CPU: 0.45 CPU-s per
-# ViT-B-32 step at two ranks). For the optimizers whose flush above sums over shared memory, the
-# gather is the same kind of sum: every rank zeroes the partitions it does not own and the flat buffer
-# is all-reduced, so each element is its owner's value plus zeros (exact), in one shared-memory pass.
-_SHM_GATHER: weakref.WeakSet = weakref.WeakSet()
+# ViT-B-32 step at two ranks). For the optimizers whose flush goes through the host's shared-memory slots,
+# the gather does too (_HostExchange.all_gather): each rank publishes its partition, one barrier, each
+# reads the others'.
+_HOST_GATHER: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _deepspeed_all_gather_dp_groups = zero12.all_gather_dp_groups
 
 
 def _all_gather_dp_groups(groups_flat, partitioned_param_groups, dp_process_group, *args, **kwargs):
-    if not any(groups_flat is opt.bit16_groups_flat for opt in _SHM_GATHER):
+    exchange = next((x for opt, x in _HOST_GATHER.items() if groups_flat is opt.bit16_groups_flat), None)
+    if exchange is None:
         return _deepspeed_all_gather_dp_groups(groups_flat, partitioned_param_groups, dp_process_group, *args, **kwargs)
-    for i, flat in enumerate(groups_flat):
-        own = dist.get_rank(group=dp_process_group[i])
-        for r, part in enumerate(partitioned_param_groups[i]):
-            if r != own:
-                part.zero_()
-        ds_dist.inference_all_reduce(flat)
+    exchange.all_gather(partitioned_param_groups)
     return None
+
+
+# Elements per block of the shared-memory reduction: the block's partial sums stay in cache.
+REDUCE_BLOCK = 1 << 18
+
+
+class _HostExchange:
+    """The flush's reduce-scatter and the step's weight all-gather through the host's shared-memory slots
+    (dsclip/engine/host_shm.py): rank r's slot holds its whole gradient (every group's flat buffer end to
+    end: the flush copies each ``.grad`` straight into it) and then its updated weight partitions.
+
+    reduce-scatter: one barrier, then each rank sums its own partition of every rank's gradient, each
+    divided by the world size first as DeepSpeed's average does (at two ranks bit for bit its result:
+    the sum of two terms does not depend on their order), into its own slot (no other rank reads that
+    part of it). all-gather: each rank copies its
+    updated partition into its slot, one barrier, each copies the others' partitions into its flat
+    weights. Each slot is written by its rank only; before a rank rewrites a region the others last read,
+    a barrier must lie in between: in a step the other exchange's barrier is that one (flush -> gather ->
+    flush), and where a step was skipped (overflow: no gather) ``before_writing_grads`` adds it.
+    """
+
+    def __init__(self, slots, sizes, group):
+        self.slots, self.sizes, self.group = slots, sizes, group
+        self.rank, self.world = dist.get_rank(group=group), dist.get_world_size(group=group)
+        grads_total = sum(sizes) * self.world
+        self.grad_offsets = [sum(sizes[:i]) * self.world for i in range(len(sizes))]
+        self.weight_offsets = [grads_total + sum(sizes[:i]) for i in range(len(sizes))]
+        self.term = torch.empty(min(REDUCE_BLOCK, max(sizes)), dtype=slots[0].dtype)  # one rank's share, cached
+        # regions read since the last barrier: their writer must wait for one before rewriting them
+        self.grads_read = self.weights_read = False
+
+    @classmethod
+    def open(cls, opt, sizes: list[int], group) -> _HostExchange | None:
+        world = dist.get_world_size(group=group)
+        slots = open_host_slots(sum(sizes) * (world + 1), opt.dtype, group)
+        return None if slots is None else cls(slots, sizes, group)
+
+    def grads(self, i: int) -> torch.Tensor:
+        """This rank's flat gradient buffer of group i, in its slot."""
+        return self.slots[self.rank].narrow(0, self.grad_offsets[i], self.sizes[i] * self.world)
+
+    def _barrier(self) -> None:
+        dist.barrier(group=self.group)
+        self.grads_read = self.weights_read = False
+
+    def before_writing_grads(self) -> None:
+        if self.grads_read:
+            self._barrier()
+
+    def reduce_scatter(self) -> None:
+        self._barrier()  # every rank's gradients are in its slot
+        world, rank, own = self.world, self.rank, self.slots[self.rank]
+        for i, size in enumerate(self.sizes):
+            start = self.grad_offsets[i] + rank * size
+            for lo in range(0, size, REDUCE_BLOCK):
+                n = min(REDUCE_BLOCK, size - lo)
+                acc, term = own.narrow(0, start + lo, n), self.term[:n]
+                acc.div_(world)  # in place: no other rank reads this rank's own partition of its slot
+                for r in range(world):
+                    if r != rank:
+                        torch.div(self.slots[r].narrow(0, start + lo, n), world, out=term)
+                        acc.add_(term)
+        self.grads_read = True
+
+    def all_gather(self, partitioned_param_groups) -> None:
+        if self.weights_read:
+            self._barrier()
+        rank, own = self.rank, self.slots[self.rank]
+        for i, parts in enumerate(partitioned_param_groups):
+            own.narrow(0, self.weight_offsets[i], self.sizes[i]).copy_(parts[rank])
+        self._barrier()  # every rank's updated partition is in its slot
+        for i, parts in enumerate(partitioned_param_groups):
+            for r, part in enumerate(parts):
+                if r != rank:
+                    part.copy_(self.slots[r].narrow(0, self.weight_offsets[i], self.sizes[i]))
+        self.weights_read = True

@@ -292,7 +292,7 @@ def test_gradcache_equals_big_batch(world, stage, k, shared_dir):
     assert all(r["local_flush"] == (stage == 2) for r in results)
     # ZeRO-3 checks its own flat buffer: the per-parameter check being replaced is ZeRO-1/2's
     assert all(r["fast_overflow_check"] == (stage == 2) for r in results)
-    # two ranks on one host: the flat buffer is summed by DeepSpeed's shared-memory all-reduce
+    # two ranks on one host: the flat buffers are summed through the host's shared-memory slots (host_shm.py)
     assert all(r["all_reduce"] == {1: "none", 2: "shm"}[world] for r in results if stage == 2)
 
 

@@ -184,7 +184,7 @@ def check_bitwise(ours_ranks, theirs_ranks, world, shm, case, overflow_checked=F
         assert theirs["norm_fn"] == "DeepSpeedZeroOptimizer.get_grad_norm_direct", case
         assert ours["overflow_fn"] == "_fast_overflow_check.<locals>.has_overflow_partitioned_grads_serial", case
         assert ours["check_grad_overflow"] == theirs["check_grad_overflow"] == overflow_checked, case
-        # tests/distutil.py sets LOCAL_SIZE: both ranks on this host share DeepSpeed's shm all-reduce
+        # tests/distutil.py sets LOCAL_SIZE: both ranks on this host exchange through shared-memory slots
         if local_flush:
             assert ours["all_reduce"] == ("none" if world == 1 else "shm" if shm else "process_group"), case
         assert ours["repointed"] and theirs["repointed"], case
