@@ -181,9 +181,10 @@ def local_flush_supported(engine) -> bool:
         return False
 
 
-def install_local_flush(engine) -> None:
+def install_local_flush(engine) -> _HostExchange | None:
     """Replace the engine's ZeRO-1/2 coalesced flush by one copy per gradient into a flat buffer, plus
-    (more than one rank) one sum over the ranks of that buffer (call only if supported)."""
+    (more than one rank) one sum over the ranks of that buffer (call only if supported). Returns the
+    shared-memory exchange where the ranks use one (its ``payload`` rides on the flush's barrier)."""
     opt = engine.optimizer
     world = _group_world(opt, 0)
     group = opt.real_dp_process_group[0]
@@ -245,6 +246,7 @@ def install_local_flush(engine) -> None:
     # which sum the flush does (tests and bench read it): none (one rank), shm (the host's shared-memory
     # slots), or the process group's
     engine._dsclip_local_flush = "none" if world == 1 else "shm" if exchange is not None else "process_group"
+    return exchange
 
 
 def _alias_fp32_master(opt) -> bool:
@@ -344,6 +346,10 @@ class _HostExchange:
         self.term = torch.empty(min(REDUCE_BLOCK, max(sizes)), dtype=slots[0].dtype)  # one rank's share, cached
         # regions read since the last barrier: their writer must wait for one before rewriting them
         self.grads_read = self.weights_read = False
+        # A small tensor the next flush sums over the ranks in place, with its barrier (an all-reduce is one):
+        # the step's reported loss, without a collective of its own (dsclip/train/gradcache.py). The flush
+        # sets it back to None, which tells the owner it was summed.
+        self.payload: torch.Tensor | None = None
 
     @classmethod
     def open(cls, opt, sizes: list[int], group) -> _HostExchange | None:
@@ -355,8 +361,11 @@ class _HostExchange:
         """This rank's flat gradient buffer of group i, in its slot."""
         return self.slots[self.rank].narrow(0, self.grad_offsets[i], self.sizes[i] * self.world)
 
-    def _barrier(self) -> None:
-        dist.barrier(group=self.group)
+    def _barrier(self, payload: torch.Tensor | None = None) -> None:
+        if payload is None:
+            dist.barrier(group=self.group)
+        else:  # every rank waits for every other inside it: a barrier that also sums
+            dist.all_reduce(payload, group=self.group)
         self.grads_read = self.weights_read = False
 
     def before_writing_grads(self) -> None:
@@ -364,7 +373,8 @@ class _HostExchange:
             self._barrier()
 
     def reduce_scatter(self) -> None:
-        self._barrier()  # every rank's gradients are in its slot
+        payload, self.payload = self.payload, None
+        self._barrier(payload)  # every rank's gradients are in its slot
         world, rank, own = self.world, self.rank, self.slots[self.rank]
         for i, size in enumerate(self.sizes):
             start = self.grad_offsets[i] + rank * size

@@ -124,8 +124,8 @@ class GradCacheStep:
         # one rank: the coalesced "reduction" is one copy per gradient (dsclip/engine/local_flush.py)
         # (local_flush=False keeps DeepSpeed's flush: the side-by-side reference in tests and bench/)
         self.local_flush = local_flush and reduction == "coalesced" and local_flush_supported(engine)
-        if self.local_flush:
-            install_local_flush(engine)
+        # several ranks on one host: the flush's shared-memory exchange, whose barrier also sums the reported loss
+        self.exchange = install_local_flush(engine) if self.local_flush else None
         # ZeRO-1/2's pre-step inf/NaN check (fp16; bf16 by default) in multi-tensor kernels, one GPU or many
         # (dsclip/engine/overflow_check.py); False keeps DeepSpeed's per-parameter check (the reference)
         opt = getattr(engine, "optimizer", None)
@@ -276,16 +276,22 @@ class GradCacheStep:
         g_scale = grads[2]
         g_bias = grads[3] if bias_leaf is not None else None
         del img_all, txt_all, leaves, grads, teacher_inputs
-
-        self._second_pass(micro_batches, rng_states, live, (g_img, g_txt, g_scale, g_bias))
-        restore_rng(rng_after, self.device)
-        live = None
         # The loss's named parts (a loss may keep them in ``last_terms``: DistillInfoNCELoss's contrastive_loss and
         # distill_loss, as OpenCLIP logs them) ride on the same all-reduce; per-rank parts average to full-batch values.
         parts = getattr(self.loss_fn, "last_terms", None)
         parts = parts if isinstance(parts, dict) else {}
         report = torch.stack([loss.detach().float().reshape(()), *(v.float().reshape(()) for v in parts.values())])
-        report = _all_reduce(report) / _world()  # stays on the device: no host sync here
+        if self.exchange is not None and self.exchange.world == _world():
+            self.exchange.payload = report  # summed by the flush at the end of pass 2: one meeting of the ranks fewer
+
+        self._second_pass(micro_batches, rng_states, live, (g_img, g_txt, g_scale, g_bias))
+        restore_rng(rng_after, self.device)
+        live = None
+        if self.exchange is None or self.exchange.payload is not None:  # not summed by a flush
+            if self.exchange is not None:
+                self.exchange.payload = None
+            report = _all_reduce(report)
+        report = report / _world()  # stays on the device: no host sync here
 
         def terms() -> dict[str, float]:
             return dict(zip(parts, report[1:].tolist()))

@@ -68,20 +68,23 @@ def _exchange_rank(rank, world, steps, applied):
     if rank == world - 1:  # the last rank lags after every barrier: the others run ahead into their next write
         barrier = exchange._barrier
 
-        def lagging_barrier():
-            barrier()
+        def lagging_barrier(payload=None):
+            barrier(payload)
             time.sleep(0.3)
 
         exchange._barrier = lagging_barrier
     weights = [torch.zeros(size * world) for size in sizes]  # this rank's flat "weights" per group
     parts = [list(w.split(size)) for w, size in zip(weights, sizes)]
-    reduced, gathered = [], []
+    reduced, gathered, payloads = [], [], []
     for step in range(steps):
         exchange.before_writing_grads()
         for i, size in enumerate(sizes):  # rank r's gradient: 1000 * step + 100 * r + 10 * group + element
             g = 1000.0 * step + 100 * rank + 10 * i + torch.arange(size * world, dtype=torch.float32)
             exchange.grads(i).copy_(g)
+        payload = torch.tensor([float(rank + 1), float(step)])
+        exchange.payload = payload  # summed over the ranks by the barrier of this reduce-scatter
         exchange.reduce_scatter()
+        payloads.append((payload.tolist(), exchange.payload))
         reduced.append([exchange.grads(i).narrow(0, rank * size, size).clone() for i, size in enumerate(sizes)])
         if applied[step]:  # a skipped step (overflow) has no gather: the next write must still wait
             for i in range(len(sizes)):
@@ -95,7 +98,7 @@ def _exchange_rank(rank, world, steps, applied):
             parts[i][rank].fill_(value * (rank + 1))
         exchange.all_gather(parts)
         again.append([w.clone() for w in weights])
-    return {"reduced": reduced, "gathered": gathered, "again": again}
+    return {"reduced": reduced, "gathered": gathered, "again": again, "payloads": payloads}
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -112,6 +115,8 @@ def test_exchange_reads_this_steps_values_with_a_lagging_rank_and_skipped_steps(
                 total = sum(1000.0 * step + 100 * r + 10 * i + torch.arange(size * world) for r in range(world))
                 want = (total / world)[rank * size : (rank + 1) * size]
                 assert torch.allclose(out["reduced"][step][i], want.float()), (rank, step, i)
+        rank_sum = float(sum(r + 1 for r in range(world)))
+        assert out["payloads"] == [([rank_sum, float(world * step)], None) for step in range(steps)]
         done = [s for s in range(steps) if applied[s]]
         for k, step in enumerate(done):
             for i, size in enumerate(sizes):
@@ -121,3 +126,51 @@ def test_exchange_reads_this_steps_values_with_a_lagging_rank_and_skipped_steps(
             for i, size in enumerate(sizes):
                 want = torch.cat([torch.full((size,), value * (r + 1)) for r in range(world)])
                 assert torch.equal(out["again"][k][i], want), (rank, value, i)
+
+
+def _meetings_rank(rank, world):
+    import torch.distributed as dist
+
+    from dsclip.engine.build import build_engine
+    from dsclip.engine.ds_config import load_ds_json, resolve_ds_config
+    from dsclip.losses import build_loss
+    from dsclip.train.gradcache import GradCacheStep
+    from tests.dist.test_gradcache import make_batches, make_cfg, make_model, rank_chunks
+
+    cfg = make_cfg(2, 2)
+    ds = resolve_ds_config(
+        load_ds_json(cfg.train.deepspeed_config), cfg.train, cfg.optim, world_size=world, device_type="cpu"
+    )
+    engine = build_engine(ds, cfg.train, cfg.optim, make_model, total_steps=10, steps_per_epoch=10).engine
+    step = GradCacheStep(engine, build_loss("infonce"))
+    calls = []
+    for name in ("all_reduce", "barrier", "all_gather_into_tensor", "reduce_scatter_tensor"):
+        if hasattr(dist, name):
+            original = getattr(dist, name)
+
+            def counted(*a, _original=original, _name=name, **k):
+                calls.append(_name)
+                return _original(*a, **k)
+
+            setattr(dist, name, counted)
+    out = {"kind": engine._dsclip_local_flush, "riding": [], "alone": [], "losses": []}
+    for s, key in enumerate(("riding", "riding", "alone", "riding")):  # the first one warms up
+        if key == "alone":  # the same step with the reported loss all-reduced on its own, as without the slots
+            exchange, step.exchange = step.exchange, None
+        images, tokens = make_batches(world, 2, seed=50 + s)
+        calls.clear()
+        result = step(rank_chunks(images, tokens, rank, world, 2), grad_norm=False)
+        out[key].append(len(calls))
+        out["losses"].append(result.loss)
+        if key == "alone":
+            step.exchange = exchange
+    return out
+
+
+def test_the_reported_loss_rides_on_the_flushs_barrier():
+    ranks = run_world(_meetings_rank, 2)
+    for r in ranks:
+        assert r["kind"] == "shm"
+        # one collective fewer per step with the loss riding on the flush's all-reduce
+        assert r["riding"][1] == r["riding"][2] == r["alone"][0] - 1, r
+    assert ranks[0]["losses"] == ranks[1]["losses"]  # the full-batch loss, the same on every rank
