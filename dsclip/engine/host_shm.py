@@ -50,11 +50,12 @@ def _reserve(path: str, nbytes: int) -> bool:
 
 def open_host_slots(numel: int, dtype: torch.dtype, group=None, directory: str = SHM_DIR) -> list[torch.Tensor] | None:
     """One zero-filled 1-D tensor of ``numel`` elements per rank of ``group`` (rank order), all in memory
-    every rank of the group maps. Collective; every rank of the group must be on this host.
+    every rank of the group maps. Collective over the group.
 
-    Returns None on every rank when any rank cannot reserve its slot (no /dev/shm, or too little room):
-    the caller keeps its process-group path. Rank r writes only ``slots[r]``; a reader needs a barrier
-    (or any collective) after the writer's last write, and a writer one after the readers' last read.
+    Returns None on every rank when any rank cannot reserve its slot (no /dev/shm, or too little room) or
+    does not see every peer's (ranks on different hosts): the caller keeps its process-group path. Rank r
+    writes only ``slots[r]``; a reader needs a barrier (or any collective) after the writer's last write,
+    and a writer one after the readers' last read.
     """
     rank, world = dist.get_rank(group=group), dist.get_world_size(group=group)
     token = [uuid.uuid4().hex if rank == 0 else None]
@@ -63,6 +64,13 @@ def open_host_slots(numel: int, dtype: torch.dtype, group=None, directory: str =
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     ok = torch.tensor([1 if os.path.isdir(directory) and _reserve(own, nbytes) else 0], dtype=torch.int64)
     dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)  # every rank's file exists (or one failed)
+    if ok.item():
+        # Every peer's file must be here: a rank on another host (a launcher's LOCAL_SIZE that does not
+        # describe the job) has its file in that host's /dev/shm, and mapping the name here would create an
+        # empty file nobody writes, a silent wrong sum. The token is rank 0's uuid, so a file with this name
+        # on this host can only be a peer's.
+        ok.fill_(int(all(os.path.exists(_slot_path(directory, token[0], r)) for r in range(world))))
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
     try:
         slots = None
         if ok.item():

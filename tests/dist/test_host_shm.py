@@ -49,6 +49,22 @@ def _fallback_rank(rank, world, directory):
     return {"none": slots is None, "missing_none": missing is None, "listing": os.listdir(directory)}
 
 
+def _hosts_rank(rank, world, directory):
+    import torch
+
+    from dsclip.engine.host_shm import open_host_slots
+
+    own_host = os.path.join(directory, f"host{rank}")  # each rank sees only its own host's /dev/shm
+    os.makedirs(own_host, exist_ok=True)
+    slots = open_host_slots(100, torch.float32, directory=own_host)
+    return {"none": slots is None, "listing": os.listdir(own_host)}
+
+
+def test_ranks_on_different_hosts_fall_back_instead_of_mapping_empty_files(tmp_path):
+    ranks = run_world(_hosts_rank, 2, str(tmp_path))
+    assert all(r["none"] and r["listing"] == [] for r in ranks)
+
+
 def test_one_rank_without_room_sends_every_rank_to_the_fallback(tmp_path):
     ranks = run_world(_fallback_rank, 2, str(tmp_path))
     assert all(r["none"] and r["missing_none"] for r in ranks)
