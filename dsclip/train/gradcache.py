@@ -281,14 +281,15 @@ class GradCacheStep:
         parts = getattr(self.loss_fn, "last_terms", None)
         parts = parts if isinstance(parts, dict) else {}
         report = torch.stack([loss.detach().float().reshape(()), *(v.float().reshape(()) for v in parts.values())])
-        if self.exchange is not None and self.exchange.world == _world():
+        riding = self.exchange is not None and self.exchange.world == _world()
+        if riding:
             self.exchange.payload = report  # summed by the flush at the end of pass 2: one meeting of the ranks fewer
 
         self._second_pass(micro_batches, rng_states, live, (g_img, g_txt, g_scale, g_bias))
         restore_rng(rng_after, self.device)
         live = None
-        if self.exchange is None or self.exchange.payload is not None:  # not summed by a flush
-            if self.exchange is not None:
+        if not riding or self.exchange.payload is not None:  # not summed by a flush
+            if riding:
                 self.exchange.payload = None
             report = _all_reduce(report)
         report = report / _world()  # stays on the device: no host sync here
