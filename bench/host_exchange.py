@@ -33,7 +33,6 @@ def _rank(rank, world, sizes, iters, rounds):
     import deepspeed.comm as ds_dist
     import torch
 
-    from dsclip.engine.host_shm import open_host_slots
     from dsclip.engine.local_flush import _HostExchange
 
     torch.set_num_threads(1)
@@ -61,7 +60,7 @@ def _rank(rank, world, sizes, iters, rounds):
             ds_dist.inference_all_reduce(w)
         return time.process_time() - c0, time.perf_counter() - t0
 
-    exchange = _HostExchange(open_host_slots(sum(sizes) * (world + 1), torch.float32), sizes, None)
+    exchange = _HostExchange.open(sizes, torch.float32, None)
     weights = [torch.zeros(size * world) for size in sizes]
     parts = [list(w.split(size)) for w, size in zip(weights, sizes)]
 

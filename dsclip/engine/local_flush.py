@@ -192,7 +192,7 @@ def install_local_flush(engine) -> _HostExchange | None:
     sizes = [int(opt.partition_size[i]) for i in range(len(opt.bit16_groups))]
     exchange = None
     if world > 1 and _all_ranks_on_this_host(world):
-        exchange = _HostExchange.open(opt, sizes, group)
+        exchange = _HostExchange.open(sizes, opt.dtype, group)
     groups = []
     for i, (params, layout) in enumerate(zip(opt.bit16_groups, layouts)):
         size, rank = sizes[i], _group_rank(opt, i)
@@ -330,11 +330,11 @@ class _HostExchange:
     reduce-scatter: one barrier, then each rank sums its own partition of every rank's gradient, each
     divided by the world size first as DeepSpeed's average does (at two ranks bit for bit its result:
     the sum of two terms does not depend on their order), into its own slot (no other rank reads that
-    part of it). all-gather: each rank copies its
-    updated partition into its slot, one barrier, each copies the others' partitions into its flat
-    weights. Each slot is written by its rank only; before a rank rewrites a region the others last read,
-    a barrier must lie in between: in a step the other exchange's barrier is that one (flush -> gather ->
-    flush), and where a step was skipped (overflow: no gather) ``before_writing_grads`` adds it.
+    part of it). all-gather: each rank copies its updated partition into its slot, one barrier, each
+    copies the others' partitions into its flat weights. Each slot is written by its rank only; before a
+    rank rewrites a region the others last read, a barrier must lie in between: in a step the other
+    exchange's barrier is that one (flush -> gather -> flush), and where a step was skipped (overflow: no
+    gather) ``before_writing_grads`` adds it.
     """
 
     def __init__(self, slots, sizes, group):
@@ -352,9 +352,10 @@ class _HostExchange:
         self.payload: torch.Tensor | None = None
 
     @classmethod
-    def open(cls, opt, sizes: list[int], group) -> _HostExchange | None:
+    def open(cls, sizes: list[int], dtype: torch.dtype, group) -> _HostExchange | None:
+        """Collective: the slots for partitions of ``sizes`` (None where the host cannot give them)."""
         world = dist.get_world_size(group=group)
-        slots = open_host_slots(sum(sizes) * (world + 1), opt.dtype, group)
+        slots = open_host_slots(sum(sizes) * (world + 1), dtype, group)  # every gradient + this rank's weights
         return None if slots is None else cls(slots, sizes, group)
 
     def grads(self, i: int) -> torch.Tensor:
