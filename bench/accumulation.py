@@ -32,14 +32,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import vs_openclip as V  # noqa: E402  (bench helpers: data, workers, peak RSS, alternation)
 
 
-def _openclip_style_rank(rank: int, world: int, batch: int, accum_freq: int, warmup: int, steps: int, cfg: dict):
+def openclip_style_trainer(rank: int, world: int, batch: int, accum_freq: int, cfg: dict):
+    """``run(data)``: OpenCLIP's training step (its --accum-freq algorithm at K > 1) on dsclip's model
+    in DDP, K micro-batches of ``data`` per step."""
     import torch
     from open_clip.loss import ClipLoss
 
     from dsclip.engine.optim import param_groups
     from dsclip.model import create_model
 
-    V.one_thread()
     torch.manual_seed(0)
     model = create_model(cfg).train()
     optimizer = torch.optim.AdamW(param_groups(model, 0.2), lr=5e-4, betas=(0.9, 0.98), eps=1e-6)
@@ -89,6 +90,13 @@ def _openclip_style_rank(rank: int, world: int, batch: int, accum_freq: int, war
         for i in range(len(data) // k):
             step(data[i * k : (i + 1) * k])
 
+    return run
+
+
+def _openclip_style_rank(rank: int, world: int, batch: int, accum_freq: int, warmup: int, steps: int, cfg: dict):
+    V.one_thread()
+    run = openclip_style_trainer(rank, world, batch, accum_freq, cfg)
+    k = accum_freq
     run(V.synthetic_batches(warmup * k, batch, cfg, seed=1 + 100 * rank))
     data = V.synthetic_batches(steps * k, batch, cfg, seed=2 + 100 * rank)
     V.reset_peak_rss()

@@ -12,6 +12,13 @@
    (bench/vs_openclip.py), world 2 = OpenCLIP's algorithm under DDP with --local-loss
    --gather-with-grad (bench/accumulation.py; open_clip_train itself cannot start 2 CPU processes).
    Each process has 1 thread; peak is the whole machine's (both cores), so world 2 can reach 100 %.
+   ``--interleave``: instead of one fresh run per trainer and round, every trainer is built in the same
+   rank processes and they take turns of ``--steps`` steps (``--rounds`` turns each, the order rotating):
+   dsclip; ``open_clip_train.train.train_one_epoch`` with OpenCLIP's own model, in DDP at world 2 (the
+   real trainer at both worlds); OpenCLIP's algorithm on dsclip's model (what separates the engine from
+   the model). On a machine whose speed drifts between runs (this one: the same run 104 and 151 CPU-ms
+   per step a minute apart) a turn is compared with the turns next to it, and the turn-by-turn ratios
+   are printed with their spread.
 4. Per-phase breakdown of one dsclip step (world 1): CPU time in the engine's forward, the loss,
    backward, the coalesced gradient reduction, the optimizer step, and the rest (host syncs, Python).
 
@@ -152,6 +159,64 @@ def _phases_rank(rank, world, cfg, batch, steps):
     return {"total_s": total / steps, **{k: v / steps for k, v in acc.items()}}
 
 
+# The trainers --interleave runs in the same processes (names as the table prints them)
+INTERLEAVED = ("dsclip", "open_clip_train", "OpenCLIP algorithm on dsclip's model")
+
+
+def _interleaved_rank(rank, world, cfg, batch, warmup, blocks, block_steps, names):
+    """Every trainer in ``names`` built in this rank's process, then run in turns of ``block_steps`` steps
+    (the order rotating each block), all ranks starting each turn together: each trainer's turn b and the
+    others' turn b see the same state of the machine, to within a block's time. Returns, per trainer, each
+    turn's (wall seconds, CPU seconds of this process)."""
+    import torch.distributed as dist
+
+    V.one_thread()
+    runs = {}
+    for name in names:
+        if name == "dsclip":
+            runs[name] = V.dsclip_trainer(rank, world, "fp32", batch, cfg)
+        elif name == "open_clip_train":
+            runs[name] = (lambda epoch: lambda data, n0: epoch(data))(
+                V.openclip_trainer("fp32", batch, cfg, rank=rank, world=world)
+            )
+        elif name == INTERLEAVED[2]:
+            runs[name] = (lambda run: lambda data, n0: run(data))(A.openclip_style_trainer(rank, world, batch, 1, cfg))
+        else:
+            raise ValueError(f"unknown trainer {name!r}; choose from {INTERLEAVED}")
+    for run in runs.values():
+        run(V.synthetic_batches(warmup, batch, cfg, seed=1 + 100 * rank), 0)
+    out = {name: [] for name in names}
+    for b in range(blocks):
+        for name in names[b % len(names) :] + names[: b % len(names)]:
+            data = V.synthetic_batches(block_steps, batch, cfg, seed=2 + 100 * rank + 1000 * b)
+            if world > 1:
+                dist.barrier()
+            t0, c0 = time.perf_counter(), time.process_time()
+            runs[name](data, warmup + b * block_steps)
+            out[name].append((time.perf_counter() - t0, time.process_time() - c0))
+    return out
+
+
+def interleaved(spec: dict, cfg: dict) -> dict[str, list[dict]]:
+    """Per trainer, per turn: samples/s (global, the slowest rank's wall time) and samples per CPU-second
+    (the slowest rank's), the fields V.alternate's runs have."""
+    from tests.distutil import run_world
+
+    world, n = spec["world"], spec["block_steps"] * spec["batch"]
+    per_rank = run_world(
+        _interleaved_rank, world, cfg, spec["batch"], spec["warmup"], spec["blocks"], spec["block_steps"],
+        spec["trainers"], timeout=7200,
+    )  # fmt: skip
+    out = {}
+    for name in spec["trainers"]:
+        turns = zip(*(r[name] for r in per_rank))  # per turn: each rank's (wall, cpu)
+        out[name] = [
+            {"samples_per_s": n * world / max(w for w, _ in t), "samples_per_cpu_s": n / max(c for _, c in t)}
+            for t in turns
+        ]
+    return out
+
+
 def _worker(spec: dict) -> dict:
     kind = spec.pop("kind")
     cfg = get_model_config(spec.pop("model"))
@@ -161,6 +226,8 @@ def _worker(spec: dict) -> dict:
         return V.openclip_worker("fp32", spec["batch"], spec["warmup"], spec["steps"], cfg)
     if kind == "openclip":
         return A.openclip_style_worker(spec["batch"], 1, spec["warmup"], spec["steps"], cfg, world=spec["world"])
+    if kind == "interleaved":
+        return interleaved(spec, cfg)
     if kind == "phases":
         from tests.distutil import run_world
 
@@ -196,6 +263,14 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--worlds", default="1,2")
+    ap.add_argument(
+        "--interleave",
+        action="store_true",
+        help="run the trainers in the same processes, taking turns of --steps steps (--rounds turns each), "
+        "instead of one fresh run per trainer and round: on a machine whose speed drifts between runs, each "
+        "turn is compared with the other trainers' turns next to it",
+    )
+    ap.add_argument("--trainers", default=",".join(INTERLEAVED), help="with --interleave; dsclip first")
     ap.add_argument("--device", default="cpu", help="cpu: all of the above; cuda: peak bf16 GEMM and FLOPs only")
     ap.add_argument("--json-out")
     a = ap.parse_args(argv)
@@ -228,11 +303,27 @@ def main(argv=None) -> int:
             flush=True,
         )
         common = {"model": name, "batch": a.batch, "warmup": a.warmup, "steps": a.steps}
-        specs = {}
-        for w in (int(x) for x in a.worlds.split(",")):
-            specs[f"dsclip world {w}"] = {"kind": "dsclip", "world": w, **common}
-            specs[f"openclip world {w}"] = {"kind": "openclip", "world": w, **common}
-        res = V.alternate(specs, a.rounds, runner=run_worker)
+        worlds = [int(x) for x in a.worlds.split(",")]
+        if a.interleave:
+            trainers = a.trainers.split(",")
+            res, m["turn_ratios"] = {}, {}
+            for w in worlds:
+                spec = {"kind": "interleaved", "model": name, "world": w, "batch": a.batch, "warmup": a.warmup,
+                        "blocks": a.rounds, "block_steps": a.steps, "trainers": trainers}  # fmt: skip
+                turns = run_worker(spec)
+                for trainer, runs in turns.items():
+                    res[f"{trainer} world {w}"] = runs
+                for trainer in trainers[1:]:  # dsclip's turn b against the other trainer's turn b
+                    m["turn_ratios"][f"{trainer} world {w}"] = {
+                        key: sorted(d[key] / o[key] for d, o in zip(turns[trainers[0]], turns[trainer]))
+                        for key in ("samples_per_cpu_s", "samples_per_s")
+                    }
+        else:
+            specs = {}
+            for w in worlds:
+                specs[f"dsclip world {w}"] = {"kind": "dsclip", "world": w, **common}
+                specs[f"openclip world {w}"] = {"kind": "openclip", "world": w, **common}
+            res = V.alternate(specs, a.rounds, runner=run_worker)
         core = peaks["fp32_core"]["peak"] * 1e12
         m["mfu"], m["runs"] = {}, res
         for n, runs in res.items():
@@ -248,6 +339,14 @@ def main(argv=None) -> int:
                 "samples_per_cpu_s": statistics.median(r["samples_per_cpu_s"] for r in runs),
             }  # fmt: skip
         m["phases"] = run_worker({"kind": "phases", "model": name, "batch": a.batch, "steps": a.steps})
+    # the last column's denominator: open_clip_train itself where it ran
+    baseline = (
+        "openclip"
+        if not a.interleave
+        else "open_clip_train"
+        if "open_clip_train" in a.trainers
+        else a.trainers.split(",")[-1]
+    )
     print(
         "\n| model | world | trainer | samples/s (median) | samples/CPU-s per rank | MFU per CPU-second (median, "
         "min-max) | MFU wall (median, min-max) | dsclip / OpenCLIP (CPU / wall) |"
@@ -256,12 +355,21 @@ def main(argv=None) -> int:
     for name, m in report["models"].items():
         for n, v in m.get("mfu", {}).items():
             trainer, w = n.rsplit(" world ", 1)
-            base = m["mfu"][f"openclip world {w}"]
+            base = m["mfu"][f"{baseline} world {w}"]
             print(
                 f"| {name} | {w} | {trainer} | {v['samples_per_s']:.1f} | {v['samples_per_cpu_s']:.1f} | "
                 f"{100 * v['median']:.1f}% ({100 * v['min']:.1f}-{100 * v['max']:.1f}%) | "
                 f"{100 * v['wall_median']:.1f}% ({100 * v['wall_min']:.1f}-{100 * v['wall_max']:.1f}%) | "
                 f"{v['median'] / base['median']:.2f}× / {v['wall_median'] / base['wall_median']:.2f}× |"
+            )
+    for name, m in report["models"].items():
+        for n, r in m.get("turn_ratios", {}).items():
+            trainer, w = n.rsplit(" world ", 1)
+            cpu, wall = r["samples_per_cpu_s"], r["samples_per_s"]
+            print(
+                f"{name} world {w}, dsclip / {trainer}, turn by turn ({len(cpu)} turns of {a.steps} steps): per "
+                f"CPU-second {statistics.median(cpu):.3f}x ({cpu[0]:.3f}-{cpu[-1]:.3f}), wall "
+                f"{statistics.median(wall):.3f}x ({wall[0]:.3f}-{wall[-1]:.3f})"
             )
     for name, m in report["models"].items():
         if "phases" in m:

@@ -111,21 +111,27 @@ class _Loader(list):
         return sum(b[0].shape[0] for b in self)
 
 
-def openclip_worker(
+def openclip_trainer(
     precision: str,
     batch: int,
-    warmup: int,
-    steps: int,
     cfg: dict = BENCH_CFG,
     accum_freq: int = 1,
     patch_dropout: float | None = None,
-) -> dict:
+    rank: int = 0,
+    world: int = 1,
+):
+    """``epoch(batches)``: ``open_clip_train.train.train_one_epoch`` over ``batches``, set up as
+    open_clip_train/main.py sets it up: OpenCLIP's own model from the same config, AdamW without weight
+    decay on gains/biases/logit_scale, and at world > 1 the model in DDP (main.py's wrap without its
+    ``device_ids=[device]``, which fails on CPU) with the exact multi-rank loss (--local-loss
+    --gather-with-grad)."""
+    import logging
+
     import open_clip
     import torch
     from open_clip.loss import ClipLoss
     from open_clip_train.train import train_one_epoch
 
-    one_thread()
     open_clip.add_model_config(str(write_model_json(cfg)))
     torch.manual_seed(0)
     model = open_clip.create_model(
@@ -143,7 +149,9 @@ def openclip_worker(
         betas=(0.9, 0.98),
         eps=1e-6,
     )
-    loss = ClipLoss(local_loss=False, gather_with_grad=False, cache_labels=True, rank=0, world_size=1)
+    if world > 1:
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    loss = ClipLoss(local_loss=world > 1, gather_with_grad=world > 1, cache_labels=True, rank=rank, world_size=world)
     args = SimpleNamespace(
         device="cpu",
         precision=precision,
@@ -154,20 +162,33 @@ def openclip_worker(
         grad_clip_norm=None,
         log_every_n_steps=10**9,
         batch_size=batch,
-        world_size=1,
-        rank=0,
-        local_rank=0,
+        world_size=world,
+        rank=rank,
+        local_rank=rank,
+        distributed=world > 1,
         wandb=False,
         save_logs=False,
     )
+    logging.disable(logging.INFO)
 
     def epoch(batches):
         data = {"train": SimpleNamespace(dataloader=_Loader(batches), set_epoch=lambda e: None)}
         train_one_epoch(model, data, loss, 0, optimizer, None, None, None, args)
 
-    import logging
+    return epoch
 
-    logging.disable(logging.INFO)
+
+def openclip_worker(
+    precision: str,
+    batch: int,
+    warmup: int,
+    steps: int,
+    cfg: dict = BENCH_CFG,
+    accum_freq: int = 1,
+    patch_dropout: float | None = None,
+) -> dict:
+    one_thread()
+    epoch = openclip_trainer(precision, batch, cfg, accum_freq, patch_dropout)
     k = accum_freq
     epoch(synthetic_batches(warmup * k, batch, cfg, seed=1))
     data = synthetic_batches(steps * k, batch, cfg, seed=2)
@@ -236,7 +257,10 @@ def dsclip_engine(
     return bundle.engine, bundle, rc
 
 
-def _dsclip_rank(rank, world, precision, batch, warmup, steps, cfg, accum_freq, opts):
+def dsclip_trainer(rank, world, precision, batch, cfg, accum_freq=1, opts=None):
+    """``run(data, n0)``: dsclip's steps over ``data`` (K micro-batches each; ``n0`` = steps already
+    taken) as ``dsclip train`` runs them: ``build_engine`` + ``GradCacheStep``, each step seeded by
+    ``step_seed``, the gradient norm taken on logged steps only."""
     import torch
 
     from dsclip.engine.build import autocast_dtype
@@ -245,7 +269,6 @@ def _dsclip_rank(rank, world, precision, batch, warmup, steps, cfg, accum_freq, 
     from dsclip.train.loop import step_seed
     from dsclip.train.metrics import LogArgs
 
-    one_thread()
     opts = opts or {}
     engine, bundle, rc = dsclip_engine(
         precision,
@@ -279,6 +302,13 @@ def _dsclip_rank(rank, world, precision, batch, warmup, steps, cfg, accum_freq, 
             step_fn(data[i * k : (i + 1) * k], grad_norm=(n0 + i + 1) % log_every == 0)
             engine.get_lr()
 
+    return run
+
+
+def _dsclip_rank(rank, world, precision, batch, warmup, steps, cfg, accum_freq, opts):
+    one_thread()
+    run = dsclip_trainer(rank, world, precision, batch, cfg, accum_freq, opts)
+    k = accum_freq
     run(synthetic_batches(warmup * k, batch, cfg, seed=1 + 100 * rank), 0)
     data = synthetic_batches(steps * k, batch, cfg, seed=2 + 100 * rank)
     reset_peak_rss()
