@@ -414,9 +414,10 @@ def test_sbatch_preemption_requeues_and_resumes(cluster_env, tmp_path, runs, scr
 # ---- GPU and CPU binding on the cluster's fake GPUs (tests/cluster.sh: gres gpu:4, task/affinity) ----
 
 RANK_LINE = re.compile(
-    r"\[dsclip\] rank (?P<rank>\d+)/(?P<world>\d+) local (?P<local>\d+)/(?P<lws>\d+) host \S+ node (?P<node>\S+) "
+    r"\[dsclip\] rank (?P<rank>\d+)/(?P<world>\d+) local (?P<local>\d+)/(?P<lws>\d+) "
+    r"host (?P<host>\S+) node (?P<node>\S+) "
     r".* device (?P<device>\w+) bind cuda:(?P<index>\d+) gpu (?P<gpu>\S+) visible (?P<visible>\S+) "
-    r"cpus (?P<cpus>\S+) \((?P<ncpus>\d+)\) net (?P<net>\S+)"
+    r"cpus (?P<cpus>\S+) \((?P<ncpus>\d+)\) net (?P<net>\S+) threads (?P<threads>\d+) \((?P<threads_how>[^)]*)\)"
 )
 
 
@@ -503,10 +504,22 @@ def test_sbatch_binds_distinct_gpus_and_cores(cluster_env, tmp_path, runs, case)
     if trainer == "standin":
         run.env["MODULE"] = "tests.e2e.launch_standin"
     run.env.update(GPUS_PER_NODE="2", NCCL_SOCKET_IFNAME="lo", TORCH_NCCL_ASYNC_ERROR_HANDLING="1")
+    if case == "per-node":  # the node's ranks share its cores: dsclip divides them when nothing else does
+        run.env.pop("OMP_NUM_THREADS", None)
     runs.append(run)
     rc, out = sbatch_res(run, f"launch/slurm/{script}", res)
     assert rc == 0, out[-4000:]
     reps = check_binding(out, 4, cores, own_cores=script == "train.sbatch")
+    for r in reps.values():
+        if script == "train.sbatch":  # srun_dsclip.sh: OMP_NUM_THREADS = the task's --cpus-per-task
+            assert (r["threads"], r["threads_how"]) == (str(cores), "OMP_NUM_THREADS"), r
+            continue
+        # the launcher's ranks share the node task's cores; the test cluster's two nodes are one real host,
+        # so the other node's ranks count too where SLURM gave them the same cores
+        mine = cpu_set(r["cpus"])
+        sharing = sum(1 for o in reps.values() if o["host"] == r["host"] and cpu_set(o["cpus"]) & mine)
+        assert sharing >= 2 and r["threads_how"] == f"{len(mine)} cpus / {sharing} local ranks, OMP_NUM_THREADS unset"
+        assert int(r["threads"]) == max(1, len(mine) // sharing), r  # torch's default would be every core
     if case == "gpus-per-task":
         assert {r["visible"] for r in reps.values()} == {"0", "1"} and {r["index"] for r in reps.values()} == {"0"}
     if case == "gpu-bind-map":

@@ -139,6 +139,7 @@ def test_init_distributed_binds_the_index_of_the_tasks_view(monkeypatch, capsys,
         SLURM_PROCID="7", SLURM_LOCALID="3", SLURM_NODEID="1", SLURM_NTASKS="8", SLURM_STEP_ID="0",
         SLURM_STEP_NUM_TASKS="8", SLURM_STEP_TASKS_PER_NODE="4(x2)", SLURM_JOB_NODELIST="n[1-2]",
         MASTER_ADDR="n1", MASTER_PORT="23456", CUDA_VISIBLE_DEVICES="3", DSCLIP_LOG_WORLD="1", NCCL_DEBUG="WARN",
+        OMP_NUM_THREADS="1",
     ).items():  # fmt: skip
         monkeypatch.setenv(k, v)
     set_device = mock_cuda(monkeypatch, 1)
@@ -151,7 +152,48 @@ def test_init_distributed_binds_the_index_of_the_tasks_view(monkeypatch, capsys,
     line = [x for x in capsys.readouterr().err.splitlines() if x.startswith("[dsclip] rank 7/8")][0]
     assert "device cuda bind cuda:0 gpu 3 visible 3 " in line
     cpus = sorted(os.sched_getaffinity(0))
-    assert line.endswith(f"cpus {world.format_cpus(cpus)} ({len(cpus)}) net NCCL_DEBUG=WARN")
+    cpus_part = f"cpus {world.format_cpus(cpus)} ({len(cpus)})"
+    assert line.endswith(f"{cpus_part} net NCCL_DEBUG=WARN threads 1 (OMP_NUM_THREADS)")
+
+
+@pytest.mark.parametrize(
+    "own, peers, default, expect",
+    [
+        ({0, 1}, [{0, 1}, {0, 1}], 2, 1),  # deepspeed --num_gpus 2 on 2 cores: one thread each, not two
+        (set(range(64)), [set(range(64))] * 8, 32, 8),  # 8 ranks on a 64-cpu host: 8 each
+        (set(range(64)), [set(range(64))] * 2, 16, 16),  # never above torch's own default (physical cores)
+        ({0, 1, 2, 3}, [{0, 1, 2, 3}, {4, 5, 6, 7}], 32, 4),  # bound to disjoint cores: nothing shared
+        ({0}, [{0}] * 4, 8, 1),  # more ranks than cores: at least one thread
+        (set(range(8)), [set(range(8)), set(range(4, 12))], 8, 4),  # overlapping masks count as sharing
+    ],
+)
+def test_threads_divide_the_cores_the_local_ranks_share(own, peers, default, expect):
+    assert world.threads_for_shared_cores(own, peers, default) == expect
+
+
+def test_init_distributed_divides_the_hosts_cores_when_omp_num_threads_is_unset(monkeypatch, capsys, fresh_world):
+    """4 ranks of a launcher on an 8-cpu host, OMP_NUM_THREADS unset: torch's default (here 32) in every
+    rank would be 128 threads on 8 cpus; each rank gets 2 and exports it. An explicit value is kept."""
+    import deepspeed
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    for k, v in dict(RANK="1", LOCAL_RANK="1", WORLD_SIZE="4", LOCAL_SIZE="4", MASTER_ADDR="127.0.0.1",
+                     MASTER_PORT="23456", DSCLIP_LOG_WORLD="1").items():  # fmt: skip
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(deepspeed, "init_distributed", lambda **kw: None)  # no process group: LOCAL_SIZE counts
+    monkeypatch.setattr(world, "release_shm_workspace", lambda: False)
+    monkeypatch.setattr(world, "check_master_port", lambda info: None)
+    monkeypatch.setattr(world, "cpu_affinity", lambda: list(range(8)))
+    set_threads = []
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 32)
+    monkeypatch.setattr(torch, "set_num_threads", set_threads.append)
+    world.init_distributed()
+    assert set_threads == [2] and os.environ["OMP_NUM_THREADS"] == "2"
+    line = [x for x in capsys.readouterr().err.splitlines() if x.startswith("[dsclip] rank 1/4")][0]
+    assert line.endswith("threads 2 (8 cpus / 4 local ranks, OMP_NUM_THREADS unset)"), line
+
+    assert world.share_cores(world.world_info(), env={"OMP_NUM_THREADS": "3"}) == "threads 32 (OMP_NUM_THREADS)"
+    assert set_threads == [2]  # an explicit OMP_NUM_THREADS is left alone
 
 
 def test_engine_gets_device_rank_and_deepspeed_binds_it(monkeypatch, fresh_world, tmp_path):
