@@ -77,8 +77,11 @@ def losses(run_dir: Path) -> dict[int, float]:
     return out
 
 
+# bf16 at both stages: fp32 runs through the same launcher, train and resume at both stages elsewhere (with
+# --accum-freq 2: test_finetune.py test_locked_run_checkpoints_resumes_and_converts_every_weight; across world
+# sizes: test_checkpoint_resume.py; killed: test_checkpoint_crash.py), ~30 s of CI per case.
 @pytest.mark.dist
-@pytest.mark.parametrize("ds_config", ["zero2_fp32", "zero2_bf16", "zero3_fp32", "zero3_bf16"])
+@pytest.mark.parametrize("ds_config", ["zero2_bf16", "zero3_bf16"])
 def test_two_rank_deepspeed_launcher_trains_and_resumes_exactly(tmp_path, ds_config):
     common = [
         "train",
