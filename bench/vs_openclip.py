@@ -46,8 +46,11 @@ MODEL_NAME = "dsclip-bench-S"
 
 
 def write_model_json(cfg: dict = BENCH_CFG, name: str = MODEL_NAME) -> Path:
-    d = Path(tempfile.gettempdir()) / "dsclip-bench"
-    d.mkdir(exist_ok=True)
+    """The model's OpenCLIP config file, in a directory of this process's own: open_clip.add_model_config
+    rescans every file of the directory, and the ranks of one bench write theirs at the same moment (a
+    shared directory had one rank read the other's half-written file)."""
+    d = Path(tempfile.gettempdir()) / "dsclip-bench" / str(os.getpid())
+    d.mkdir(parents=True, exist_ok=True)
     p = d / f"{name}.json"
     p.write_text(json.dumps(cfg))
     return p
