@@ -394,6 +394,17 @@ def threads_for_shared_cores(own: set[int], local_peers: list[set[int]], default
     return max(1, min(default, len(own) // sharing))
 
 
+def host_identity() -> str:
+    """Which machine this process runs on, as the cores see it: the kernel's boot id (shared by every
+    container of one machine, different on every machine even where hostnames repeat, e.g. containers all
+    named "localhost"), else the hostname."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return socket.gethostname()
+
+
 def share_cores(info: WorldInfo, env=None) -> str:
     """Set torch's intra-op threads so the ranks of a host do not oversubscribe it; returns how (for the
     rank line). Only when ``OMP_NUM_THREADS`` is unset: torch then gives every rank as many threads as the
@@ -401,15 +412,16 @@ def share_cores(info: WorldInfo, env=None) -> str:
     rank waiting for a peer whose threads lost their core stalls (measured: 2 ranks on 2 cores, tiny model,
     steps 0.08-1.6 s against 0.03-0.05 s with one thread each; bench/rank_threads.py). torchrun sets 1
     thread in that case; dividing the cores keeps a CPU run with few ranks per host fast. The ranks compare
-    their affinity masks (one small all-gather at start), so launcher core binding (numactl, SLURM
-    task/affinity) counts: disjoint masks are not shared. An explicit OMP_NUM_THREADS always wins."""
+    their affinity masks and machines (one small all-gather at start), so launcher core binding (numactl,
+    SLURM task/affinity) counts: disjoint masks are not shared. An explicit OMP_NUM_THREADS always wins."""
     env = os.environ if env is None else env
     own = set(cpu_affinity())
     if info.world_size > 1 and dist.is_initialized():
         # every rank takes part, whatever its own environment says (a rank skipping it would hang the rest)
         everyone = [None] * info.world_size
-        dist.all_gather_object(everyone, (socket.gethostname(), sorted(own)))
-        peers = [set(cpus) for host, cpus in everyone if host == socket.gethostname()]
+        here = host_identity()
+        dist.all_gather_object(everyone, (here, sorted(own)))
+        peers = [set(cpus) for host, cpus in everyone if host == here]
     else:  # no process group to ask: assume the launcher's local ranks share this rank's cores
         peers = [own] * max(1, info.local_world_size)
     if env.get("OMP_NUM_THREADS"):

@@ -17,15 +17,13 @@ LAYOUT = {0: ("a", range(8)), 1: ("a", range(8)), 2: ("a", range(8, 12)), 3: ("b
 
 
 def _share(rank, world_size, explicit_rank):
-    import socket
-
     import torch
 
     from dsclip.engine import world
     from dsclip.engine.world import WorldInfo
 
     host, cpus = LAYOUT[rank]
-    socket.gethostname = lambda: host
+    world.host_identity = lambda: host
     world.cpu_affinity = lambda: list(cpus)
     torch.get_num_threads = lambda: 32  # torch's default on a 32-core host
     env = {"OMP_NUM_THREADS": "5"} if rank == explicit_rank else {}

@@ -171,6 +171,23 @@ def test_threads_divide_the_cores_the_local_ranks_share(own, peers, default, exp
     assert world.threads_for_shared_cores(own, peers, default) == expect
 
 
+def test_host_identity_is_the_machines_boot_id_else_the_hostname(monkeypatch):
+    """Ranks count as sharing cores by machine, not by hostname (containers of one machine share its cores
+    under different names; machines can share a name)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            expect = f.read().strip()
+    except OSError:
+        expect = socket.gethostname()
+    assert world.host_identity() == expect
+
+    def no_proc(*args, **kwargs):
+        raise OSError("no /proc here")
+
+    monkeypatch.setattr(world, "open", no_proc, raising=False)  # the module's open(): no boot id to read
+    assert world.host_identity() == socket.gethostname()
+
+
 def test_init_distributed_divides_the_hosts_cores_when_omp_num_threads_is_unset(monkeypatch, capsys, fresh_world):
     """4 ranks of a launcher on an 8-cpu host, OMP_NUM_THREADS unset: torch's default (here 32) in every
     rank would be 128 threads on 8 cpus; each rank gets 2 and exports it. An explicit value is kept."""
