@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 
 from dsclip.dist import initialized, rank_world
+from dsclip.engine.host_memory import keep_freed_memory
 
 # Exit code of a run that stopped early on request (preemption signal) after saving a checkpoint:
 # the launch scripts requeue the job when they see it. 0 = finished, anything else = failure.
@@ -563,6 +564,9 @@ def init_distributed(
     )
     release_shm_workspace()
     threads = share_cores(info)
+    # CPU ranks: a step's freed gradients and activations stay in the process for the next step
+    # (dsclip/engine/host_memory.py); on a GPU the host's allocations are small and left to malloc
+    malloc = "default" if on_gpu else keep_freed_memory()
     _state["info"] = info
     if os.environ.get("DSCLIP_LOG_WORLD", "1") != "0":
         # one line per rank: the first thing to look at when a launch misbehaves
@@ -571,7 +575,7 @@ def init_distributed(
             f"host {socket.gethostname()} node {os.environ.get('SLURMD_NODENAME', '-')} "
             f"source {info.source} master {init_method or f'{info.master_addr}:{info.master_port}'} backend {backend} "
             f"timeout {int(timeout.total_seconds())}s {binding.describe()} "
-            f"cpus {format_cpus(cpu_affinity())} ({len(cpu_affinity())}) net {net_settings()} {threads}"
+            f"cpus {format_cpus(cpu_affinity())} ({len(cpu_affinity())}) net {net_settings()} {threads} malloc {malloc}"
         )
     if not _state["atexit"]:
         _state["atexit"] = True
