@@ -35,7 +35,7 @@ def _rank(rank, world, model, batch, warmup, steps, keep):
     how = keep_freed_memory() if keep else "default"
     V.one_thread()
     cfg = get_model_config(model)
-    run = V.dsclip_trainer(rank, world, "fp32", batch, cfg)
+    run = V.dsclip_trainer(rank, world, "fp32", batch, cfg, opts={"keep_freed_memory": False})  # set above
     run(V.synthetic_batches(warmup, batch, cfg, seed=1), 0)
     out = []
     for i in range(steps):

@@ -263,16 +263,22 @@ def dsclip_engine(
 def dsclip_trainer(rank, world, precision, batch, cfg, accum_freq=1, opts=None):
     """``run(data, n0)``: dsclip's steps over ``data`` (K micro-batches each; ``n0`` = steps already
     taken) as ``dsclip train`` runs them: ``build_engine`` + ``GradCacheStep``, each step seeded by
-    ``step_seed``, the gradient norm taken on logged steps only."""
+    ``step_seed``, the gradient norm taken on logged steps only; on CPU with freed memory kept for the next
+    step, as `dsclip train` sets on every CPU rank (``opts["keep_freed_memory"] = False``: glibc's default).
+    That setting is process-wide: trainers built in the same process (``bench/utilisation.py --interleave``)
+    run with it too."""
     import torch
 
-    from dsclip.engine.build import autocast_dtype
+    from dsclip.engine.build import autocast_dtype, device_type
+    from dsclip.engine.host_memory import keep_freed_memory
     from dsclip.losses import build_loss
     from dsclip.train.gradcache import GradCacheStep
     from dsclip.train.loop import step_seed
     from dsclip.train.metrics import LogArgs
 
     opts = opts or {}
+    if device_type() == "cpu" and opts.get("keep_freed_memory", True):
+        keep_freed_memory()
     engine, bundle, rc = dsclip_engine(
         precision,
         batch,
