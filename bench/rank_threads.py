@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -24,6 +23,9 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from tests.distutil import free_port  # noqa: E402  (ports the test suite's own launches use)
+
 PY = sys.executable
 DEEPSPEED = str(Path(PY).parent / "deepspeed")
 
@@ -32,12 +34,6 @@ def torch_default_threads() -> int:
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     out = subprocess.run([PY, "-c", "import torch; print(torch.get_num_threads())"], env=env, capture_output=True)
     return int(out.stdout)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(setting: str, default_threads: int, a, logs: Path, name: str) -> list[float]:

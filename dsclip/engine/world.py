@@ -391,8 +391,12 @@ def threads_for_shared_cores(own: set[int], local_peers: list[set[int]], default
     """Intra-op threads for one rank: its cores divided among the ranks of its host whose cores overlap
     them (itself included; ``local_peers`` lists every local rank's cores), at least 1, never more than
     torch's own default (its physical-core count, which ignores the affinity mask and the other ranks)."""
-    sharing = max(1, sum(1 for cpus in local_peers if cpus & own))
-    return max(1, min(default, len(own) // sharing))
+    return max(1, min(default, len(own) // max(1, ranks_sharing(own, local_peers))))
+
+
+def ranks_sharing(own: set[int], local_peers: list[set[int]]) -> int:
+    """How many of the local ranks (this one included) may run on at least one of this rank's cores."""
+    return sum(1 for cpus in local_peers if cpus & own)
 
 
 def host_identity() -> str:
@@ -430,7 +434,7 @@ def share_cores(info: WorldInfo, env=None) -> str:
     threads = threads_for_shared_cores(own, peers, torch.get_num_threads())
     torch.set_num_threads(threads)
     env["OMP_NUM_THREADS"] = str(threads)  # what this rank's own subprocesses (compile workers) inherit
-    sharing = sum(1 for cpus in peers if cpus & own)
+    sharing = ranks_sharing(own, peers)
     ranks = f"{sharing} local rank" + ("s" if sharing != 1 else "")
     return f"threads {threads} ({len(own)} cpus / {ranks}, OMP_NUM_THREADS unset)"
 
