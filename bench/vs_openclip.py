@@ -300,6 +300,7 @@ def dsclip_trainer(rank, world, precision, batch, cfg, accum_freq=1, opts=None):
         build_loss(opts.get("loss", "infonce")),
         keep_last_graph=opts.get("keep_last_graph", True),
         compute_dtype=autocast_dtype(bundle),
+        single_rank_step=opts.get("single_rank_step", True),
     )
     k = accum_freq
     log_every = LogArgs().log_every_n_steps  # as `dsclip train` logs (and so takes the gradient norm) by default

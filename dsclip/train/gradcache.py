@@ -44,6 +44,7 @@ from dsclip.engine.grad_hooks import hooks_removable, zero_grad_hooks_suspended
 from dsclip.engine.grad_norm import grad_norm_optional, without_grad_norm
 from dsclip.engine.local_flush import install_local_flush, local_flush_supported
 from dsclip.engine.overflow_check import fast_overflow_check_supported, install_fast_overflow_check
+from dsclip.engine.single_rank_step import install_single_rank_step, single_rank_step_supported
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # images (B,3,H,W), tokens (B,L)
 
@@ -103,6 +104,7 @@ class GradCacheStep:
         teacher: Callable[[torch.Tensor, torch.Tensor], dict] | None = None,
         local_flush: bool = True,
         fast_overflow_check: bool = True,
+        single_rank_step: bool = True,
     ):
         self.engine = engine
         self.loss_fn = loss_fn
@@ -126,6 +128,11 @@ class GradCacheStep:
         self.local_flush = local_flush and reduction == "coalesced" and local_flush_supported(engine)
         # several ranks on one host: the flush's shared-memory exchange, whose barrier also sums the reported loss
         self.exchange = install_local_flush(engine) if self.local_flush else None
+        # one rank, fp32: AdamW reads the gradients where backward left them, no flat copy
+        # (dsclip/engine/single_rank_step.py); False keeps the flat step (the reference in tests and bench/)
+        self.single_rank_step = single_rank_step and self.local_flush and single_rank_step_supported(engine)
+        if self.single_rank_step:
+            install_single_rank_step(engine)
         # ZeRO-1/2's pre-step inf/NaN check (fp16; bf16 by default) in multi-tensor kernels, one GPU or many
         # (dsclip/engine/overflow_check.py); False keeps DeepSpeed's per-parameter check (the reference)
         opt = getattr(engine, "optimizer", None)

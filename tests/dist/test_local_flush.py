@@ -10,7 +10,9 @@ and ZeRO-2. At one rank in fp32 the optimizer's master partition is the flat wei
 (``_alias_fp32_master``): asserted by pointer, and the same bit-for-bit comparison holds with it. The
 big-batch reference test (test_gradcache.py, worlds 1 and 2) covers the same path against an
 independent computation; the resume tests (tests/e2e/test_checkpoint_resume.py: 2 ranks -> 1 -> 2,
-universal checkpoints) save and load through the aliased master.
+universal checkpoints) save and load through the aliased master. From its second step a one-rank fp32
+run hands AdamW the gradients themselves instead (dsclip/engine/single_rank_step.py): switched off here,
+compared with DeepSpeed's step in test_single_rank_step.py.
 """
 
 from __future__ import annotations
@@ -80,6 +82,7 @@ def _run(rank, world, stage, mode, shm=True, precision="fp32"):
         local_flush=local,
         fast_overflow_check=check,
         compute_dtype=autocast_dtype(bundle),
+        single_rank_step=False,  # the flat step throughout (the in-place one: test_single_rank_step.py)
     )
     named = list(engine.module.named_parameters())
     out = {

@@ -1,0 +1,196 @@
+"""One rank, fp32 weights: AdamW reads each gradient where backward left it (no flat gradient copy).
+
+At one rank ZeRO-1/2 have nothing to partition and nothing to reduce, yet their ``step()`` reads one
+flat gradient buffer: dsclip's flush (dsclip/engine/local_flush.py) copies every ``.grad`` into it, and
+the step's inf/NaN check and the fused AdamW kernel then read that copy. On CPU a step's optimizer
+phase is memory-bound (the gradients, weights and moments are out of cache by then), so the copy is a
+full extra write and read of the model's gradients: ~2 % of a demo-model step at one rank
+(bench/single_rank_step.py).
+
+From the second step on (the first creates the optimizer state through DeepSpeed's own step, and
+links DeepSpeed's fragment mappings to it), the flush hands the step the gradients themselves
+(``_ParamGrads``: the list DeepSpeed's ``averaged_gradients`` holds per group, whose entries DeepSpeed's
+``safe_get_full_grad`` reads as before), and the step is DeepSpeed's ZeRO-1/2 ``step()`` for this case,
+in the same order:
+
+  inf/NaN check where DeepSpeed checks (``check_grad_overflow``) -> the global norm where it computes
+  one (``compute_grad_norm``; fp64 squares as DeepSpeed's) -> a non-finite gradient or norm skips the
+  step -> clipping by DeepSpeed's combined scale -> torch's fused AdamW kernel over per-parameter views
+  of the flat fp32 master (at one rank it is the model's own flat weights: ``_alias_fp32_master``) and
+  of the optimizer's flat moments.
+
+The optimizer state stays the flat tensors DeepSpeed created, so checkpoints, ``safe_get_full_fp32_param``
+and universal checkpoints see no difference. The update is AdamW's, element by element; the fused kernel
+rounds the few elements at the end of each tensor in its scalar loop, so a parameter's moments can differ
+from the flat step's in the last bit (tests/dist/test_local_flush.py compares to float tolerance;
+the first step and everything outside this case are DeepSpeed's, bit for bit).
+
+Only where all of this holds: one rank, dsclip's flush with the aliased master (fp32 weights, no
+offload), dsclip's ``FusedAdamW`` with float learning rates and no amsgrad/maximize, no loss scaling;
+anything else keeps the flat path.
+"""
+
+from __future__ import annotations
+
+import torch
+from deepspeed.runtime.utils import is_invalid_grad_norm
+from deepspeed.runtime.zero.stage_1_and_2 import INITIAL_MICRO_STEP_ID
+
+from dsclip.engine.local_flush import _layout
+from dsclip.engine.optim import FusedAdamW
+
+
+class _ParamGrads(list):
+    """``averaged_gradients[i]`` for the in-place step: each parameter's own gradient, in group order."""
+
+
+def single_rank_step_supported(engine) -> bool:
+    opt = getattr(engine, "optimizer", None)
+    try:
+        return (
+            getattr(engine, "_dsclip_local_flush", None) == "none"
+            and getattr(engine, "_dsclip_master_aliased", False)
+            and type(opt.optimizer) is FusedAdamW
+            and opt.dtype == torch.float32
+            and not opt.dynamic_loss_scale
+            and float(opt.loss_scale) == 1.0
+            and not getattr(opt, "torch_autocast_gradscaler", None)
+            and not getattr(opt, "zenflow", False)
+            and len(opt.optimizer.param_groups) == len(opt.bit16_groups)
+        )
+    except AttributeError:  # another DeepSpeed optimizer class
+        return False
+
+
+def install_single_rank_step(engine) -> None:
+    """Wrap the engine's (dsclip) flush and the ZeRO optimizer's ``step`` (call only if supported)."""
+    opt = engine.optimizer
+    layouts = [_layout(opt, i) for i in range(len(opt.bit16_groups))]
+    flat_flush = engine._flush_coalesced_reduction_zero12
+    deepspeed_step = opt.step
+    views = _StateViews(opt, layouts)
+
+    def flush(optimizer) -> None:
+        if not _ready(opt):  # no optimizer state yet: the first step creates it, through DeepSpeed's step
+            return flat_flush(optimizer)
+        for i, params in enumerate(opt.bit16_groups):
+            grads = _ParamGrads()
+            for p in params:
+                # an unused parameter (no gradient this step) is stepped with a zero gradient, as the flat
+                # buffer would give it
+                grads.append(torch.zeros_like(p) if p.grad is None else p.grad)
+                p.grad = None  # as DeepSpeed's flush leaves it: the step owns the gradient now
+            opt.averaged_gradients[i] = grads
+        return None
+
+    def step(closure=None):
+        grads = [opt.averaged_gradients.get(i) for i in range(len(opt.bit16_groups))]
+        if not all(isinstance(g, _ParamGrads) for g in grads):
+            return deepspeed_step(closure)
+        return _step_in_place(opt, grads, views)
+
+    engine._flush_coalesced_reduction_zero12 = flush
+    opt.step = step
+    engine._dsclip_single_rank_step = True
+
+
+def _ready(opt) -> bool:
+    """Every group's master has AdamW state, and the groups ask for what the fused kernel does here."""
+    state = opt.optimizer.state
+    for master, group in zip(opt.single_partition_of_fp32_groups, opt.optimizer.param_groups):
+        if "exp_avg_sq" not in state.get(master, {}):
+            return False
+        if not isinstance(group["lr"], float) or group.get("amsgrad") or group.get("maximize"):
+            return False
+        if group.get("capturable") or group.get("differentiable"):
+            return False
+    return True
+
+
+class _StateViews:
+    """Per-parameter views of each group's flat master and flat moments, rebuilt when a tensor is replaced
+    (a checkpoint load gives the optimizer new state tensors)."""
+
+    def __init__(self, opt, layouts):
+        self.opt, self.layouts, self.cache = opt, layouts, {}
+
+    def __call__(self, i: int):
+        master = self.opt.single_partition_of_fp32_groups[i]
+        state = self.opt.optimizer.state[master]
+        tensors = (master, state["exp_avg"], state["exp_avg_sq"])
+        key = tuple(t.data_ptr() for t in tensors)
+        hit = self.cache.get(i)
+        if hit is None or hit[0] != key:
+            shapes = [p.shape for p in self.opt.bit16_groups[i]]
+            hit = (
+                key,
+                [[t.detach().narrow(0, o, n).view(s) for (o, n), s in zip(self.layouts[i], shapes)] for t in tensors],
+            )
+            self.cache[i] = hit
+        return hit[1]
+
+
+def _non_finite(grads: list[torch.Tensor]) -> bool:
+    """Any inf/NaN element: one fp32 L1 norm per tensor (inf/NaN exactly when an element is, or when finite
+    gradients sum past float32's range, where DeepSpeed's fp32 norm is inf too)."""
+    norms = torch._foreach_norm(grads, 1)
+    return not bool(torch.isfinite(torch.stack(norms).sum()))
+
+
+def _global_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """DeepSpeed's L2 norm (get_grad_norm_direct): squares summed in float64, rounded to float32."""
+    squares = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64)).square().sum()
+    return squares.float().pow(0.5)
+
+
+def _step_in_place(opt, grads_by_group: list[_ParamGrads], views: _StateViews) -> None:
+    """DeepSpeedZeroOptimizer.step() (stage 1/2, no offload) at one rank, on the per-parameter gradients."""
+    opt.micro_step_id = INITIAL_MICRO_STEP_ID
+    if not opt.compute_grad_norm:
+        opt._global_grad_norm = None
+    every = [g for grads in grads_by_group for g in grads]
+    opt.overflow = bool(opt.check_grad_overflow) and _non_finite(every)
+    norm = None
+    if opt.compute_grad_norm and not opt.overflow:
+        norm = _global_norm(every)
+        if is_invalid_grad_norm(norm):  # fp32: DeepSpeed skips a step whose norm is inf/NaN
+            opt.overflow = True
+    prev_scale = opt.loss_scale
+    opt._update_scale(opt.overflow)
+    if opt.overflow:
+        if opt.compute_grad_norm:
+            opt._global_grad_norm = float("inf")
+        opt.zero_grad(set_to_none=True)
+        for i in range(len(grads_by_group)):
+            opt.averaged_gradients[i] = None
+            opt.all_grad_tensors[i] = None
+        return
+    if norm is not None:
+        opt._global_grad_norm = norm / prev_scale
+    if opt.clip_grad > 0.0:  # unscale_and_clip_grads: the same multiplier, per tensor instead of the flat buffer
+        clip = torch.clamp(((norm / opt.loss_scale) + 1e-6) / opt.clip_grad, min=1.0)
+        torch._foreach_mul_(every, 1.0 / (clip * opt.loss_scale))
+    for i, (grads, group) in enumerate(zip(grads_by_group, opt.optimizer.param_groups)):
+        params, exp_avgs, exp_avg_sqs = views(i)
+        step = opt.optimizer.state[opt.single_partition_of_fp32_groups[i]]["step"]
+        step += 1  # torch's fused AdamW: the step count first, then the kernel reads it
+        beta1, beta2 = group["betas"]
+        torch._fused_adamw_(
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            [],
+            [step] * len(params),
+            lr=group["lr"],
+            beta1=float(beta1),
+            beta2=float(beta2),
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            amsgrad=False,
+            maximize=False,
+        )
+        opt.averaged_gradients[i] = None
+        opt.all_grad_tensors[i] = None
+    # The master is the model's flat weights (aliased), every parameter already its view of them, and one
+    # rank has nothing to gather: DeepSpeed's copy-back, all-gather and re-pointing have nothing to do.
