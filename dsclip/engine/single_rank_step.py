@@ -36,7 +36,7 @@ import torch
 from deepspeed.runtime.utils import is_invalid_grad_norm
 from deepspeed.runtime.zero.stage_1_and_2 import INITIAL_MICRO_STEP_ID
 
-from dsclip.engine.local_flush import _layout
+from dsclip.engine.local_flush import _layout, sum_of_squares_fp64
 from dsclip.engine.optim import FusedAdamW
 
 
@@ -131,16 +131,21 @@ class _StateViews:
 
 
 def _non_finite(grads: list[torch.Tensor]) -> bool:
-    """Any inf/NaN element: one fp32 L1 norm per tensor (inf/NaN exactly when an element is, or when finite
-    gradients sum past float32's range, where DeepSpeed's fp32 norm is inf too)."""
-    norms = torch._foreach_norm(grads, 1)
-    return not bool(torch.isfinite(torch.stack(norms).sum()))
+    """Any inf/NaN element: one float32 sum per tensor (inf/NaN exactly when an element is, or when finite
+    gradients sum past float32's range, where DeepSpeed's fp32 norm is inf too: overflow_check.py's rule).
+    Sums, not ``torch._foreach_norm``: its L1 norm is ~4x slower on CPU, and an L2 norm in float32 would
+    overflow at gradients of ~1e19, which DeepSpeed's float64 norm lets through."""
+    return not bool(torch.isfinite(torch.stack([g.sum() for g in grads]).sum()))
 
 
 def _global_norm(grads: list[torch.Tensor]) -> torch.Tensor:
-    """DeepSpeed's L2 norm (get_grad_norm_direct): squares summed in float64, rounded to float32."""
-    squares = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64)).square().sum()
-    return squares.float().pow(0.5)
+    """DeepSpeed's L2 norm (get_grad_norm_direct): every square summed in float64, rounded to float32.
+    In cache-sized float64 blocks per tensor (local_flush.sum_of_squares_fp64): ``torch._foreach_norm`` with
+    dtype=float64 converts element by element, ~3x slower on CPU."""
+    total = torch.zeros((), dtype=torch.float64, device=grads[0].device)
+    for g in grads:
+        total += sum_of_squares_fp64(g.reshape(-1))
+    return total.float().pow(0.5)
 
 
 def _step_in_place(opt, grads_by_group: list[_ParamGrads], views: _StateViews) -> None:
