@@ -26,9 +26,10 @@ rounds the few elements at the end of each tensor in its scalar loop, so a param
 from the flat step's in the last bit (tests/dist/test_local_flush.py compares to float tolerance;
 the first step and everything outside this case are DeepSpeed's, bit for bit).
 
-Only where all of this holds: one rank, dsclip's flush with the aliased master (fp32 weights, no
+Only where all of this holds: one CPU rank, dsclip's flush with the aliased master (fp32 weights, no
 offload), dsclip's ``FusedAdamW`` with float learning rates and no amsgrad/maximize, no loss scaling;
-anything else keeps the flat path.
+anything else keeps the flat path (on a GPU the copy is a device memcpy, and the per-tensor check and
+norm here would each be hundreds of kernel launches of host time).
 """
 
 from __future__ import annotations
@@ -58,6 +59,9 @@ def single_rank_step_supported(engine) -> bool:
             and not getattr(opt, "torch_autocast_gradscaler", None)
             and not getattr(opt, "zenflow", False)
             and len(opt.optimizer.param_groups) == len(opt.bit16_groups)
+            # CPU only: there the step is memory-bound and the copy a full pass over the gradients; on a GPU
+            # the copy is one device memcpy, and per-tensor checks and norms would cost host launches
+            and all(flat.device.type == "cpu" for flat in opt.bit16_groups_flat)
         )
     except AttributeError:  # another DeepSpeed optimizer class
         return False

@@ -182,3 +182,34 @@ def _install(rank, world, precision, opt, single_rank_step):
 def test_single_rank_step_only_where_it_applies(world, precision, opt, asked, expected):
     for flag, installed in run_world(_install, world, precision, opt, asked):
         assert flag == installed == expected
+
+
+def _supported_by_device(rank, world):
+    from dsclip.engine.build import build_engine
+    from dsclip.engine.ds_config import load_ds_json, resolve_ds_config
+    from dsclip.engine.single_rank_step import single_rank_step_supported
+    from dsclip.losses import build_loss
+    from dsclip.train.gradcache import GradCacheStep
+
+    cfg = make_cfg(2, 1)
+    ds = resolve_ds_config(
+        load_ds_json(cfg.train.deepspeed_config), cfg.train, cfg.optim, world_size=world, device_type="cpu"
+    )
+    engine = build_engine(ds, cfg.train, cfg.optim, make_model, total_steps=10, steps_per_epoch=10).engine
+    GradCacheStep(engine, build_loss("infonce"), single_rank_step=False)  # the flat flush, the master aliased
+    opt = engine.optimizer
+    on_cpu = single_rank_step_supported(engine)
+    flats = opt.bit16_groups_flat
+    opt.bit16_groups_flat = [t.to("meta") for t in flats]  # stands in for buffers on a GPU (no GPU here)
+    try:
+        elsewhere = single_rank_step_supported(engine)
+    finally:
+        opt.bit16_groups_flat = flats
+    return on_cpu, elsewhere
+
+
+def test_single_rank_step_is_for_cpu_ranks():
+    """On a GPU the flat copy is one device memcpy and the per-tensor check and norm would be hundreds of
+    launches: the flat step stays there (the device type is the only difference here)."""
+    on_cpu, elsewhere = run_world(_supported_by_device, 1)[0]
+    assert on_cpu and not elsewhere
