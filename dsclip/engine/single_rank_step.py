@@ -202,5 +202,12 @@ def _step_in_place(opt, grads_by_group: list[_ParamGrads], views: _StateViews) -
         )
         opt.averaged_gradients[i] = None
         opt.all_grad_tensors[i] = None
-    # The master is the model's flat weights (aliased), every parameter already its view of them, and one
-    # rank has nothing to gather: DeepSpeed's copy-back, all-gather and re-pointing have nothing to do.
+        # DeepSpeed's copy of the master into the model's flat weights: nothing to do while the master is
+        # those weights (_alias_fp32_master), but a load that gave the master its own storage must not leave
+        # the model behind
+        weights = opt.parallel_partitioned_bit16_groups[i][0]
+        master = opt.single_partition_of_fp32_groups[i]
+        if weights.data_ptr() != master.data_ptr():
+            weights.data.copy_(master.data)
+        # one rank has nothing to gather; every parameter is already its view of the flat weights (checked)
+        opt._update_model_bit16_weights(i)

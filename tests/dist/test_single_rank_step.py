@@ -5,12 +5,12 @@ Both engines are built from the same seed and take the same steps over the same 
 without the norm (DeepSpeed's inf/NaN check instead, dsclip/engine/grad_norm.py), a step with an inf
 gradient element (skipped by the check), a step with a NaN element and the norm on (skipped by the invalid
 norm), steps with clipping active, a checkpoint saved and loaded in between, after which the moments are new
-tensors (as torch's ``load_state_dict`` leaves them; the step must update those), and a parameter the
-forward never uses (stepped with a zero gradient: weight decay only). After every step: applied or not, the
-norm, every weight, the Adam moments and the step count. The first step creates the optimizer state through
-DeepSpeed's own step (bit for bit DeepSpeed's); the later ones differ from it only in rounding: the fused
-kernel rounds the last elements of each tensor in its scalar loop, and the norm sums its float64 squares in
-another order.
+tensors (as torch's ``load_state_dict`` leaves them; the step must update those) and the master weights no
+longer the model's own (the step must copy them back), and a parameter the forward never uses (stepped with
+a zero gradient: weight decay only). After every step: applied or not, the norm, every weight, the Adam
+moments and the step count. The first step creates the optimizer state through DeepSpeed's own step (bit for
+bit DeepSpeed's); the later ones differ from it only in rounding: the fused kernel rounds the last elements
+of each tensor in its scalar loop, and the norm sums its float64 squares in another order.
 """
 
 from __future__ import annotations
@@ -99,6 +99,10 @@ def _run(rank, world, tmp, clip):
                 # puts new ones in their place: the step must then update those
                 for st in state.values():
                     st["exp_avg"], st["exp_avg_sq"] = st["exp_avg"].clone(), st["exp_avg_sq"].clone()
+                # and a master with storage of its own (no longer the model's flat weights): the step must still
+                # move the model's weights
+                for master in engine.optimizer.single_partition_of_fp32_groups:
+                    master.data = master.data.clone()
         out[mode] = rec
     return out
 
