@@ -68,8 +68,15 @@ def _flat_non_finite(flat: torch.Tensor) -> torch.Tensor:
     finite gradients sum past float32's range (~3.4e38), where DeepSpeed's fp32 norm, whose overflow skips
     the step, is inf already. 16-bit: DeepSpeed's two reductions (an fp16 sum overflows at 65504)."""
     if flat.dtype == torch.float32:
-        return (~torch.isfinite(flat.sum())).float().reshape(1)
+        return sum_non_finite([flat]).float().reshape(1)
     return has_inf_or_nan(flat).float().reshape(1)
+
+
+def sum_non_finite(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """float32 tensors: True (a bool tensor) if their sum is inf/NaN, the rule of ``_flat_non_finite``; one
+    reduction per tensor (dsclip/engine/single_rank_step.py checks the per-parameter gradients with it)."""
+    total = tensors[0].sum() if len(tensors) == 1 else torch.stack([t.sum() for t in tensors]).sum()
+    return ~torch.isfinite(total)
 
 
 def _foreach_non_finite(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -23,7 +23,7 @@ in the same order:
 The optimizer state stays the flat tensors DeepSpeed created, so checkpoints, ``safe_get_full_fp32_param``
 and universal checkpoints see no difference. The update is AdamW's, element by element; the fused kernel
 rounds the few elements at the end of each tensor in its scalar loop, so a parameter's moments can differ
-from the flat step's in the last bit (tests/dist/test_local_flush.py compares to float tolerance;
+from the flat step's in the last bit (tests/dist/test_single_rank_step.py compares to float tolerance;
 the first step and everything outside this case are DeepSpeed's, bit for bit).
 
 Only where all of this holds: one CPU rank, dsclip's flush with the aliased master (fp32 weights, no
@@ -40,6 +40,7 @@ from deepspeed.runtime.zero.stage_1_and_2 import INITIAL_MICRO_STEP_ID
 
 from dsclip.engine.local_flush import _layout, sum_of_squares_fp64
 from dsclip.engine.optim import FusedAdamW
+from dsclip.engine.overflow_check import sum_non_finite
 
 
 class _ParamGrads(list):
@@ -135,14 +136,6 @@ class _StateViews:
         return hit[1]
 
 
-def _non_finite(grads: list[torch.Tensor]) -> bool:
-    """Any inf/NaN element: one float32 sum per tensor (inf/NaN exactly when an element is, or when finite
-    gradients sum past float32's range, where DeepSpeed's fp32 norm is inf too: overflow_check.py's rule).
-    Sums, not ``torch._foreach_norm``: its L1 norm is ~4x slower on CPU, and an L2 norm in float32 would
-    overflow at gradients of ~1e19, which DeepSpeed's float64 norm lets through."""
-    return not bool(torch.isfinite(torch.stack([g.sum() for g in grads]).sum()))
-
-
 def _global_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     """DeepSpeed's L2 norm (get_grad_norm_direct): every square summed in float64, rounded to float32.
     In cache-sized float64 blocks per tensor (local_flush.sum_of_squares_fp64): ``torch._foreach_norm`` with
@@ -159,7 +152,9 @@ def _step_in_place(opt, grads_by_group: list[_ParamGrads], views: _StateViews) -
     if not opt.compute_grad_norm:
         opt._global_grad_norm = None
     every = [g for grads in grads_by_group for g in grads]
-    opt.overflow = bool(opt.check_grad_overflow) and _non_finite(every)
+    # one float32 sum per tensor (overflow_check.py's rule; torch._foreach_norm's L1 norm is ~4x slower on CPU,
+    # and an L2 norm in float32 would overflow at gradients of ~1e19, which DeepSpeed's float64 norm lets through)
+    opt.overflow = bool(opt.check_grad_overflow) and bool(sum_non_finite(every))
     norm = None
     if opt.compute_grad_norm and not opt.overflow:
         norm = _global_norm(every)
@@ -177,9 +172,7 @@ def _step_in_place(opt, grads_by_group: list[_ParamGrads], views: _StateViews) -
         return
     if norm is not None:
         opt._global_grad_norm = norm / prev_scale
-    if opt.clip_grad > 0.0:  # unscale_and_clip_grads: the same multiplier, per tensor instead of the flat buffer
-        clip = torch.clamp(((norm / opt.loss_scale) + 1e-6) / opt.clip_grad, min=1.0)
-        torch._foreach_mul_(every, 1.0 / (clip * opt.loss_scale))
+    opt.unscale_and_clip_grads([every], norm)  # DeepSpeed's clipping: a list entry is scaled tensor by tensor
     for i, (grads, group) in enumerate(zip(grads_by_group, opt.optimizer.param_groups)):
         params, exp_avgs, exp_avg_sqs = views(i)
         step = opt.optimizer.state[opt.single_partition_of_fp32_groups[i]]["step"]

@@ -36,27 +36,36 @@ def _model_with_unused_parameter():
     return model
 
 
-def _run(rank, world, tmp, clip):
-    from deepspeed.utils import safe_get_full_grad
-
+def _engine_and_step(world, k=1, model=make_model, precision="fp32", **options):
+    """A ZeRO-2 engine on the tiny model and its GradCacheStep (``options``: config overrides by section
+    attribute, ``optim.*`` / ``train.*``, and GradCacheStep keywords)."""
     from dsclip.engine.build import build_engine
     from dsclip.engine.ds_config import load_ds_json, resolve_ds_config
     from dsclip.losses import build_loss
     from dsclip.train.gradcache import GradCacheStep
 
+    cfg = make_cfg(2, k)
+    cfg.train.precision, cfg.train.deepspeed_config = precision, f"ds_configs/zero2_{precision}.json"
+    for key in [k for k in options if k.startswith(("optim.", "train."))]:
+        section, name = key.split(".")
+        setattr(getattr(cfg, section), name, options.pop(key))
+    ds = resolve_ds_config(
+        load_ds_json(cfg.train.deepspeed_config), cfg.train, cfg.optim, world_size=world, device_type="cpu"
+    )
+    engine = build_engine(ds, cfg.train, cfg.optim, model, total_steps=10, steps_per_epoch=10).engine
+    return engine, GradCacheStep(engine, build_loss("infonce"), **options)
+
+
+def _run(rank, world, tmp, clip):
+    from deepspeed.utils import safe_get_full_grad
+
     out = {}
     for mode in ("single_rank", "deepspeed"):
-        cfg = make_cfg(2, K)
-        cfg.optim.grad_clip_norm = clip
-        ds = resolve_ds_config(
-            load_ds_json(cfg.train.deepspeed_config), cfg.train, cfg.optim, world_size=world, device_type="cpu"
-        )
-        engine = build_engine(
-            ds, cfg.train, cfg.optim, _model_with_unused_parameter, total_steps=10, steps_per_epoch=10
-        ).engine
-        step = GradCacheStep(
-            engine,
-            build_loss("infonce"),
+        engine, step = _engine_and_step(
+            world,
+            K,
+            _model_with_unused_parameter,
+            **{"optim.grad_clip_norm": clip},
             local_flush=mode == "single_rank",
             fast_overflow_check=mode == "single_rank",
         )
@@ -157,19 +166,7 @@ def test_single_rank_step_matches_deepspeeds_step(tmp_path, clip):
 
 
 def _install(rank, world, precision, opt, single_rank_step):
-    from dsclip.engine.build import build_engine
-    from dsclip.engine.ds_config import load_ds_json, resolve_ds_config
-    from dsclip.losses import build_loss
-    from dsclip.train.gradcache import GradCacheStep
-
-    cfg = make_cfg(2, 1)
-    cfg.train.precision, cfg.train.deepspeed_config = precision, f"ds_configs/zero2_{precision}.json"
-    cfg.optim.opt = opt
-    ds = resolve_ds_config(
-        load_ds_json(cfg.train.deepspeed_config), cfg.train, cfg.optim, world_size=world, device_type="cpu"
-    )
-    engine = build_engine(ds, cfg.train, cfg.optim, make_model, total_steps=10, steps_per_epoch=10).engine
-    step = GradCacheStep(engine, build_loss("infonce"), single_rank_step=single_rank_step)
+    engine, step = _engine_and_step(world, precision=precision, **{"optim.opt": opt}, single_rank_step=single_rank_step)
     return step.single_rank_step, getattr(engine, "_dsclip_single_rank_step", False)
 
 
@@ -189,18 +186,9 @@ def test_single_rank_step_only_where_it_applies(world, precision, opt, asked, ex
 
 
 def _supported_by_device(rank, world):
-    from dsclip.engine.build import build_engine
-    from dsclip.engine.ds_config import load_ds_json, resolve_ds_config
     from dsclip.engine.single_rank_step import single_rank_step_supported
-    from dsclip.losses import build_loss
-    from dsclip.train.gradcache import GradCacheStep
 
-    cfg = make_cfg(2, 1)
-    ds = resolve_ds_config(
-        load_ds_json(cfg.train.deepspeed_config), cfg.train, cfg.optim, world_size=world, device_type="cpu"
-    )
-    engine = build_engine(ds, cfg.train, cfg.optim, make_model, total_steps=10, steps_per_epoch=10).engine
-    GradCacheStep(engine, build_loss("infonce"), single_rank_step=False)  # the flat flush, the master aliased
+    engine, _ = _engine_and_step(world, single_rank_step=False)  # the flat flush, the master aliased
     opt = engine.optimizer
     on_cpu = single_rank_step_supported(engine)
     flats = opt.bit16_groups_flat
