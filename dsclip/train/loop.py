@@ -14,9 +14,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from dsclip.checkpoint import run_lock
 from dsclip.checkpoint.ds_checkpoint import Checkpointer, record_tokenizer
 from dsclip.config import RunConfig, settle_run_name, validate
+from dsclip.config_base import ConfigError
 from dsclip.data import TrainData
+from dsclip.dist import from_rank0
 from dsclip.engine import world
 from dsclip.engine.build import build_engine, device_type
 from dsclip.engine.optim import PARAM_ORDER
@@ -89,6 +92,13 @@ class Run:
 
 def train(cfg: RunConfig) -> dict:
     """Train per ``cfg`` on this rank; every rank of the job calls it. Returns a summary dict."""
+    try:
+        return _train(cfg)
+    finally:  # a process that trains again (tests, notebooks) must not hold the folder it left
+        run_lock.release_all()
+
+
+def _train(cfg: RunConfig) -> dict:
     run = build_run(cfg)
     cfg = run.cfg  # with the run name decided
     step, preempted = fit(run)
@@ -152,6 +162,20 @@ def fit(run: Run) -> tuple[int, str | None]:
     return step, preempted
 
 
+def take_run_lock(run_dir, rank: int) -> None:
+    """Rank 0 takes the run folder's lock (held until the process ends); every rank raises its refusal,
+    so no rank of a second job goes on to write (collective)."""
+    error = None
+    if rank == 0:
+        try:
+            run_lock.acquire(run_dir)
+        except ConfigError as e:
+            error = str(e)
+    error = from_rank0(error)
+    if error:
+        raise ConfigError(error)
+
+
 def build_run(cfg: RunConfig) -> Run:
     """The composition root: config -> world -> data/model -> engine -> step, checkpointer, metrics, evaluator."""
     info = world.init_distributed(backend=cfg.train.dist_backend, init_method=cfg.train.dist_url)
@@ -159,6 +183,7 @@ def build_run(cfg: RunConfig) -> Run:
     world.install_preemption_handler()
     cfg = settle_run_name(cfg)  # the clock's default, decided on rank 0 (collective)
     validate(cfg)
+    take_run_lock(cfg.run_dir, rank)  # before anything is written into the run folder
     world.check_workers(cfg.data.workers)
     ft = finetune.prepare(cfg, rank=rank)  # --pretrained by name, --force-image-size, locking, quick_gelu
     cfg, model_cfg = ft.cfg, ft.model_cfg  # + the pretrained weights' architecture name and tokenizer
