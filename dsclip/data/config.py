@@ -46,6 +46,15 @@ class DataConfig:
             "dataset_resampled). Default: proportional to each source's shard count."
         },
     )
+    data_decode: str = field(
+        default="auto",
+        metadata={
+            "help": "Where training images are decoded and augmented: cpu = workers decode (JPEG at a reduced "
+            "DCT scale, crop before resize) and ship uint8, normalised on the device; pil = the float PIL "
+            "path of OpenCLIP; gpu = nvJPEG on the device (needs CUDA); auto = gpu where CUDA is present.",
+            "choices": ("auto", "cpu", "gpu", "pil"),
+        },
+    )
     workers: int = field(default=1, metadata={"help": "DataLoader worker processes per rank (0 = main process)."})
     shuffle_buffer: int = field(
         default=5000, metadata={"help": "Webdataset sample shuffle buffer per worker (0 disables)."}
@@ -148,6 +157,8 @@ class DataConfig:
             raise ConfigError(f"--imagenet-v2 folder not found: {self.imagenet_v2}")
         if self.imagenet_val and self.zeroshot_data != self.imagenet_val:
             raise ConfigError("give either --imagenet-val or --zeroshot-data, not both")
+        if self.data_decode == "gpu" and not _cuda_available():
+            raise ConfigError("--data-decode gpu needs CUDA, none found: use --data-decode cpu (the CPU path)")
         check_mean_std("image-mean", self.image_mean)
         check_mean_std("image-std", self.image_std)
 
@@ -171,3 +182,9 @@ class DataConfig:
         if self.train_data.split("::")[0].lower().endswith((".csv", ".tsv")):
             return "csv"
         return "webdataset"
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

@@ -52,6 +52,8 @@ class TrainData:
     # A requested position at most this many batches ahead of the open stream is reached by reading
     # (the loop leaves steps_per_epoch % accum_freq batches of an epoch unused); further: reopen.
     max_skip = 16
+    # uint8 inputs: a DevicePrep (dsclip.data.device_transform) run in the training process; None: floats
+    device_prep = None
 
     def __init__(self) -> None:
         self._stats: Counter = Counter()
@@ -77,6 +79,8 @@ class TrainData:
             images, tokens, stats = item
             if stats:
                 self._stats.update(stats)
+            if self.device_prep is not None:  # uint8 from the workers -> normalised floats, on the device
+                images = self.device_prep(images)
             yield images, tokens
 
     def _advance(self) -> None:
@@ -97,6 +101,12 @@ class TrainData:
 
     def _open(self, epoch: int, start_step: int) -> Iterator:
         raise NotImplementedError
+
+    def set_device(self, device, dtype=torch.float32) -> None:
+        """Where (and in which dtype) uint8 batches are normalised: the step's device. Float inputs
+        ignore it (the step moves them)."""
+        if self.device_prep is not None:
+            self.device_prep.device, self.device_prep.dtype = device, dtype
 
     def stats(self) -> dict[str, int]:
         """Cumulative bad-data counters of this rank, e.g. {"skipped_corrupt_image": 3}; empty when clean."""

@@ -34,6 +34,8 @@ from collections.abc import Iterator
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from .device_transform import DevicePrep
+from .fast_transforms import fast_train_transform
 from .loader import TrainData, mix_seed, shutdown_loader
 from .shards import (
     BadData,
@@ -47,7 +49,7 @@ from .shards import (
 )
 from .shards import parse_sources as parse_sources
 from .tokenizer import TRUNCATED, tokenize_counting
-from .transforms import image_transform, seeded_rngs
+from .transforms import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD, image_transform, per_channel, seeded_rngs
 
 log = logging.getLogger("dsclip.data")
 
@@ -108,6 +110,7 @@ class WdsBatches(IterableDataset):
         self.urls = [u for urls, _ in sources for u in urls]
         self.weights = [w for urls, w in sources for _ in urls]
         self.tokenizer, self.transform = tokenizer, transform
+        self._takes_bytes = getattr(transform, "takes_bytes", False)
         self.batch_size, self.rank, self.world_size, self.seed = batch_size, rank, world_size, seed
         self.num_slots = max(1, workers)
         self.steps_per_epoch, self.resampled, self.shuffle_buffer = steps_per_epoch, resampled, shuffle_buffer
@@ -164,7 +167,8 @@ class WdsBatches(IterableDataset):
         with seeded_rngs(mix_seed(self.seed, epoch, self.rank, step, 0xA06)):  # never disturb the process's RNGs
             for j, s in enumerate(raw):
                 try:
-                    images.append(self.transform(decode_image(image_bytes(s))))
+                    data = image_bytes(s)  # the fast transform decodes the bytes itself (draft, crop first)
+                    images.append(self.transform(data if self._takes_bytes else decode_image(data)))
                 except Exception as e:  # PIL raises many types for corrupt data
                     bad.add("corrupt_image", f"{s['__url__']}:{s['__key__']} ({e.__class__.__name__}: {e})")
                     images.append(None)
@@ -254,10 +258,11 @@ def build_wds_train_data(data_cfg, *, tokenizer, image_size, batch_size, rank, w
             len(all_urls),
             n_slots,
         )
+    transform = train_transform(data_cfg, image_size)
     ds = WdsBatches(
         sources,
         tokenizer=tokenizer,
-        transform=image_transform(image_size, is_train=True, **data_cfg.preprocess_args()),
+        transform=transform,
         batch_size=batch_size,
         rank=rank,
         world_size=world_size,
@@ -269,4 +274,20 @@ def build_wds_train_data(data_cfg, *, tokenizer, image_size, batch_size, rank, w
     )
     kw = dict(persistent_workers=True, prefetch_factor=2) if workers > 0 else {}
     loader = DataLoader(ds, batch_size=None, num_workers=workers, pin_memory=torch.cuda.is_available(), **kw)
-    return WdsTrainData(ds, loader, steps * batch_size * world_size)
+    data = WdsTrainData(ds, loader, steps * batch_size * world_size)
+    if getattr(transform, "takes_bytes", False):  # uint8 batches: normalised in the training process
+        data.device_prep = DevicePrep(per_channel(data_cfg.image_mean, OPENAI_DATASET_MEAN),
+                                      per_channel(data_cfg.image_std, OPENAI_DATASET_STD))  # fmt: skip
+    return data
+
+
+def train_transform(data_cfg, image_size):
+    """``--data-decode``: ``pil`` is the float PIL path (image_transform); ``cpu`` (and ``auto``/``gpu``
+    until the GPU path lands in this dataset) the uint8 fast path where the augmentation allows it."""
+    mode = getattr(data_cfg, "data_decode", "pil")
+    fast = fast_train_transform(image_size, data_cfg.aug_cfg) if mode != "pil" else None
+    if fast is None:
+        if mode != "pil":
+            log.info("--aug-cfg needs the PIL transform (use_timm / color jitter / grayscale): --data-decode pil")
+        return image_transform(image_size, is_train=True, **data_cfg.preprocess_args())
+    return fast

@@ -208,6 +208,7 @@ def build_run(cfg: RunConfig) -> Run:
     teacher = teacher_plan.build(ds_config) if teacher_plan else None  # outside the student's engine
     step_fn = build_step(bundle, cfg.loss, cfg.train, teacher)
     device = bundle.engine.device
+    data.set_device(device, step_fn.compute_dtype)  # uint8 input is normalised there (dsclip.data.device_transform)
     metrics = MetricsLogger.from_args(
         cfg.log, cfg.run_dir, rank=rank, world_size=world_size, plan=plan, device=device,
         wandb=wandb_sink.for_run(cfg, rank), context_length=tokenizer.context_length,
