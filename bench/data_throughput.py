@@ -104,7 +104,7 @@ def measure(pattern: str, n: int, workers: int, batch: int, image_size: int, tok
 
 
 def update_readme(path: Path, section: str) -> None:
-    text = path.read_text() if path.exists() else "# dsclip benchmarks\n"
+    text = path.read_text() if path.exists() else "# Data throughput (bench/data_throughput.py)\n"
     pat = re.compile(r"^## Data throughput\n.*?(?=^## |\Z)", re.S | re.M)
     if pat.search(text):
         text = pat.sub(section.rstrip() + "\n\n", text)
@@ -121,7 +121,9 @@ def main(argv=None) -> int:
     p.add_argument("--stored-size", type=int, default=224, help="Side of the JPEGs in the shards.")
     p.add_argument("--image-size", type=int, default=224, help="Model input size (RandomResizedCrop output).")
     p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--write-readme", action="store_true", help="Update the section in bench/README.md.")
+    p.add_argument(
+        "--write-readme", action="store_true", help="Write the table as a new result file under bench/results/."
+    )
     a = p.parse_args(argv)
     import torch
 
@@ -170,7 +172,11 @@ def main(argv=None) -> int:
     section = "\n".join(lines)
     print("\n" + section)
     if a.write_readme:
-        update_readme(Path(__file__).resolve().parent / "README.md", section)
+        # one file per measured run (bench/README.md indexes them); the date keeps earlier runs
+        day = time.strftime("%Y-%m-%d", time.gmtime())
+        out = Path(__file__).resolve().parent / "results" / f"data-throughput_cpu{os.cpu_count()}_{day}.md"
+        update_readme(out, section)
+        print(f"wrote {out}")
     return 0
 
 
