@@ -13,9 +13,9 @@ dsclip promises that an OpenCLIP command line works after changing the program n
   yet; the note names the issue item).
 
 tests/unit/test_compat.py reads OpenCLIP's own parser and fails for an option missing here, for a
-row whose status does not match what ``dsclip train`` accepts, and when README's "Coming from
-OpenCLIP" table is not :func:`render_markdown`'s output (``python -m dsclip.compat --write-readme``
-rewrites it).
+row whose status does not match what ``dsclip train`` accepts, and when the table in
+docs/coming-from-openclip.md is not :func:`render_markdown`'s output (``python -m dsclip.compat
+--write-docs`` rewrites it).
 """
 
 from __future__ import annotations
@@ -235,8 +235,10 @@ OPENCLIP_FLAGS: dict[str, Row] = {
     ),
 }
 
-README_BEGIN = "<!-- compat-table: begin (python -m dsclip.compat --write-readme) -->"
+README_BEGIN = "<!-- compat-table: begin (python -m dsclip.compat --write-docs) -->"
 README_END = "<!-- compat-table: end -->"
+# the page of the user guide that holds the generated table (README.md links to it)
+DOCS_PAGE = "docs/coming-from-openclip.md"
 
 
 def counts() -> dict[str, int]:
@@ -277,10 +279,16 @@ def write_readme(path: Path) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m dsclip.compat", description="Print or write the OpenCLIP flag table.")
-    p.add_argument("--write-readme", action="store_true", help="rewrite README.md's 'Coming from OpenCLIP' table")
+    p.add_argument(
+        "--write-docs",
+        "--write-readme",
+        dest="write_docs",
+        action="store_true",
+        help="rewrite the table in docs/coming-from-openclip.md",
+    )
     a = p.parse_args(argv)
-    if a.write_readme:
-        readme = Path(__file__).resolve().parents[1] / "README.md"
+    if a.write_docs:
+        readme = Path(__file__).resolve().parents[1] / DOCS_PAGE
         print(f"{readme}: {'updated' if write_readme(readme) else 'already in sync'}")
     else:
         print(render_markdown())

@@ -1,7 +1,7 @@
 """Fine-tuning from OpenCLIP models through the CLI, offline: a local Hugging Face cache written here
 stands in for the hub (``HF_HUB_OFFLINE=1``).
 
-- the README's "Fine-tune an OpenCLIP model" commands, run as written (paths substituted): LiT from an
+- docs/finetuning.md's "Fine-tune an OpenCLIP model" commands, run as written (paths substituted): LiT from an
   ``hf-hub:`` model on webdataset shards at a new resolution (32 -> 48 px), export, OpenCLIP loads the
   export and gives dsclip's embeddings, ImageNet-style zero-shot with built-in class names;
 - a sentencepiece-trained run (the demo's BPE tokenizer, and a ``dsclip tokenizer train`` unigram one)
@@ -136,8 +136,9 @@ def sh(cmd: str, e: dict, cwd: Path, check: bool = True, timeout: int = 900) -> 
 
 
 def readme_section_commands() -> list[str]:
-    """The shell commands of the README's "Fine-tune an OpenCLIP model" section, continuation lines joined."""
-    text = (ROOT / "README.md").read_text()
+    """The shell commands of docs/finetuning.md's "Fine-tune an OpenCLIP model" section, continuation lines
+    joined."""
+    text = (ROOT / "docs" / "finetuning.md").read_text()
     section = text.split("## Fine-tune an OpenCLIP model", 1)[1].split("\n## ", 1)[0]
     blocks = re.findall(r"```bash\n(.*?)```", section, re.S)
     commands = []
