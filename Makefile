@@ -25,7 +25,7 @@ KERNEL_TESTS ?= 'tests/dist/test_gradcache.py::test_gradcache_equals_big_batch[1
 # .ci/run passes --after-make-test: the leg with this CPU's best kernels and 1 thread is `make test` itself.
 KERNEL_LEGS_ARGS ?=
 
-.PHONY: venv demo test test-all test-kernels lint clean
+.PHONY: venv demo test test-all test-kernels lint docs clean
 
 # DeepSpeed JIT-compiles two C++ ops on CPU the first time they are used: the shm all-reduce (every run)
 # and cpu_adam (ZeRO-Offload); ~1-2 min of both cores from nothing. `make venv` compiles them into
@@ -54,6 +54,12 @@ test: venv
 	$(PY) -m ruff check dsclip tests bench
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not slow" -n $(PYTEST_WORKERS) --dist loadgroup --durations=15 $(PYTEST_ARGS)
 
+# The user guide as a site (docs/, mkdocs.yml): the CLI reference regenerated from the parsers, then a
+# strict build (a broken link or a page missing from the nav fails). .ci/run runs it after `make test`.
+docs: venv
+	$(PY) docs/gen_cli_reference.py
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet
+
 # Also the scale smoke tests (ViT-H-14 / ViT-bigG-14 under ZeRO-3 on 2 CPU ranks, ~10 min, ~15 GB RAM).
 test-all: venv
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup --durations=15 $(PYTEST_ARGS)
@@ -68,4 +74,4 @@ lint: venv
 	$(PY) -m ruff format --check dsclip tests bench
 
 clean:
-	rm -rf runs .pytest_cache .ruff_cache
+	rm -rf runs site .pytest_cache .ruff_cache

@@ -35,6 +35,9 @@ setup(
             "transformers",
             "tokenizers",
             "wandb",
+            # the documentation site (make docs)
+            "mkdocs",
+            "mkdocs-material",
         ],
         "openclip": ["open_clip_torch", "tokenizers"],
     },
