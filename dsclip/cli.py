@@ -58,9 +58,13 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 def main_train(argv: list[str]) -> int:
     # lazy, like COMMANDS: each command loads only its own stack (torch, deepspeed) when it runs
     from dsclip.config import parse_run_config
-    from dsclip.train.loop import train
+    from dsclip.train import preflight
 
     cfg = parse_run_config(argv)
+    # before the process group and before DeepSpeed loads: a misconfigured run fails in seconds
+    cfg = preflight.check(cfg, rank=int(os.environ.get("RANK", "0")))
+    from dsclip.train.loop import train  # loads DeepSpeed
+
     summary = train(cfg)
     if summary.get("zeroshot") and int(os.environ.get("RANK", "0")) == 0:
         print("final: " + json.dumps({"step": summary["step"], "zeroshot": summary["zeroshot"]}), flush=True)

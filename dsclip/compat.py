@@ -226,7 +226,11 @@ OPENCLIP_FLAGS: dict[str, Row] = {
         "as `--pretrained` (file, folder, OpenCLIP tag, `hf-hub:`); one of the two flags without the other is "
         "an error (OpenCLIP silently trains without a teacher)",
     ),
-    "--use-bnb-linear": Row("not offered", "bitsandbytes int8 layers do not combine with ZeRO partitioning"),
+    "--use-bnb-linear": Row(
+        "not offered",
+        "bitsandbytes int8 layers do not combine with ZeRO partitioning; to save memory use ZeRO-3 "
+        "(`--deepspeed-config zero3_bf16`, or `zero3_offload_bf16`) and `--grad-checkpointing`",
+    ),
     "--siglip": Row("same", "ring-exchange sigmoid loss"),
     "--loss-dist-impl": Row(
         "differs",
@@ -239,6 +243,20 @@ README_BEGIN = "<!-- compat-table: begin (python -m dsclip.compat --write-docs) 
 README_END = "<!-- compat-table: end -->"
 # the page of the user guide that holds the generated table (README.md links to it)
 DOCS_PAGE = "docs/coming-from-openclip.md"
+
+
+def refusal(flag: str) -> str | None:
+    """The one-line refusal of an OpenCLIP option ``dsclip train`` does not accept (its table row's reason
+    and replacement), or None when ``flag`` is not such an option."""
+    name = flag.split("=", 1)[0]
+    row = OPENCLIP_FLAGS.get(name)
+    if row is None or row.status not in REJECTED:
+        return None
+    note = row.note
+    if note.startswith("see `") and note.endswith("`"):  # "--remote-sync-frequency: see `--remote-sync`"
+        note = OPENCLIP_FLAGS[note[5:-1]].note
+    what = {"renamed": "named differently here", "not offered": "not offered", "planned": "not built yet"}
+    return f"unknown flag {name}: OpenCLIP's option, {what[row.status]} in dsclip train: {note}".replace("`", "")
 
 
 def counts() -> dict[str, int]:

@@ -215,6 +215,10 @@ def parse_run_config(argv: list[str]) -> RunConfig:
         raise ConfigError("invalid command line (see the message above)") from None
     if unknown:
         flag = unknown[0]
+        from dsclip.compat import refusal  # the compat table's reason and replacement, not a spelling guess
+
+        if refusal(flag):
+            raise ConfigError(refusal(flag))
         close = difflib.get_close_matches(flag, [a for a in parser._option_string_actions if a.startswith("--")], n=1)
         hint = f" (did you mean {close[0]}?)" if close else ""
         raise ConfigError(f"unknown flag {flag}{hint}; see 'dsclip train --help'")

@@ -1,0 +1,95 @@
+"""dsclip train's early checks: misconfigured runs fail before the process group and before DeepSpeed."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dsclip.config import ConfigError, make_run_config
+from dsclip.train import preflight
+
+# Runs the real CLI in a fresh interpreter and reports what had happened when the error came back.
+PROBE = """
+import json, sys
+from dsclip.cli import main
+rc = main(sys.argv[1:])
+import torch.distributed as dist
+print(json.dumps({"rc": rc, "deepspeed": "deepspeed" in sys.modules,
+                  "group": dist.is_available() and dist.is_initialized()}))
+"""
+
+
+def _probe(args, tmp_path):
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "DSCLIP_CACHE": str(tmp_path)}
+    p = subprocess.run([sys.executable, "-c", PROBE, *args], capture_output=True, text=True, env=env, cwd=tmp_path)
+    return json.loads(p.stdout.strip().splitlines()[-1]), p.stderr
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--model", "ViT-Nope-99"], "ViT-Nope-99"),
+        (["--model", "demo", "--precision", "fp16"], "fp16 is not supported by DeepSpeed on CPU"),
+    ],
+)
+def test_misconfigured_run_fails_before_world_and_deepspeed(tmp_path, args, says):
+    out, err = _probe(["train", "--name", "x", "--logs", str(tmp_path), *args], tmp_path)
+    assert out["rc"] == 2 and says in err
+    assert not out["deepspeed"] and not out["group"]  # the bound on the work done before the error
+
+
+def cfg(**kv):
+    return make_run_config({"name": "x", **kv})
+
+
+def test_other_model_without_data_lists_the_data_options():
+    with pytest.raises(ConfigError, match="--model ViT-B-32 needs training data") as e:
+        preflight.check(cfg(model="ViT-B-32"))
+    assert "webdataset" in str(e.value) and "CSV" in str(e.value) and "--dataset-type synthetic" in str(e.value)
+    preflight.check(cfg(model="demo"))  # the demo model trains on the built-in set
+    preflight.check(cfg(model="ViT-B-32", dataset_type="demo"))  # asked for explicitly
+
+
+def test_openclip_architecture_defaults_to_openclip_tokenizer(tmp_path, capsys):
+    (tmp_path / "s-0.tar").write_bytes(b"")
+    out = preflight.check(cfg(model="ViT-B-32", train_data=str(tmp_path / "s-{0..0}.tar")))
+    assert out.data.tokenizer == "open_clip:ViT-B-32"
+    assert "open_clip:ViT-B-32" in capsys.readouterr().out  # said at start-up
+
+
+def test_no_tokenizer_error_names_both_kinds(tmp_path):
+    (tmp_path / "s-0.tar").write_bytes(b"")
+    with pytest.raises(ConfigError) as e:
+        preflight.check(cfg(model="tiny", train_data=str(tmp_path / "s-0.tar")))
+    assert "path/to/spm.model" in str(e.value) and "open_clip:MODEL" in str(e.value)
+
+
+def test_missing_shards_and_tokenizer_files(tmp_path):
+    with pytest.raises(ConfigError, match="shard not found"):
+        preflight.check(cfg(model="ViT-B-32", train_data=str(tmp_path / "s-{0..3}.tar")))
+    (tmp_path / "s-0.tar").write_bytes(b"")
+    with pytest.raises(FileNotFoundError):
+        preflight.check(
+            cfg(model="ViT-B-32", train_data=str(tmp_path / "s-0.tar"), tokenizer=str(tmp_path / "no.model"))
+        )
+
+
+def test_resume_of_an_openclip_file_names_pretrained(tmp_path):
+    f = tmp_path / "epoch_28.pt"
+    f.write_bytes(b"")
+    with pytest.raises(ConfigError, match=f"--pretrained {f}"):
+        preflight.check(cfg(model="demo", resume=str(f)))
+
+
+@pytest.mark.parametrize("flag", ["--remote-sync", "--remote-sync-frequency=5", "--use-bnb-linear"])
+def test_refused_openclip_flags_quote_the_compat_table(flag):
+    from dsclip.config import parse_run_config
+
+    with pytest.raises(ConfigError) as e:
+        parse_run_config([flag, "x"] if "=" not in flag else [flag])
+    msg = str(e.value)
+    assert "did you mean" not in msg and "OpenCLIP's option, not offered" in msg
+    reason = "shared storage" if "remote-sync" in flag else "zero3_bf16"
+    assert reason in msg
