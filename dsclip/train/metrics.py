@@ -28,6 +28,14 @@ REPORTERS = ("tensorboard", "wandb", "all")  # all: tensorboard and wandb, as Op
 
 # Console lines also go to the run's log file (train/runlog.py); propagate=False keeps a root console
 # handler from printing them twice.
+# TensorBoard/wandb names of the scalars OpenCLIP also logs (open_clip_train/train.py), so existing
+# dashboards keep working; metrics.jsonl keeps dsclip's own keys.
+OPENCLIP_TAGS = {
+    "logit_scale": "scale",
+    "samples_per_s": "samples_per_second",
+    "samples_per_s_per_rank": "samples_per_second_per_gpu",
+}
+
 log = logging.getLogger("dsclip.console")
 log.propagate = False
 
@@ -252,7 +260,9 @@ class MetricsLogger:
             self.write_line(line)
             self.jsonl.write(json.dumps(record) + "\n")
             scalars = {
-                f"train/{k}": v for k, v in record.items() if isinstance(v, (int, float)) and k not in ("step", "time")
+                f"train/{OPENCLIP_TAGS.get(k, k)}": v
+                for k, v in record.items()
+                if isinstance(v, (int, float)) and k not in ("step", "time")
             }
             self._scalars(scalars, step)
         self._reset_window()

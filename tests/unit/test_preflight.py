@@ -93,3 +93,22 @@ def test_refused_openclip_flags_quote_the_compat_table(flag):
     assert "did you mean" not in msg and "OpenCLIP's option, not offered" in msg
     reason = "shared storage" if "remote-sync" in flag else "zero3_bf16"
     assert reason in msg
+
+
+def test_tensorboard_train_tags_are_openclips(tmp_path):
+    import torch
+
+    from dsclip.train.gradcache import StepResult
+    from dsclip.train.metrics import MetricsLogger
+
+    m = MetricsLogger(
+        tmp_path, rank=0, world_size=1, every_n_steps=1, report_to="", samples_per_step=4, total_steps=10,
+        device=torch.device("cpu"),
+    )  # fmt: skip
+    seen = {}
+    m._scalars = lambda scalars, step: seen.update(scalars)
+    m.step(1, StepResult(loss=1.5, logit_scale=14.0, logit_bias=None, grad_norm=2.0, applied=True),
+           data_wait_s=0.0, lr=1e-3, epoch=0)  # fmt: skip
+    m.close()
+    assert seen["train/scale"] == 14.0 and "train/samples_per_second" in seen
+    assert "train/samples_per_second_per_gpu" in seen and "train/logit_scale" not in seen
