@@ -24,7 +24,7 @@ from dsclip.losses import SIGLIP_INIT_LOGIT_BIAS, LossArgs, build_loss
 from dsclip.model import ModelArgs, create_model
 from dsclip.train.evaluation import TrainingEvaluator
 from dsclip.train.gradcache import GradCacheStep
-from dsclip.train.metrics import LogArgs, MetricsLogger
+from dsclip.train.metrics import LogArgs, MetricsLogger, console
 from dsclip.train.teacher import Teacher
 
 
@@ -161,13 +161,13 @@ def build_evaluator(
 
 
 def announce(cfg: RunConfig, bundle: EngineBundle, plan: StepPlan, world_size: int, trainable: str = "") -> None:
-    """Rank 0's summary of what this run is (and, when given, its trainable-parameter line)."""
+    """Rank 0's summary of what this run is (and, when given, its trainable-parameter line), on the console
+    and in RUN/out.log."""
     t = cfg.train
-    print(
+    console(
         f"dsclip: {cfg.model.model} | world {world_size} | ZeRO-{bundle.zero_stage} {bundle.precision} | "
         f"loss {cfg.loss_name} | batch {t.batch_size} x accum {t.accum_freq} x world {world_size} = "
-        f"{plan.samples_per_step} | {plan.steps_per_epoch} steps/epoch | {plan.total_steps} steps | run {cfg.run_dir}",
-        flush=True,
+        f"{plan.samples_per_step} | {plan.steps_per_epoch} steps/epoch | {plan.total_steps} steps | run {cfg.run_dir}"
     )
     if trainable:
-        print(f"dsclip: {trainable}", flush=True)
+        console(f"dsclip: {trainable}")

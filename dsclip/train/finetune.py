@@ -18,6 +18,7 @@ from dsclip.checkpoint.pretrained import WeightSource, load_pretrained_into, pla
 from dsclip.config import ConfigError, RunConfig
 from dsclip.model import get_model_config, resolve_model_config
 from dsclip.model.lock import LockError, apply_locking, check_lock_config
+from dsclip.train.metrics import console
 
 # Bytes per parameter that locking saves: its gradient and Adam's two moments (fp32), plus the fp32 master
 # copy when training in bf16/fp16 (then the gradient itself is 2 bytes).
@@ -66,7 +67,7 @@ def prepare(cfg: RunConfig, *, rank: int = 0) -> Finetune:
         if r.tokenizer and not cfg.data.tokenizer:  # what the weights were trained with; --tokenizer overrides
             cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=r.tokenizer))
             if rank == 0:
-                print(f"dsclip: --pretrained {cfg.model.pretrained}: tokenizer {r.tokenizer}", flush=True)
+                console(f"dsclip: --pretrained {cfg.model.pretrained}: tokenizer {r.tokenizer}")
     if model_cfg is None:
         model_cfg = get_model_config(cfg.model.model)
     # OpenCLIP's pretrained cfg says so (OpenAI weights), as open_clip.create_model does, or --force-quick-gelu;

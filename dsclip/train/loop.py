@@ -10,12 +10,13 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from dsclip.checkpoint import run_lock
-from dsclip.checkpoint.ds_checkpoint import Checkpointer, record_tokenizer
+from dsclip.checkpoint.ds_checkpoint import Checkpointer, record_tokenizer, tag_for_step
 from dsclip.config import RunConfig, settle_run_name, validate
 from dsclip.config_base import ConfigError
 from dsclip.data import TrainData
@@ -40,7 +41,8 @@ from dsclip.train.build import (
 )
 from dsclip.train.evaluation import TrainingEvaluator
 from dsclip.train.gradcache import GradCacheStep
-from dsclip.train.metrics import MetricsLogger, data_counters
+from dsclip.train.metrics import MetricsLogger, console, data_counters
+from dsclip.train.progress import summary_line
 from dsclip.train.teacher import plan_teacher
 
 if TYPE_CHECKING:  # annotation only: importing deepspeed here would load it for every user of step_seed
@@ -99,25 +101,62 @@ def train(cfg: RunConfig) -> dict:
 
 
 def _train(cfg: RunConfig) -> dict:
+    t_start = time.perf_counter()
     run = build_run(cfg)
     cfg = run.cfg  # with the run name decided
     step, preempted = fit(run)
     if run.checkpointer.last_saved_step != step and (
         preempted or cfg.checkpoint.save_frequency or cfg.checkpoint.save_every_n_steps
     ):
-        run.checkpointer.save(run.engine, step, run.client_state(step))
+        save_checkpoint(run, step)
     summary = {"step": step, "run_dir": str(cfg.run_dir), "preempted": bool(preempted)}
-    if not preempted:
-        summary.update(run.evaluator.final(run.engine, step, step // run.plan.steps_per_epoch))
+    # whatever ended training (the last epoch, --max-steps, the end of the data, a preemption, after its
+    # checkpoint is safe): the configured evaluations run once more unless they just ran (collective)
+    summary.update(run.evaluator.final(run.engine, step, max(step - 1, 0) // run.plan.steps_per_epoch))
+    if run.rank == 0:
+        console(final_summary(run, step, time.perf_counter() - t_start, preempted=bool(preempted)))
     run.metrics.close()
     run.data.close()
     if preempted and run.rank == 0:
         what = "to requeue (SIGUSR1)" if preempted == world.STOP_REQUEUE else "(SIGTERM: not requeued)"
-        print(
-            f"preempted: checkpoint saved at step {step}; exiting with {world.exit_code(preempted)} {what}", flush=True
-        )
+        console(f"preempted: checkpoint saved at step {step}; exiting with {world.exit_code(preempted)} {what}")
     summary["exit_code"] = world.exit_code(preempted)
     return summary
+
+
+def save_checkpoint(run: Run, step: int, *, epoch_end: bool | None = None, epoch: int = 0) -> bool:
+    """Save at ``step`` (``epoch_end`` given: only if the checkpointer's cadence says so); rank 0 prints
+    where and how long it took, and that time is left out of the training throughput (collective)."""
+    t0 = time.perf_counter()
+    if epoch_end is None:
+        run.checkpointer.save(run.engine, step, run.client_state(step))
+    elif not run.checkpointer.maybe_save(run.engine, step, run.client_state(step), epoch_end=epoch_end, epoch=epoch):
+        return False
+    seconds = time.perf_counter() - t0
+    run.metrics.exclude(seconds)
+    run.metrics.write_line(f"checkpoint saved: {checkpoint_path(run, step)} (step {step}, {seconds:.1f} s)")
+    return True
+
+
+def checkpoint_path(run: Run, step: int) -> Path:
+    return run.checkpointer.dir / tag_for_step(step)
+
+
+def final_summary(run: Run, step: int, wall_s: float, *, preempted: bool) -> str:
+    """The run's last line: steps, wall time (set-up included), training samples/s, the last checkpoint and
+    the last evaluation's headline metric."""
+    steps_run = run.metrics.steps_here
+    train_s = run.metrics.train_seconds()
+    saved = run.checkpointer.last_saved_step
+    return summary_line(
+        step=step,
+        steps_run=steps_run,
+        wall_s=wall_s,
+        samples_per_s=steps_run * run.plan.samples_per_step / train_s if train_s > 0 else 0.0,
+        checkpoint=None if saved is None else str(checkpoint_path(run, saved)),
+        evaluation=run.evaluator.headline(),
+        preempted=preempted,
+    )
 
 
 def fit(run: Run) -> tuple[int, str | None]:
@@ -148,7 +187,7 @@ def fit(run: Run) -> tuple[int, str | None]:
                 epoch=epoch,
                 extra={**data_counters(run.data.stats()), **result.terms},  # + contrastive/distill_loss
             )
-            run.checkpointer.maybe_save(engine, step, run.client_state(step), epoch_end=epoch_end, epoch=epoch)
+            save_checkpoint(run, step, epoch_end=epoch_end, epoch=epoch)
             if epoch_end:
                 run.evaluator.epoch_end(engine, step, epoch)
             # the stop flags were summed over all ranks inside the step: every rank stops at the same step
@@ -184,6 +223,7 @@ def build_run(cfg: RunConfig) -> Run:
     cfg = settle_run_name(cfg)  # the clock's default, decided on rank 0 (collective)
     validate(cfg)
     take_run_lock(cfg.run_dir, rank)  # before anything is written into the run folder
+    runlog.setup(cfg.log, cfg.run_dir, rank)  # RUN/out.log from here: the console lines of the set-up too
     world.check_workers(cfg.data.workers)
     ft = finetune.prepare(cfg, rank=rank)  # --pretrained by name, --force-image-size, locking, quick_gelu
     cfg, model_cfg = ft.cfg, ft.model_cfg  # + the pretrained weights' architecture name and tokenizer
@@ -198,7 +238,8 @@ def build_run(cfg: RunConfig) -> Run:
     if rank == 0:
         write_run_files(cfg, ds_config)  # exactly what deepspeed.initialize receives below
         record_tokenizer(cfg.run_dir, tokenizer)  # `dsclip convert` ships it with the weights
-    runlog.start(cfg.log, cfg.run_dir, rank, resuming=cfg.checkpoint.resume is not None)  # out.log, --copy-codebase
+    if rank == 0 and cfg.log.copy_codebase:  # after the checks above: a refused run leaves no copy behind
+        runlog.copy_codebase(cfg.run_dir, resuming=cfg.checkpoint.resume is not None)
     plan = StepPlan.of(cfg.train, data, world_size)
     bundle = build_engine(
         ds_config, cfg.train, cfg.optim, model_factory(cfg.model, cfg.loss, model_cfg, tokenizer, seed=cfg.train.seed),
@@ -220,5 +261,5 @@ def build_run(cfg: RunConfig) -> Run:
     if rank == 0:
         announce(cfg, bundle, plan, world_size, ft.summary(bundle.precision, bundle.zero_stage, world_size))
         if teacher is not None:
-            print(f"dsclip: {teacher.describe()}", flush=True)
+            console(f"dsclip: {teacher.describe()}")
     return Run(cfg, rank, world_size, bundle.engine, data, step_fn, checkpointer, metrics, evaluator, plan, start_step)

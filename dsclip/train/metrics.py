@@ -23,6 +23,7 @@ from tqdm import tqdm
 from dsclip.config_base import ConfigError, opt
 from dsclip.data.tokenizer import TRUNCATED
 from dsclip.dist import initialized
+from dsclip.train.progress import epoch_progress, eta_seconds, timing_text
 
 REPORTERS = ("tensorboard", "wandb", "all")  # all: tensorboard and wandb, as OpenCLIP
 
@@ -34,7 +35,10 @@ OPENCLIP_TAGS = {
     "logit_scale": "scale",
     "samples_per_s": "samples_per_second",
     "samples_per_s_per_rank": "samples_per_second_per_gpu",
+    "step_time_s": "batch_time",
+    "data_time_s": "data_time",
 }
+NOT_SCALARS = ("step", "time", "eta_s")  # metrics.jsonl only: the x axis, the wall clock, a forecast
 
 log = logging.getLogger("dsclip.console")
 log.propagate = False
@@ -107,6 +111,13 @@ def peak_memory_per_rank_gb(device: torch.device, world_size: int) -> list[float
     return torch.cat(out).tolist()
 
 
+def console(line: str) -> None:
+    """A console line of rank 0 (the caller checks the rank) that also goes into RUN/out.log: the log file
+    holds what the console showed, the run header included."""
+    log.info(line)
+    print(line, flush=True)
+
+
 class MetricsLogger:
     @classmethod
     def from_args(
@@ -131,6 +142,7 @@ class MetricsLogger:
             report_to=args.report_to,
             samples_per_step=plan.samples_per_step,
             total_steps=plan.total_steps,
+            steps_per_epoch=plan.steps_per_epoch,
             device=device,
             wandb=wandb,
             context_length=context_length,
@@ -149,15 +161,20 @@ class MetricsLogger:
         device: torch.device,
         wandb=None,
         context_length: int | None = None,
+        steps_per_epoch: int | None = None,
     ):
         self.rank = rank
         self.world_size = world_size
         self.every = every_n_steps
         self.samples_per_step = samples_per_step  # global: batch × accum_freq × world
         self.total_steps = total_steps
+        self.steps_per_epoch = steps_per_epoch or total_steps  # the epoch's progress in the line
         self.device = device
         self.context_length = context_length
         self.steps_here = 0  # steps this process ran (the data counters restart on resume)
+        # training time of the finished windows (evaluations and saves left out): the ETA's average step time
+        self.timed_s = 0.0
+        self.timed_steps = 0
         self.truncation_warned = False
         self.jsonl = None
         self.tb = None
@@ -217,6 +234,9 @@ class MetricsLogger:
     def flush(self, step: int, result, *, lr: float, epoch: int, extra: dict | None = None) -> None:
         elapsed = max(time.perf_counter() - self.window_start, 1e-9)
         samples = self.window_steps * self.samples_per_step
+        steps = max(self.window_steps, 1)
+        self.timed_s += elapsed
+        self.timed_steps += self.window_steps
         loss = sum(self.window_losses) / len(self.window_losses) if self.window_losses else float("nan")
         peaks = peak_memory_per_rank_gb(self.device, self.world_size)  # collective: every rank flushes
         record = {
@@ -230,6 +250,9 @@ class MetricsLogger:
             "samples_per_s": samples / elapsed,
             "samples_per_s_per_rank": samples / elapsed / self.world_size,
             "data_wait_frac": self.window_data_wait / elapsed,
+            "step_time_s": elapsed / steps,  # averaged over the window (OpenCLIP: batch_time)
+            "data_time_s": self.window_data_wait / steps,  # waiting for the loader, per step (OpenCLIP: data_time)
+            "eta_s": eta_seconds(self.timed_s / max(self.timed_steps, 1), step, self.total_steps),
             "peak_mem_gb": peaks[0],  # rank 0's, as before
             "peak_mem_gb_max": max(peaks),  # the largest over ranks
             "effective_batch": self.samples_per_step,
@@ -245,12 +268,13 @@ class MetricsLogger:
             record.update(extra)
         if self.rank == 0:
             gn = "n/a" if result.grad_norm is None else f"{result.grad_norm:.3f}"
+            progress = epoch_progress(step, epoch, self.steps_per_epoch, self.samples_per_step)
             line = (
-                f"step {step}/{self.total_steps} ep {epoch} | loss {loss:.4f} | lr {lr:.3e} | "
+                f"step {step}/{self.total_steps} ep {epoch} {progress} | loss {loss:.4f} | "
+                f"{timing_text(record['step_time_s'], record['data_time_s'], record['eta_s'])} | lr {lr:.3e} | "
                 f"scale {result.logit_scale:.2f} | gnorm {gn} | "
                 f"{record['samples_per_s']:.1f} samples/s ({record['samples_per_s_per_rank']:.1f}/rank) | "
-                f"batch {self.samples_per_step} | data {100 * record['data_wait_frac']:.0f}% | "
-                f"mem {record['peak_mem_gb_max']:.2f} GB (max over ranks)"
+                f"batch {self.samples_per_step} | mem {record['peak_mem_gb_max']:.2f} GB (max over ranks)"
             )
             if self.window_skipped:
                 line += f" | skipped {self.window_skipped}"
@@ -262,23 +286,28 @@ class MetricsLogger:
             scalars = {
                 f"train/{OPENCLIP_TAGS.get(k, k)}": v
                 for k, v in record.items()
-                if isinstance(v, (int, float)) and k not in ("step", "time")
+                if isinstance(v, (int, float)) and k not in NOT_SCALARS
             }
             self._scalars(scalars, step)
         self._reset_window()
 
     def exclude(self, seconds: float) -> None:
-        """Leave ``seconds`` (an evaluation, logged with its own time) out of the throughput window."""
+        """Leave ``seconds`` (an evaluation or a checkpoint save, logged with its own time) out of the
+        throughput window."""
         self.window_start += seconds
+
+    def train_seconds(self) -> float:
+        """Training time this process spent in steps so far (finished windows and the open one)."""
+        return self.timed_s + (time.perf_counter() - self.window_start if self.window_steps else 0.0)
 
     def write_line(self, line: str) -> None:
         if self.rank != 0:
             return
-        log.info(line)  # into RUN/out.log (train/runlog.py); the console gets it below
         if self.bar is not None:
+            log.info(line)  # into RUN/out.log (train/runlog.py)
             self.bar.write(line)
         else:
-            print(line, flush=True)
+            console(line)
 
     def log_eval(self, step: int, metrics: dict, prefix: str = "eval") -> None:
         if self.rank != 0:

@@ -2,7 +2,9 @@
 
 Rank 0 writes ``RUN/out.log``; with ``--log-local`` every rank writes ``RUN/out-RANK.log`` (what
 OpenCLIP does), which is where a rank's own warnings go when only one rank misbehaves. The file gets
-every ``dsclip`` log record and the console lines of :class:`~dsclip.train.metrics.MetricsLogger`.
+every ``dsclip`` log record and rank 0's console lines (:func:`dsclip.train.metrics.console`: the run
+header, the step lines, checkpoints, evaluations, the summary). It is attached right after the run
+folder's lock, so the set-up's lines are in it too.
 """
 
 from __future__ import annotations
@@ -56,13 +58,6 @@ def setup(log: LogArgs, run_dir: Path, rank: int) -> logging.Handler | None:
         lg.addHandler(handler)
     logger.debug("logging to %s", path)
     return handler
-
-
-def start(log: LogArgs, run_dir: Path, rank: int, *, resuming: bool) -> None:
-    """What a run's start needs of this module: rank 0 copies the code (--copy-codebase), every rank its log file."""
-    if rank == 0 and log.copy_codebase:
-        copy_codebase(run_dir, resuming=resuming)
-    setup(log, run_dir, rank)
 
 
 def copy_codebase(run_dir: Path, *, resuming: bool) -> Path:

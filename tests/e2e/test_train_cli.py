@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -129,7 +130,28 @@ def test_two_rank_deepspeed_launcher_trains_and_resumes_exactly(tmp_path, ds_con
         assert value == pytest.approx(curve[step], abs=tol), (step, value, curve[step])
 
 
+def write_val_shards(out: Path, n: int = 12) -> str:
+    """A retrieval set for --val-data: ``n`` held-out demo images with their captions, in shards of 6."""
+    from PIL import Image
+
+    from dsclip.data.demo import DemoDataset
+    from dsclip.data.tools import write_shards
+
+    ds = DemoDataset.heldout(n, 32)
+    (out / "img").mkdir(parents=True)
+    samples = []
+    for i in range(n):
+        Image.fromarray(ds.render(i)).save(out / "img" / f"{i}.png")
+        samples.append((str(out / "img" / f"{i}.png"), ds.caption(i)))
+    write_shards(samples, out, shard_size=6, progress=False)
+    return str(out / "shard-{00000..00001}.tar")
+
+
 def test_resume_latest_without_checkpoint_starts_fresh_and_continues(tmp_path):
+    """Also the log of a run stopped by --max-steps mid-epoch (step 4 of 64): the step line's timing and
+    progress, "checkpoint saved:", the end-of-training evaluations in results.jsonl, the summary line, and
+    out.log holding the console's lines, the run header included."""
+
     def args(max_steps):
         return [
             "train",
@@ -149,15 +171,38 @@ def test_resume_latest_without_checkpoint_starts_fresh_and_continues(tmp_path):
             "tensorboard",
         ]
 
-    first = run_cli(args(4))
+    evals = ["--zeroshot-data", "demo", "--val-data", write_val_shards(tmp_path / "val")]
+    first = run_cli(args(4) + evals)
+    run = tmp_path / "r"
     assert "resumed from" not in first.stdout  # nothing to resume: a fresh start, as a requeued job wants
-    assert sorted(losses(tmp_path / "r")) == [1, 2, 3, 4]
-    assert list((tmp_path / "r" / "tensorboard").glob("events.out.tfevents.*"))
+    assert sorted(losses(run)) == [1, 2, 3, 4]
+    assert list((run / "tensorboard").glob("events.out.tfevents.*"))
+    out = first.stdout.splitlines()
+    step4 = next(x for x in out if x.startswith("step 4/4 "))
+    assert re.search(
+        r"^step 4/4 ep 0 \[\s*64/1024 \(6%\)\] \| loss \S+ \| [\d.]+ s/step \(data [\d.]+ s, \d+%\) \| eta 0s \|", step4
+    )
+    for step in (2, 4):
+        assert any(x.startswith(f"checkpoint saved: {run}/checkpoints/step_{step:09d} (step {step}, ") for x in out)
+    # the end of training evaluated although no epoch ended, once, at the last step
+    results = [json.loads(x) for x in (run / "results.jsonl").read_text().splitlines()]
+    for name, key in (("zeroshot", "zeroshot-top1"), ("retrieval", "image_to_text_R@1")):
+        got = [r for r in results if name in r]
+        assert [(r["step"], r["epoch"]) for r in got] == [(4, 0)], results
+        assert 0 <= got[0][name][key] <= 1
+    done = [x for x in out if x.startswith("done: ")]
+    assert len(done) == 1 and done[0].startswith("done: step 4 (4 this run) in "), out[-5:]
+    assert f"samples/s | checkpoint {run}/checkpoints/step_000000004 | last eval zeroshot-top1 " in done[0]
+    log = (run / "out.log").read_text()
+    header = next(x for x in out if x.startswith("dsclip: tiny | world 1 | "))
+    for line in (header, step4, done[0]):
+        assert f"| dsclip.console | {line}\n" in log
+
     # logging every 2nd step from here: step 5 is not logged, and without clipping computes no gradient norm
     second = run_cli(args(6) + ["--log-every-n-steps", "2"])
     assert "resumed from" in second.stdout and "step_000000004" in second.stdout
-    assert sorted(losses(tmp_path / "r")) == [1, 2, 3, 4, 6]  # one metrics.jsonl, continued
-    records = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert sorted(losses(run)) == [1, 2, 3, 4, 6]  # one metrics.jsonl, continued
+    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     norms = {r["step"]: r["grad_norm"] for r in records if "loss" in r}
     assert all(isinstance(n, float) and 0 < n < float("inf") for n in norms.values()), norms  # every logged step
 

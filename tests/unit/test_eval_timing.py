@@ -52,3 +52,40 @@ def test_epoch_eval_time_logged_and_left_out_of_throughput(tmp_path):
     # the window start moved forward by at least the evaluation's time: samples/s excludes it
     assert metrics.window_start - start >= zs[0]["eval_s"]
     assert model.training  # back in training mode
+
+
+def test_final_evaluation_runs_mid_epoch_and_once_after_an_epoch_end(tmp_path):
+    """--zeroshot-data at the end of training: at a --max-steps stop mid-epoch it runs (results.jsonl), after
+    an epoch end at the same step it does not run twice; the summary quotes its headline metric."""
+    cfg = make_run_config({"name": "t", "zeroshot_data": "demo", "demo_eval_samples": 40, "zeroshot_frequency": 1})
+    tok = build_tokenizer(cfg.data, 16, tmp_path / "cache")
+    torch.manual_seed(0)
+    engine = _Engine(create_model("demo", vocab_size=tok.vocab_size, eos_id=tok.eos_id, pad_id=tok.pad_id))
+
+    def evaluator(run_dir):
+        run_dir.mkdir()
+        metrics = MetricsLogger(
+            run_dir, rank=0, world_size=1, every_n_steps=10, report_to="", samples_per_step=8, total_steps=100,
+            device=torch.device("cpu"),
+        )  # fmt: skip
+        ev = TrainingEvaluator(
+            cfg.log, cfg.data, tokenizer=tok, image_size=32, device=torch.device("cpu"), run_dir=run_dir,
+            metrics=metrics,
+        )  # fmt: skip
+        return ev, metrics
+
+    def zeroshot_steps(run_dir):
+        rec = [json.loads(line) for line in (run_dir / "results.jsonl").read_text().splitlines()]
+        return [(r["step"], r["epoch"]) for r in rec if "zeroshot" in r]
+
+    mid, m = evaluator(tmp_path / "mid")
+    mid.final(engine, step=5, epoch=0)  # --max-steps 5 in an epoch of more steps: no epoch end ran
+    m.close()
+    assert zeroshot_steps(tmp_path / "mid") == [(5, 0)]
+    assert mid.headline().startswith("zeroshot-top1 ") and mid.headline().endswith(" @ step 5")
+
+    end, m = evaluator(tmp_path / "end")
+    end.epoch_end(engine, step=7, epoch=0)
+    end.final(engine, step=7, epoch=0)  # the last step was the epoch's end: evaluated once
+    m.close()
+    assert zeroshot_steps(tmp_path / "end") == [(7, 0)]
