@@ -107,8 +107,11 @@ def test_two_rank_deepspeed_launcher_trains_and_resumes_exactly(tmp_path, ds_con
         "--precision",
         "auto",
     ]
-    full = run_cli(common + ["--name", "full"], world=2)
+    # --zeroshot-data at the end of training (--max-steps 10 is mid-epoch): collective under ZeRO-3, every rank runs it
+    full = run_cli(common + ["--name", "full", "--zeroshot-data", "demo"], world=2)
     run = tmp_path / "full"
+    results = [json.loads(x) for x in (run / "results.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in results if "zeroshot" in r] == [10], results
     curve = losses(run)
     assert sorted(curve) == list(range(1, 11))
     first, last3 = curve[1], sum(curve[k] for k in (8, 9, 10)) / 3
