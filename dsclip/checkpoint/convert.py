@@ -22,7 +22,11 @@ The weights are the fp32 master copies the optimizer holds (not the bf16/fp16 co
 consolidated by DeepSpeed's own ``zero_to_fp32`` in its lazy mode and streamed into the output one
 tensor at a time: no training world, no GPU, and at most about one copy of the weights in memory
 (ZeRO-3: one parameter at a time, the shards are memory-mapped; ZeRO-1/2: one fp32 copy, the size
-of the flat partitions). Tags without a ``COMPLETE`` marker (an interrupted save) are refused.
+of the flat partitions). Tags without a ``COMPLETE`` marker (an interrupted save) are refused, and so
+are tags that fail their manifest (a flipped, truncated or missing file: one line naming it); a tag
+written by an older dsclip (no manifest) is converted with a note that it is unverified. An existing
+output (a file, or a folder that is not empty) is never overwritten without ``--force``; with it, the
+files convert writes are replaced and other files in the folder are left alone.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import contextlib
 import json
 import math
 import os
+import pickle
 import shutil
 import struct
 import sys
@@ -51,6 +56,7 @@ from dsclip.checkpoint.ds_checkpoint import (
     TOKENIZER_SPEC_FILE,
     complete_tags,
     latest_complete,
+    verify_tag,
 )
 from dsclip.checkpoint.layout import RUN_CONFIG_FILE
 from dsclip.config_base import ConfigError
@@ -165,19 +171,23 @@ def write_safetensors_streaming(path: Path, items: list[tuple[str, LazyTensor]],
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for name, t in items:
-            value = t.load()
-            if tuple(value.shape) != tuple(t.shape) or value.dtype != t.dtype:
-                raise RuntimeError(
-                    f"{name}: got {value.dtype} {tuple(value.shape)}, expected {t.dtype} {tuple(t.shape)}"
-                )
-            f.write(value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-            del value
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(raw)))
+            f.write(raw)
+            for name, t in items:
+                value = t.load()
+                if tuple(value.shape) != tuple(t.shape) or value.dtype != t.dtype:
+                    raise RuntimeError(
+                        f"{name}: got {value.dtype} {tuple(value.shape)}, expected {t.dtype} {tuple(t.shape)}"
+                    )
+                f.write(value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+                del value
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # no half-written weights left beside the output
+        raise
     os.replace(tmp, path)
 
 
@@ -194,6 +204,34 @@ def _to_openclip(name: str, t: LazyTensor) -> tuple[str, LazyTensor]:
 
 
 # --- the conversion ----------------------------------------------------------------------------------
+CONVERT_FIX = "convert an earlier tag with --tag ({earlier})"
+
+
+def _weights_path(out: Path, fmt: str) -> Path:
+    default_name = "model.safetensors" if fmt == "dsclip" else "open_clip_model.safetensors"
+    return out if out.suffix == ".safetensors" else out / default_name
+
+
+def check_output(out: Path, fmt: str, *, force: bool) -> None:
+    """Refuse (one line) an output that exists, unless ``force``: a file, a folder with anything in it (an
+    empty folder, e.g. from mktemp -d, overwrites nothing), or for ``-o X.safetensors`` that file or the
+    config beside it. With ``force``, a plain file where the output folder goes is removed, so the folder
+    can be made."""
+    weights = _weights_path(out, fmt)
+    if out.suffix == ".safetensors":  # the weights file and the config beside it
+        config = weights.parent / ("config.json" if fmt == "dsclip" else "open_clip_config.json")
+        taken = next((p for p in (weights, config) if p.exists()), None)
+    else:
+        taken = out if out.is_file() or (out.is_dir() and any(out.iterdir())) else None
+    if taken is None:
+        return
+    if not force:
+        what = "a file" if taken.is_file() else "a folder that is not empty"
+        raise ConfigError(f"output {taken} already exists ({what}); pass --force to overwrite it, or choose another -o")
+    if taken.is_file() and taken != weights:
+        taken.unlink()
+
+
 def convert_checkpoint(
     ckpt_dir: Path,
     tag: str,
@@ -203,22 +241,32 @@ def convert_checkpoint(
     fmt: str = "dsclip",
     model_config: str | None = None,
     hf_tokenizer_name: str | None = None,
+    force: bool = False,
 ) -> Path:
-    """Consolidate one complete tag into ``out`` (see the module docstring); returns the weights path."""
+    """Consolidate one complete tag into ``out`` (see the module docstring); returns the weights path.
+    The tag is checked against its manifest first, and an existing ``out`` needs ``force``."""
 
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if fmt not in ("dsclip", "open_clip"):
         raise ConfigError(f"--format must be dsclip or open_clip, got {fmt!r}")
+    out = Path(out)
+    check_output(out, fmt, force=force)  # before reading gigabytes
+    # stdout is for the result line: the unverified note (older dsclip) goes to stderr
+    verify_tag(ckpt_dir / tag, "dsclip convert", fix=CONVERT_FIX, say=lambda m: print(m, file=sys.stderr, flush=True))
     cfg = checkpoint_model_config(ckpt_dir, tag, model_config)
-    lazy = lazy_fp32_state_dict(ckpt_dir, tag)
+    try:
+        lazy = lazy_fp32_state_dict(ckpt_dir, tag)
+    except (RuntimeError, EOFError, pickle.UnpicklingError) as e:  # a damaged shard of an unverified (old) tag
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(
+            f"checkpoint {ckpt_dir / tag} cannot be read ({first}); convert an earlier tag with --tag"
+        ) from e
     meta = {k: torch.empty(t.shape, device="meta") for k, t in lazy.items()}
     check_state_dict(meta, expected_shapes(cfg), f"checkpoint {ckpt_dir / tag}")
     items = [(k, _cast(t, DTYPES[dtype])) for k, t in lazy.items()]
 
-    out = Path(out)
-    default_name = "model.safetensors" if fmt == "dsclip" else "open_clip_model.safetensors"
-    weights = out if out.suffix == ".safetensors" else out / default_name
+    weights = _weights_path(out, fmt)
     weights.parent.mkdir(parents=True, exist_ok=True)
     state = _read_state(ckpt_dir / tag)
     source = {"source": str((ckpt_dir / tag).resolve()), "step": state.get("step")}
@@ -316,6 +364,11 @@ def _parser() -> argparse.ArgumentParser:
         "--model-config",
         help="Model config (JSON file or architecture name) for checkpoints that lack model_config.json.",
     )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="Overwrite an existing output (the files convert writes; other files in the folder stay).",
+    )
     return p
 
 
@@ -332,6 +385,7 @@ def main_convert(argv: list[str]) -> int:
             fmt=a.format,
             model_config=a.model_config,
             hf_tokenizer_name=a.hf_tokenizer_name,
+            force=a.force,
         )
     except StateDictMismatchError as e:  # a --model-config that doesn't fit: say which keys, no traceback
         raise ConfigError(str(e).replace("\n", "; ")) from e

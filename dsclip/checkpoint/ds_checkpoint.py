@@ -5,13 +5,15 @@ Layout of ``<run>/checkpoints/``::
     step_000000120/                    one DeepSpeed tag (all ranks' shards + dsclip_state.json
                                        + model_config.json)
     step_000000120/COMPLETE            written by rank 0 only after every rank finished writing
+    step_000000120/MANIFEST.json       every file of the tag, its size and crc32, written last
+                                       (dsclip.checkpoint.manifest)
     step_000000120/universal/          a world-size-independent copy, made on demand when a run
                                        resumes on a different number of ranks (dsclip.checkpoint.universal)
     latest                             the newest COMPLETE tag; replaced atomically (DeepSpeed tools read it)
     .partial.step_000000120/           a save in progress (never read; removed by the next save)
 
 A save writes every rank's shards into ``.partial.<tag>``, then rank 0 adds the dsclip state, the
-model config and ``COMPLETE`` and renames the folder to ``<tag>`` (one atomic rename), and only
+model config, ``COMPLETE`` and the manifest and renames the folder to ``<tag>`` (one atomic rename), and only
 then points ``latest`` at it. So a folder named ``step_*`` is always complete, whenever the job is
 killed, and re-saving a tag that ``latest`` names (a preempted run saving again at the step it
 resumed from) never leaves ``latest`` pointing at half-written shards.
@@ -22,6 +24,14 @@ completeness check across ranks and without an atomic rename, so we switch it of
 only ever sees complete checkpoints; pruning (``--keep-last``) happens after the new one is
 complete, and only removes complete tags older than it (each is first renamed out of the way, so
 a kill during the deletion never leaves a half-deleted folder that still looks complete).
+
+What the file system did to a tag after its save (flipped bytes, a truncated or deleted shard) is
+caught on resume: rank 0 checks the tag against its manifest, and ``--resume latest`` (or a run or
+checkpoints folder) skips a tag that fails, with one line naming the file, for the newest tag that
+verifies; an explicit tag that fails is a one-line error. A tag written by an older dsclip has no
+manifest: it is used, reported as unverified. A full disk during a save is one line naming the path
+(:class:`DiskFullError`); the half-written ``.partial`` folder is removed and ``latest`` stays on the
+previous tag.
 """
 
 from __future__ import annotations
@@ -30,14 +40,17 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dsclip.checkpoint import universal
+from dsclip.checkpoint import manifest, universal
+from dsclip.checkpoint.diskfull import DiskFullError, DiskFullGuard, is_disk_full
 from dsclip.checkpoint.layout import (
     COMPLETE,
     LATEST,
+    MANIFEST,
     MODEL_CONFIG_FILE,
     PARTIAL_PREFIX,
     STATE_FILE,
@@ -46,7 +59,7 @@ from dsclip.checkpoint.layout import (
     TRASH_PREFIX,
 )
 from dsclip.config_base import ConfigError, opt
-from dsclip.dist import barrier
+from dsclip.dist import barrier, first_of_ranks, from_rank0
 
 _TAG_RE = re.compile(r"step_\d+")
 
@@ -101,32 +114,105 @@ def record_tokenizer(run_dir: Path, tokenizer) -> None:
 
 
 def latest_complete(ckpt_dir: Path) -> str | None:
-    """The tag ``latest`` names if it is complete, else the newest complete tag (or None)."""
+    """The tag ``latest`` names if it is complete, else the newest complete tag (or None). Structure only:
+    :func:`newest_verified` also checks the files."""
+    tags = candidate_tags(ckpt_dir)
+    return tags[0] if tags else None
+
+
+def candidate_tags(ckpt_dir: Path) -> list[str]:
+    """Complete tags in the order a resume tries them: the one ``latest`` names, then the others newest first."""
+    tags = complete_tags(ckpt_dir)[::-1]
     pointer = ckpt_dir / LATEST
-    if pointer.exists():
-        tag = pointer.read_text().strip()
-        if (ckpt_dir / tag / COMPLETE).exists():
+    if pointer.is_file():
+        named = pointer.read_text().strip()
+        if named in tags:
+            tags.remove(named)
+            tags.insert(0, named)
+    return tags
+
+
+def _say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def _unverified_note(tag_dir: Path) -> str:
+    return f"dsclip: checkpoint {tag_dir} is unverified (no manifest: written by an older dsclip); using it as it is"
+
+
+def newest_verified(ckpt_dir: Path, *, say: Callable[[str], None] = _say) -> str | None:
+    """The first of :func:`candidate_tags` that verifies against its manifest; every tag skipped on the way
+    is one line through ``say`` naming the file and what is wrong with it. None when there is no complete
+    tag (a fresh start); ConfigError when there are some and none verifies (starting from scratch beside
+    them would silently throw the run away)."""
+    tags = candidate_tags(ckpt_dir)
+    for tag in tags:
+        verdict = manifest.verify(ckpt_dir / tag)
+        if verdict.unverified:
+            say(_unverified_note(ckpt_dir / tag))
+        if verdict.ok:
             return tag
-    tags = complete_tags(ckpt_dir)
-    return tags[-1] if tags else None
+        say(f"dsclip: checkpoint {ckpt_dir / tag} skipped: {verdict.problem}; trying the previous one")
+    if tags:
+        raise ConfigError(
+            f"none of the {len(tags)} checkpoints in {ckpt_dir} verifies (each is named above with what is "
+            "wrong); move that folder away to start the run from scratch"
+        )
+    return None
 
 
-def resolve_resume(resume: str, run_dir: Path) -> tuple[Path, str] | None:
+def _newest(ckpt_dir: Path, verify: bool, say) -> tuple[Path, str] | None:
+    tag = newest_verified(ckpt_dir, say=say) if verify else latest_complete(ckpt_dir)
+    return None if tag is None else (ckpt_dir, tag)
+
+
+RESUME_FIX = (
+    "choose an earlier tag ({earlier}), or --resume latest (or the run folder) to take the newest checkpoint "
+    "that verifies"
+)
+
+
+def verify_tag(tag_dir: Path, what: str, *, fix: str = RESUME_FIX, say: Callable[[str], None] = _say) -> None:
+    """One named tag (``--resume PATH/TAG``, ``dsclip convert``): a tag that fails its manifest is a
+    one-line ConfigError naming the file, what is wrong and ``fix`` (``{earlier}``: the complete tags
+    before it, newest first); an unverified one (older dsclip) is one line through ``say``."""
+    verdict = manifest.verify(tag_dir)
+    if verdict.unverified:
+        say(_unverified_note(tag_dir))
+    if verdict.ok:
+        return
+    earlier = sorted((t for t in complete_tags(tag_dir.parent) if t < tag_dir.name), reverse=True)
+    listed = ", ".join(earlier[:3]) + (", ..." if len(earlier) > 3 else "") or f"none in {tag_dir.parent}"
+    raise ConfigError(
+        f"{what}: checkpoint {tag_dir} fails verification: {verdict.problem}; {fix.format(earlier=listed)}"
+    )
+
+
+def resolve_resume(
+    resume: str, run_dir: Path, *, verify: bool = True, say: Callable[[str], None] = _say
+) -> tuple[Path, str] | None:
     """``--resume`` -> (checkpoint dir, tag), or None when 'latest' finds nothing (fresh start).
 
-    Accepts 'latest', a checkpoints dir, a run dir, or a tag dir (``.../step_000000120``).
+    Accepts 'latest', a checkpoints dir, a run dir, the ``latest`` file DeepSpeed writes in a checkpoints
+    dir (OpenCLIP users paste it), or a tag dir (``.../step_000000120``). ``verify``: check the files
+    against the manifest (reads the whole checkpoint: rank 0 only) and fall back past damaged tags, except
+    for a tag dir, which must verify. Without ``verify``, structure only (COMPLETE markers).
     """
     if resume == "latest":
-        ckpt_dir = run_dir / "checkpoints"
-        tag = latest_complete(ckpt_dir)
-        return None if tag is None else (ckpt_dir, tag)
+        return _newest(run_dir / "checkpoints", verify, say)
     p = Path(resume)
+    if p.name == LATEST and p.is_file():  # RUN/checkpoints/latest: the same as that run's --resume latest
+        found = _newest(p.parent, verify, say)
+        if found is None:
+            raise FileNotFoundError(f"--resume {resume}: no complete checkpoint in {p.parent} (an interrupted save?)")
+        return found
     if (p / COMPLETE).exists():
+        if verify:
+            verify_tag(p, f"--resume {resume}", say=say)
         return p.parent, p.name
     for ckpt_dir in (p, p / "checkpoints"):
-        tag = latest_complete(ckpt_dir)
-        if tag is not None:
-            return ckpt_dir, tag
+        if complete_tags(ckpt_dir):
+            return _newest(ckpt_dir, verify, say)
     if p.is_dir() and any(p.glob("*/*model_states.pt")) or (p / LATEST).exists():
         raise FileNotFoundError(f"--resume {resume}: no complete checkpoint there (an interrupted save?)")
     raise FileNotFoundError(f"--resume {resume}: not a checkpoint, checkpoints folder or run folder")
@@ -207,7 +293,11 @@ class Checkpointer:
         {"load_universal": True}}`` when it was saved on another number of ranks and is converted
         to a universal checkpoint here), so the caller folds it in before the config is written
         and handed to DeepSpeed. Collective (every rank calls it; rank 0 converts)."""
-        found = resolve_resume(resume, self.run_dir) if resume else None
+        if self.rank == 0 and self.dir.is_dir():
+            # a save killed mid-write left its .partial (maybe what filled the disk): gone before anything
+            # needs the space. Safe: this process holds the run lock (run_lock), so no live save owns it.
+            self._remove_leftovers()
+        found = self._resolve(resume) if resume else None
         if found is None:
             return {}
         if not universal.needs_universal(universal.saved_state(*found), world_size):
@@ -215,6 +305,19 @@ class Checkpointer:
             return {}
         self.resume_point = ResumePoint(*universal.prepare_universal(*found, rank=self.rank))
         return {"checkpoint": {"load_universal": True}}
+
+    def _resolve(self, resume: str) -> tuple[Path, str] | None:
+        """Rank 0 finds and verifies the checkpoint (reading it once), every rank gets its answer or error."""
+        found = error = None
+        if self.rank == 0:
+            try:
+                found = resolve_resume(resume, self.run_dir)
+            except (ConfigError, FileNotFoundError) as e:
+                error = e
+        found, error = from_rank0((found, error))
+        if error is not None:
+            raise error
+        return found
 
     def resume(self, engine, *, global_batch: int, steps_per_epoch: int) -> int:
         """Load the prepared checkpoint into ``engine`` (collective); return the optimizer step to continue
@@ -256,13 +359,35 @@ class Checkpointer:
             self.dir.mkdir(parents=True, exist_ok=True)
             self._remove_leftovers()  # of saves or prunes a kill interrupted
         barrier()
-        engine.save_checkpoint(str(self.dir), tag=partial, client_state={"dsclip": state}, save_latest=False)
-        barrier()  # every rank's shards are on disk
-        if self.rank == 0:
-            self._complete(self.dir / partial, step, state, getattr(getattr(engine, "module", None), "config", None))
-        barrier()
+        full = DiskFullGuard(engine, self.dir).run(
+            lambda: engine.save_checkpoint(
+                str(self.dir), tag=partial, client_state={"dsclip": state}, save_latest=False
+            )
+        )
+        full = first_of_ranks(None if full is None else str(full))  # collective: every rank's shards are on disk
+        if full is None and self.rank == 0:
+            model_cfg = getattr(getattr(engine, "module", None), "config", None)
+            try:
+                self._complete(self.dir / partial, step, state, model_cfg)
+            except Exception as e:
+                if not is_disk_full(e, self.dir):
+                    raise
+                full = str(e)
+        full = from_rank0(full)  # collective: the tag is complete (or not) for every rank
+        if full is not None:
+            self._fail_disk_full(self.dir / partial)
         self.last_saved_step = step
         return tag_dir
+
+    def _fail_disk_full(self, part_dir: Path) -> None:
+        if self.rank == 0:
+            shutil.rmtree(part_dir, ignore_errors=True)  # its space is what the next attempt needs
+        pointer = self.dir / LATEST
+        kept = f"latest still names {pointer.read_text().strip()}" if pointer.is_file() else "no checkpoint was kept"
+        raise DiskFullError(
+            f"disk full while saving checkpoint to {part_dir} ({kept}): free space on that file system "
+            "(e.g. --keep-last N keeps fewer checkpoints) or choose a --logs folder on a larger one"
+        )
 
     def _complete(self, part_dir: Path, step: int, state: dict[str, Any], model_cfg: dict | None) -> None:
         """Rank 0, all shards written: add dsclip's files and COMPLETE, swap the tag in, point ``latest`` at it."""
@@ -271,7 +396,10 @@ class Checkpointer:
         _atomic_write(part_dir / STATE_FILE, json.dumps(state, indent=2))
         if isinstance(model_cfg, dict):
             _atomic_write(part_dir / MODEL_CONFIG_FILE, json.dumps({"model_cfg": model_cfg}, indent=2))
-        _atomic_write(part_dir / COMPLETE, json.dumps({"step": step}))
+        # COMPLETE says a manifest belongs to the tag (so a lost one is damage, not an older dsclip's tag);
+        # the manifest itself comes last, over every other file: a tag is complete only when it is
+        _atomic_write(part_dir / COMPLETE, json.dumps({"step": step, "manifest": MANIFEST}))
+        _atomic_write(part_dir / MANIFEST, manifest.build(part_dir))
         if tag_dir.exists():  # re-saving a tag: move the old one aside, then swap the new one in
             os.replace(tag_dir, self.dir / (TRASH_PREFIX + tag))
         os.replace(part_dir, tag_dir)
@@ -288,11 +416,18 @@ class Checkpointer:
                 shutil.rmtree(p, ignore_errors=True)
 
     def _prune(self, keep: str) -> None:
+        """Keep ``keep`` (just written and checksummed) and the newest ``keep_last - 1`` older tags that still
+        match their manifest's sizes (a stat per file; a damaged tag is no fallback, so it does not take a
+        place); remove every other tag up to ``keep``. Tags newer than ``keep`` (left by a run that resumed
+        from an earlier one) are never touched."""
         if self.keep_last <= 0:
             return
-        tags = [t for t in complete_tags(self.dir) if t <= keep]
-        for old in tags[: -self.keep_last]:
-            self._remove_tag(old)
+        kept = 1
+        for old in [t for t in complete_tags(self.dir) if t < keep][::-1]:
+            if kept < self.keep_last and manifest.verify(self.dir / old, checksums=False).ok:
+                kept += 1
+            else:
+                self._remove_tag(old)
 
     def _remove_tag(self, tag: str) -> None:
         if not (self.dir / tag).is_dir():

@@ -5,6 +5,7 @@ names without importing each other.
 """
 
 COMPLETE = "COMPLETE"
+MANIFEST = "MANIFEST.json"  # every file of a tag, its size and crc32 (dsclip.checkpoint.manifest), written last
 LATEST = "latest"
 STATE_FILE = "dsclip_state.json"
 MODEL_CONFIG_FILE = "model_config.json"  # {"model_cfg": <resolved model config>}, as dsclip.model.save_model writes

@@ -79,14 +79,15 @@ def _check_resume(cfg: RunConfig) -> None:
     if not resume or resume == "latest":
         return
     p = Path(resume)
-    if p.is_file():
+    if p.is_file() and p.name != "latest":  # RUN/checkpoints/latest, DeepSpeed's pointer file, names the run's tag
         raise ConfigError(
             f"--resume {resume}: a single-file checkpoint (e.g. OpenCLIP's epoch_N.pt) cannot be resumed; "
             f"to start from its weights use --pretrained {resume} (--resume takes a dsclip run or checkpoint folder)"
         )
     from dsclip.checkpoint.ds_checkpoint import resolve_resume
 
-    resolve_resume(resume, Path("."))  # FileNotFoundError naming what is missing
+    # FileNotFoundError naming what is missing; the files are checked against the manifest later, on rank 0
+    resolve_resume(resume, Path("."), verify=False)
 
 
 def _check_data(cfg: RunConfig) -> str:

@@ -17,6 +17,8 @@ from dsclip.config import ConfigError
 from dsclip.model import StateDictMismatchError, create_model, openclip_model_config, save_model
 from tests.tolerances import embedding_tol
 
+OPTIM = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+
 
 class FakeEngine:
     """Writes what DeepSpeed would (one file per 'rank') and records the tags it was asked for."""
@@ -30,6 +32,7 @@ class FakeEngine:
         d = Path(save_dir) / tag
         d.mkdir(parents=True, exist_ok=True)
         (d / "mp_rank_00_model_states.pt").write_text(json.dumps(client_state))
+        (d / OPTIM).write_bytes(bytes(range(256)) * 16)  # a ZeRO optimizer shard (4 KiB)
         self.tags.append(tag)
 
 
@@ -44,9 +47,11 @@ def test_save_writes_partial_then_renames_complete_tag(tmp_path):
     assert tag_dir.name == "step_000000002"
     assert {p.name for p in tag_dir.iterdir()} == {
         "mp_rank_00_model_states.pt",
+        OPTIM,
         dc.STATE_FILE,
         dc.COMPLETE,
         dc.MODEL_CONFIG_FILE,
+        dc.MANIFEST,
     }
     assert json.loads((tag_dir / dc.MODEL_CONFIG_FILE).read_text())["model_cfg"]["embed_dim"] == 32
     assert (tmp_path / "checkpoints" / "latest").read_text() == "step_000000002"
@@ -222,3 +227,171 @@ def test_convert_cli_refuses_incomplete_tag_in_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("dsclip convert: error:") and "incomplete" in err[0]
     assert not (tmp_path / "out").exists()
+
+
+# --- manifests: verified resume with fallback, rotation, a full disk (issue 32) -----------------------------
+def _two_tags(tmp_path, keep_last=0):
+    engine, ck = FakeEngine(), _ckpt(tmp_path, keep_last)
+    ck.save(engine, 2, {"step": 2})
+    ck.save(engine, 4, {"step": 4})
+    return engine, ck, tmp_path / "checkpoints"
+
+
+def _flip(path, at=1000, n=64):
+    data = bytearray(path.read_bytes())
+    data[at : at + n] = bytes(255 - b for b in data[at : at + n])
+    path.write_bytes(bytes(data))
+
+
+def _truncate(path):
+    path.write_bytes(path.read_bytes()[:10])
+
+
+DAMAGE = {  # what is done to the newest tag -> what the skip line must say
+    "flipped": (lambda d: _flip(d / OPTIM), f"{OPTIM} is corrupt: crc32 "),
+    "truncated": (lambda d: _truncate(d / "mp_rank_00_model_states.pt"), "is truncated: 10 bytes, expected"),
+    "deleted": (lambda d: (d / OPTIM).unlink(), f"{OPTIM} is missing"),
+    "no_manifest": (lambda d: (d / "MANIFEST.json").unlink(), "MANIFEST.json is missing"),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_resume_latest_skips_a_damaged_tag_in_one_line_and_takes_the_previous(tmp_path, damage):
+    _, _, ckpts = _two_tags(tmp_path)
+    do, says = DAMAGE[damage]
+    do(ckpts / "step_000000004")
+    lines = []
+    assert dc.resolve_resume("latest", tmp_path, say=lines.append) == (ckpts, "step_000000002")
+    assert len(lines) == 1 and "step_000000004 skipped" in lines[0] and says in lines[0], lines
+    # the same from the run folder, its checkpoints folder and the `latest` file DeepSpeed writes
+    for given in (tmp_path, ckpts, ckpts / "latest"):
+        assert dc.resolve_resume(str(given), tmp_path / "other", say=lines.append) == (ckpts, "step_000000002")
+    # structure only (preflight, on every rank before the process group): no read, no fallback
+    assert dc.resolve_resume("latest", tmp_path, verify=False) == (ckpts, "step_000000004")
+
+
+def test_damaged_explicit_tag_is_one_line_naming_file_and_fix(tmp_path):
+    _, _, ckpts = _two_tags(tmp_path)
+    _flip(ckpts / "step_000000004" / OPTIM)
+    with pytest.raises(ConfigError) as e:
+        dc.resolve_resume(str(ckpts / "step_000000004"), tmp_path, say=pytest.fail)
+    msg = str(e.value)
+    assert "\n" not in msg and f"{OPTIM} is corrupt" in msg and "step_000000002" in msg and "--resume latest" in msg
+    assert dc.resolve_resume(str(ckpts / "step_000000002"), tmp_path) == (ckpts, "step_000000002")
+
+
+def test_tag_of_an_older_dsclip_is_used_with_one_unverified_line(tmp_path):
+    _, _, ckpts = _two_tags(tmp_path)
+    tag = ckpts / "step_000000004"
+    (tag / dc.MANIFEST).unlink()
+    (tag / dc.COMPLETE).write_text(json.dumps({"step": 4}))  # what dsclip wrote before manifests
+    lines = []
+    assert dc.resolve_resume("latest", tmp_path, say=lines.append) == (ckpts, "step_000000004")
+    assert lines == [
+        f"dsclip: checkpoint {tag} is unverified (no manifest: written by an older dsclip); using it as it is"
+    ]
+
+
+def test_no_tag_verifies_is_an_error_not_a_fresh_start(tmp_path):
+    _, _, ckpts = _two_tags(tmp_path)
+    for tag in ("step_000000002", "step_000000004"):
+        _flip(ckpts / tag / OPTIM)
+    lines = []
+    with pytest.raises(ConfigError, match="none of the 2 checkpoints"):
+        dc.resolve_resume("latest", tmp_path, say=lines.append)
+    assert len(lines) == 2
+    assert dc.resolve_resume("latest", tmp_path / "fresh") is None  # no checkpoint at all: a fresh start
+
+
+def test_prune_keeps_the_newest_tag_that_verifies(tmp_path):
+    engine, ck, ckpts = _two_tags(tmp_path, keep_last=2)
+    _truncate(ckpts / "step_000000004" / OPTIM)  # damaged after its save: no fallback, takes no place
+    ck.save(engine, 6, {"step": 6})
+    assert dc.complete_tags(ckpts) == ["step_000000002", "step_000000006"]
+
+
+def test_prepare_resume_removes_leftover_partial_saves(tmp_path, monkeypatch):
+    monkeypatch.setattr(dc.universal, "needs_universal", lambda state, world_size: False)  # fake shards
+    _, ck, ckpts = _two_tags(tmp_path)
+    (ckpts / ".partial.step_000000006").mkdir()
+    (ckpts / ".partial.step_000000006" / OPTIM).write_bytes(b"x" * 100)  # a save killed mid-write
+    assert ck.prepare_resume("latest", world_size=1) == {}
+    assert ck.resume_point == dc.ResumePoint(ckpts, "step_000000004")
+    assert not (ckpts / ".partial.step_000000006").exists()
+
+
+class DiskFullEngine(FakeEngine):
+    def __init__(self, exc):
+        super().__init__()
+        self.exc = exc
+
+    def save_checkpoint(self, save_dir, tag, client_state, save_latest):
+        (Path(save_dir) / tag).mkdir(parents=True, exist_ok=True)
+        (Path(save_dir) / tag / OPTIM).write_bytes(b"half")
+        raise self.exc
+
+
+def test_disk_full_during_save_is_one_line_partial_removed_latest_kept(tmp_path):
+    _, ck, ckpts = _two_tags(tmp_path)
+    with pytest.raises(dc.DiskFullError) as e:
+        ck.save(DiskFullEngine(OSError(28, "No space left on device")), 6, {"step": 6})
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert msg.startswith(f"disk full while saving checkpoint to {ckpts / '.partial.step_000000006'}")
+    assert "latest still names step_000000004" in msg and "--keep-last" in msg and "--logs" in msg
+    assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step_000000002", "step_000000004"]
+    assert (ckpts / "latest").read_text() == "step_000000004"
+    assert dc.resolve_resume("latest", tmp_path, say=pytest.fail) == (ckpts, "step_000000004")
+
+
+def test_torch_full_disk_error_without_errno_is_recognised(tmp_path, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    from dsclip.checkpoint import diskfull
+
+    # what torch.save raises on a full file system (seen on a 2 MiB tmpfs): no errno, no "disk full"
+    exc = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534")
+    assert not diskfull.is_disk_full(exc, tmp_path)  # space left: a write error of another kind
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(2 << 20, 2 << 20, 0))
+    assert diskfull.is_disk_full(exc, tmp_path)
+    assert not diskfull.is_disk_full(KeyError("x"), tmp_path)
+    _, ck, ckpts = _two_tags(tmp_path)
+    with pytest.raises(dc.DiskFullError):
+        ck.save(DiskFullEngine(exc), 6, {"step": 6})
+    assert not (ckpts / ".partial.step_000000006").exists()
+
+
+def _convert(tmp_path, capsys, *args):
+    from dsclip.cli import main
+
+    rc = main(["convert", str(tmp_path), *args])
+    return rc, [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+
+
+def test_convert_refuses_damaged_input_and_existing_output_in_one_line(tmp_path, capsys):
+    _, _, ckpts = _two_tags(tmp_path)
+    out = tmp_path / "out"
+    _flip(ckpts / "step_000000004" / OPTIM)
+    rc, err = _convert(tmp_path, capsys, "-o", str(out))
+    assert rc == 2 and len(err) == 1 and f"{OPTIM} is corrupt" in err[0] and "--tag (step_000000002)" in err[0], err
+    assert not out.exists()
+
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    for o in (out, out / "notes.txt", tmp_path / "x.safetensors"):
+        (tmp_path / "x.safetensors").write_bytes(b"earlier export")
+        rc, err = _convert(tmp_path, capsys, "--tag", "step_000000002", "-o", str(o))
+        assert rc == 2 and len(err) == 1 and f"output {o} already exists" in err[0] and "--force" in err[0], err
+    assert (out / "notes.txt").read_text() == "mine" and (tmp_path / "x.safetensors").read_bytes() == b"earlier export"
+
+    # a tag of an older dsclip (no manifest) whose shard is damaged: a note and one error line, no traceback
+    tag = ckpts / "step_000000002"
+    (tag / dc.MANIFEST).unlink()
+    (tag / dc.COMPLETE).write_text(json.dumps({"step": 2}))
+    rc, err = _convert(tmp_path, capsys, "--tag", "step_000000002", "-o", str(tmp_path / "new"))
+    errors = [line for line in err if line.startswith("dsclip convert: error:")]
+    assert rc == 2 and len(errors) == 1 and "cannot be read" in errors[0], err
+    assert any("unverified (no manifest: written by an older dsclip)" in line for line in err)
+    assert not any("Traceback" in line for line in err)

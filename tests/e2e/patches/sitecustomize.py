@@ -4,6 +4,9 @@
 rank's shards are written and before the tag is completed: the window in which
 tests/e2e/test_checkpoint_crash.py kills the job.
 
+``DSCLIP_FIXTURE_DISK_FULL=STEP``: the save of step STEP meets a full disk: the first shard torch.save
+writes for it is left half-written and the write fails with ENOSPC (tests/e2e/test_checkpoint_verify.py).
+
 ``DSCLIP_FIXTURE_DS_RECEIVED=PATH``: the config dict handed to ``deepspeed.initialize`` is written to
 PATH (as JSON, at the call), so a test can compare it with the run folder's ds_config.json.
 """
@@ -25,6 +28,23 @@ if _slow_save:
         return _complete(self, part_dir, step, state, model_cfg)
 
     ds_checkpoint.Checkpointer._complete = _slow_complete
+
+_disk_full = os.environ.get("DSCLIP_FIXTURE_DISK_FULL")
+if _disk_full:
+    import errno
+
+    import torch
+
+    _save, _full_tag = torch.save, f".partial.step_{int(_disk_full):09d}"
+
+    def _full_save(obj, f, *args, **kwargs):
+        if _full_tag in str(f):
+            with open(f, "wb") as out:
+                out.write(b"\0" * 4096)  # what fitted before the disk was full
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(f))
+        return _save(obj, f, *args, **kwargs)
+
+    torch.save = _full_save
 
 _received = os.environ.get("DSCLIP_FIXTURE_DS_RECEIVED")
 if _received:
