@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from dsclip.cli import main as cli_main
-from tests.e2e.test_train_cli import PY, ROOT, assert_one_error_line, env, losses, run_cli
+from tests.distutil import free_port
+from tests.e2e.test_train_cli import DEEPSPEED, PY, ROOT, assert_one_error_line, env, losses, run_cli
 
 SHARD = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
 
@@ -79,3 +80,20 @@ def test_disk_full_then_damaged_latest_resumes_from_newest_that_verifies(tmp_pat
     resumed = losses(run)  # the resumed run's lines come last: its steps 2 and 3
     for step in (2, 3):
         assert resumed[step] == pytest.approx(ref[step], abs=1e-5), (step, resumed[step], ref[step])
+
+
+@pytest.mark.dist
+def test_disk_full_on_one_rank_stops_every_rank_in_one_line(tmp_path):
+    """Rank 1's shard meets the full disk while rank 0's writes succeed: both ranks stop at the same point
+    with the same line (no rank left waiting in a barrier for the process group timeout), nothing half-written
+    is kept and ``latest`` stays on the last complete checkpoint."""
+    ckpts = tmp_path / "run" / "checkpoints"
+    args = _args(tmp_path, "--max-steps", "2", "--batch-size", "8", "--deepspeed-config", "ds_configs/zero2_fp32.json")
+    cmd = [DEEPSPEED, "--num_gpus", "2", "--master_port", str(free_port()), "--module", "dsclip", *args]
+    p = subprocess.run(cmd, cwd=ROOT, env=_disk_full_at("2@1"), capture_output=True, text=True, timeout=600)
+    assert p.returncode != 0, p.stderr[-3000:]
+    said = f"dsclip train: error: disk full while saving checkpoint to {ckpts / '.partial.step_000000002'} (latest "
+    assert p.stderr.count(said + "still names step_000000001)") == 2, p.stderr[-3000:]  # both ranks (their lines
+    assert "Traceback" not in p.stderr  # may run together: the launcher merges the ranks' streams)
+    assert (ckpts / "latest").read_text() == "step_000000001"
+    assert not list(ckpts.glob(".partial.*"))

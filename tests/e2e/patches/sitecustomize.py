@@ -4,8 +4,9 @@
 rank's shards are written and before the tag is completed: the window in which
 tests/e2e/test_checkpoint_crash.py kills the job.
 
-``DSCLIP_FIXTURE_DISK_FULL=STEP``: the save of step STEP meets a full disk: the first shard torch.save
-writes for it is left half-written and the write fails with ENOSPC (tests/e2e/test_checkpoint_verify.py).
+``DSCLIP_FIXTURE_DISK_FULL=STEP[@RANK]``: the save of step STEP meets a full disk (on rank RANK only, when
+given): the first shard torch.save writes for it is left half-written and the write fails with ENOSPC
+(tests/e2e/test_checkpoint_verify.py).
 
 ``DSCLIP_FIXTURE_DS_RECEIVED=PATH``: the config dict handed to ``deepspeed.initialize`` is written to
 PATH (as JSON, at the call), so a test can compare it with the run folder's ds_config.json.
@@ -35,10 +36,11 @@ if _disk_full:
 
     import torch
 
-    _save, _full_tag = torch.save, f".partial.step_{int(_disk_full):09d}"
+    _step, _, _rank = _disk_full.partition("@")
+    _save, _full_tag = torch.save, f".partial.step_{int(_step):09d}"
 
     def _full_save(obj, f, *args, **kwargs):
-        if _full_tag in str(f):
+        if _full_tag in str(f) and _rank in ("", os.environ.get("RANK", "0")):
             with open(f, "wb") as out:
                 out.write(b"\0" * 4096)  # what fitted before the disk was full
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(f))
