@@ -36,11 +36,10 @@ def from_rank0(value):
     return box[0]
 
 
-def first_of_ranks(value):
-    """The first non-None of every rank's ``value`` (in rank order), on every rank: how one rank's failure
-    (a full disk during a save) reaches the others. Collective when a process group exists."""
+def all_ranks(value) -> list:
+    """Every rank's ``value`` (picklable), in rank order, on every rank. Collective when a process group exists."""
     if not initialized() or dist.get_world_size() == 1:
-        return value
+        return [value]
     values = [None] * dist.get_world_size()
     dist.all_gather_object(values, value)
-    return next((v for v in values if v is not None), None)
+    return values

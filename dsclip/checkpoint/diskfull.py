@@ -42,13 +42,15 @@ def is_disk_full(exc: BaseException, where: Path) -> bool:
 class DiskFullGuard:
     """Around ``engine.save_checkpoint``: a full disk on this rank stops its writes but not the call, so the
     rank still reaches DeepSpeed's own barriers (a rank that raised there would leave the others waiting
-    for the process group timeout); afterwards every rank learns whether any rank's disk was full."""
+    for the process group timeout); afterwards every rank learns whether any rank's disk was full.
+    ``written``: the files this rank's checkpoint engine wrote (their checksums are taken on this rank)."""
 
     def __init__(self, engine, where: Path):
         self.engine, self.where, self.error = engine, where, None
         self.ce = getattr(engine, "checkpoint_engine", None)
+        self.written: list[str] = []
 
-    def _guarded(self, save):
+    def _guarded(self, save, record: bool = False):
         def guarded(*args, **kwargs):
             if self.error is None:
                 try:
@@ -57,6 +59,10 @@ class DiskFullGuard:
                     if not is_disk_full(e, self.where):
                         raise
                     self.error = e
+                    return
+                path = kwargs.get("path", args[1] if len(args) > 1 else None)  # CheckpointEngine.save(sd, path)
+                if record and isinstance(path, (str, Path)):
+                    self.written.append(str(path))
 
         return guarded
 
@@ -65,7 +71,7 @@ class DiskFullGuard:
         patched = self.ce is not None and hasattr(self.ce, "save")
         if patched:
             original = self.ce.save
-            self.ce.save = self._guarded(original)
+            self.ce.save = self._guarded(original, record=True)
         try:
             self._guarded(fn)()  # also what DeepSpeed writes outside its checkpoint engine (rank 0's scripts)
         finally:

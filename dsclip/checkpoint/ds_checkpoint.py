@@ -59,7 +59,7 @@ from dsclip.checkpoint.layout import (
     TRASH_PREFIX,
 )
 from dsclip.config_base import ConfigError, opt
-from dsclip.dist import barrier, first_of_ranks, from_rank0
+from dsclip.dist import all_ranks, barrier, from_rank0
 
 _TAG_RE = re.compile(r"step_\d+")
 
@@ -359,16 +359,21 @@ class Checkpointer:
             self.dir.mkdir(parents=True, exist_ok=True)
             self._remove_leftovers()  # of saves or prunes a kill interrupted
         barrier()
-        full = DiskFullGuard(engine, self.dir).run(
+        guard = DiskFullGuard(engine, self.dir)
+        full = guard.run(
             lambda: engine.save_checkpoint(
                 str(self.dir), tag=partial, client_state={"dsclip": state}, save_latest=False
             )
         )
-        full = first_of_ranks(None if full is None else str(full))  # collective: every rank's shards are on disk
+        sums = manifest.entries(self.dir / partial, guard.written) if full is None else {}
+        # collective: every rank's shards are on disk (or some rank's disk was full), with their checksums
+        reports = all_ranks((None if full is None else str(full), sums))
+        full = next((err for err, _ in reports if err is not None), None)
         if full is None and self.rank == 0:
             model_cfg = getattr(getattr(engine, "module", None), "config", None)
+            known = {rel: e for _, rank_sums in reports for rel, e in rank_sums.items()}
             try:
-                self._complete(self.dir / partial, step, state, model_cfg)
+                self._complete(self.dir / partial, step, state, model_cfg, known)
             except Exception as e:
                 if not is_disk_full(e, self.dir):
                     raise
@@ -389,8 +394,11 @@ class Checkpointer:
             "(e.g. --keep-last N keeps fewer checkpoints) or choose a --logs folder on a larger one"
         )
 
-    def _complete(self, part_dir: Path, step: int, state: dict[str, Any], model_cfg: dict | None) -> None:
-        """Rank 0, all shards written: add dsclip's files and COMPLETE, swap the tag in, point ``latest`` at it."""
+    def _complete(
+        self, part_dir: Path, step: int, state: dict[str, Any], model_cfg: dict | None, known: dict | None = None
+    ) -> None:
+        """Rank 0, all shards written: add dsclip's files, COMPLETE and the manifest (``known``: the entries the
+        ranks computed for their own shards), swap the tag in, point ``latest`` at it."""
         tag = tag_for_step(step)
         tag_dir = self.dir / tag
         _atomic_write(part_dir / STATE_FILE, json.dumps(state, indent=2))
@@ -399,7 +407,7 @@ class Checkpointer:
         # COMPLETE says a manifest belongs to the tag (so a lost one is damage, not an older dsclip's tag);
         # the manifest itself comes last, over every other file: a tag is complete only when it is
         _atomic_write(part_dir / COMPLETE, json.dumps({"step": step, "manifest": MANIFEST}))
-        _atomic_write(part_dir / MANIFEST, manifest.build(part_dir))
+        _atomic_write(part_dir / MANIFEST, manifest.build(part_dir, known))
         if tag_dir.exists():  # re-saving a tag: move the old one aside, then swap the new one in
             os.replace(tag_dir, self.dir / (TRASH_PREFIX + tag))
         os.replace(part_dir, tag_dir)

@@ -48,12 +48,34 @@ def _files(tag_dir: Path) -> list[str]:
     return sorted(out)
 
 
-def build(tag_dir: Path) -> str:
-    """The manifest text of ``tag_dir`` as it is now (the caller writes it to ``tag_dir/MANIFEST``)."""
-    files = {}
+def entry(path: Path) -> dict:
+    """One file's manifest entry: its size and crc32."""
+    return {"size": path.stat().st_size, "crc32": f"{crc32_file(path):08x}"}
+
+
+def entries(tag_dir: Path, paths: list[str]) -> dict[str, dict]:
+    """Entries of ``paths`` (files under ``tag_dir`` written by this rank), keyed as in the manifest: each
+    rank checksums its own shards while they are in its page cache, in parallel, instead of rank 0 reading
+    every rank's shards back (over the network file system, on several nodes)."""
+    root, out = Path(tag_dir).resolve(), {}
+    for path in paths:
+        try:
+            rel = Path(path).resolve().relative_to(root).as_posix()
+        except ValueError:  # not part of this tag
+            continue
+        out[rel] = entry(root / rel)
+    return out
+
+
+def build(tag_dir: Path, known: dict[str, dict] | None = None) -> str:
+    """The manifest text of ``tag_dir`` as it is now (the caller writes it to ``tag_dir/MANIFEST``).
+    ``known``: entries the writing ranks computed (:func:`entries`); used while the file still has that
+    size, every other file is checksummed here."""
+    known, files = known or {}, {}
     for rel in _files(tag_dir):
         p = tag_dir / rel
-        files[rel] = {"size": p.stat().st_size, "crc32": f"{crc32_file(p):08x}"}
+        given = known.get(rel)
+        files[rel] = given if given is not None and given["size"] == p.stat().st_size else entry(p)
     return json.dumps({"version": VERSION, "files": files}, indent=1)
 
 

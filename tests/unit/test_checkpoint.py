@@ -395,3 +395,15 @@ def test_convert_refuses_damaged_input_and_existing_output_in_one_line(tmp_path,
     assert rc == 2 and len(errors) == 1 and "cannot be read" in errors[0], err
     assert any("unverified (no manifest: written by an older dsclip)" in line for line in err)
     assert not any("Traceback" in line for line in err)
+
+
+def test_manifest_takes_the_writing_ranks_checksums_while_the_size_matches(tmp_path):
+    from dsclip.checkpoint import manifest
+
+    (tmp_path / "a.pt").write_bytes(b"a" * 10)
+    (tmp_path / "b.pt").write_bytes(b"b" * 10)
+    given = {"size": 10, "crc32": "0000abcd"}  # what rank 1 computed for its shard, not read again on rank 0
+    stale = {"size": 9, "crc32": "0000abcd"}  # the file changed since: checksummed here
+    files = json.loads(manifest.build(tmp_path, {"a.pt": given, "b.pt": stale}))["files"]
+    assert files["a.pt"] == given and files["b.pt"] == manifest.entry(tmp_path / "b.pt") != stale
+    assert manifest.entries(tmp_path, [str(tmp_path / "b.pt"), "/elsewhere/c.pt"]) == {"b.pt": files["b.pt"]}

@@ -23,10 +23,10 @@ if _slow_save:
     _seconds, _, _step = _slow_save.partition("@")
     _complete = ds_checkpoint.Checkpointer._complete
 
-    def _slow_complete(self, part_dir, step, state, model_cfg):
+    def _slow_complete(self, part_dir, step, *args, **kwargs):
         if step == int(_step):
             time.sleep(float(_seconds))
-        return _complete(self, part_dir, step, state, model_cfg)
+        return _complete(self, part_dir, step, *args, **kwargs)
 
     ds_checkpoint.Checkpointer._complete = _slow_complete
 
