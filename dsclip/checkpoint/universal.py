@@ -8,8 +8,9 @@ world size. Checked with DeepSpeed 0.19.8 on CPU/gloo for ZeRO-2 and ZeRO-3, wor
 (tests/e2e/test_checkpoint_resume.py).
 
 The universal copy lives inside the tag (``<tag>/universal/``), is written by rank 0 into a
-temporary folder and renamed into place with a COMPLETE marker, so a kill during the conversion
-leaves nothing that looks usable, and a second resume reuses it.
+temporary folder and renamed into place with a COMPLETE marker and its own manifest, so a kill
+during the conversion leaves nothing that looks usable, and a second resume reuses it if it still
+verifies (and converts again if not).
 
 Data position and schedule (see ``resume_position``): the loop's data order depends only on the
 global batch (rank r's micro-batch m of an epoch is ``perm[(m * world + r) * B : ...]``, so one
@@ -33,7 +34,8 @@ from typing import Any
 
 import torch
 
-from dsclip.checkpoint.layout import COMPLETE, STATE_FILE
+from dsclip.checkpoint import manifest
+from dsclip.checkpoint.layout import COMPLETE, MANIFEST, STATE_FILE
 from dsclip.dist import barrier
 from dsclip.engine.optim import PARAM_ORDER
 
@@ -63,7 +65,10 @@ def convert_to_universal(ckpt_dir: Path, tag: str) -> Path:
     tag_dir = Path(ckpt_dir) / tag
     out = tag_dir / UNIVERSAL
     if (out / COMPLETE).exists():
-        return out
+        verdict = manifest.verify(out)  # made by an earlier resume; the disk may have damaged it since
+        if verdict.ok:
+            return out
+        print(f"dsclip: universal copy {out} fails verification ({verdict.problem}): converting again", flush=True)
     tmp = tag_dir / f".{UNIVERSAL}.tmp.{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     args = Namespace(
@@ -78,7 +83,8 @@ def convert_to_universal(ckpt_dir: Path, tag: str) -> Path:
     ds_to_universal.main(args)
     (tag_dir / "latest_universal").unlink(missing_ok=True)  # ds_to_universal's pointer; we pass tags explicitly
     shutil.copyfile(tag_dir / STATE_FILE, tmp / STATE_FILE)
-    (tmp / COMPLETE).write_text(json.dumps({"from": tag}))
+    (tmp / COMPLETE).write_text(json.dumps({"from": tag, "manifest": MANIFEST}))
+    (tmp / MANIFEST).write_text(manifest.build(tmp))  # last: checked when a later resume reuses the copy
     shutil.rmtree(out, ignore_errors=True)  # an older incomplete attempt
     os.replace(tmp, out)
     return out

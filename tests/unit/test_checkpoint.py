@@ -407,3 +407,26 @@ def test_manifest_takes_the_writing_ranks_checksums_while_the_size_matches(tmp_p
     files = json.loads(manifest.build(tmp_path, {"a.pt": given, "b.pt": stale}))["files"]
     assert files["a.pt"] == given and files["b.pt"] == manifest.entry(tmp_path / "b.pt") != stale
     assert manifest.entries(tmp_path, [str(tmp_path / "b.pt"), "/elsewhere/c.pt"]) == {"b.pt": files["b.pt"]}
+
+
+def test_universal_copy_is_reused_only_while_it_verifies(tmp_path, monkeypatch, capsys):
+    from deepspeed.checkpoint import ds_to_universal
+
+    from dsclip.checkpoint import universal
+
+    calls = []
+
+    def fake_main(args):  # what ds_to_universal writes, without DeepSpeed shards to read
+        calls.append(args.output_folder)
+        (Path(args.output_folder) / "zero" / "w").mkdir(parents=True)
+        (Path(args.output_folder) / "zero" / "w" / "fp32.pt").write_bytes(bytes(range(256)) * 8)
+
+    monkeypatch.setattr(ds_to_universal, "main", fake_main)
+    _, _, ckpts = _two_tags(tmp_path)
+    out = universal.convert_to_universal(ckpts, "step_000000004")
+    assert universal.convert_to_universal(ckpts, "step_000000004") == out and len(calls) == 1  # reused
+    _flip(out / "zero" / "w" / "fp32.pt")
+    capsys.readouterr()
+    assert universal.convert_to_universal(ckpts, "step_000000004") == out and len(calls) == 2  # made again
+    assert "zero/w/fp32.pt is corrupt" in capsys.readouterr().out
+    assert dc.manifest.verify(out).ok and dc.manifest.verify(ckpts / "step_000000004").ok
