@@ -848,8 +848,15 @@ def format_plan(p: Plan) -> str:
 def main_plan(argv: list[str]) -> int:
     parser = build_parser()
     a = parser.parse_args(argv)
-    if (a.batch_size is None) == (not a.max_batch):
-        parser.error("give --batch-size N (plan that batch) or --max-batch (find the largest that fits), not both")
+    if a.batch_size is None and not a.max_batch:  # say what is missing, not what would be too much
+        parser.error(
+            "no batch given: add --batch-size N (plan that global batch) or --max-batch (find the largest that fits)"
+        )
+    if a.batch_size is not None and a.max_batch:
+        parser.error(
+            "--batch-size and --max-batch both given: keep one (--batch-size N plans that batch, "
+            "--max-batch finds the largest that fits)"
+        )
     if a.max_batch and a.device == "cpu":
         parser.error("--max-batch plans GPUs; with --device cpu give the run's --batch-size and --micro-batch")
     if a.max_batch:

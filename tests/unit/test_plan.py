@@ -307,3 +307,15 @@ def test_cpu_plan_predicts_phases_from_a_measured_baseline():
         P.make_plan("demo", device="cpu", baseline_gb=0.7, micro_batch=256, **{**kw, "zero": 3})
     with pytest.raises(ConfigError, match="must divide"):
         P.make_plan("demo", device="cpu", baseline_gb=0.7, micro_batch=1000, **kw)
+
+
+def test_no_batch_says_what_is_missing(capsys):
+    # issue 32: without a batch the error used to say "..., not both"
+    with pytest.raises(SystemExit) as e:
+        P.main_plan(["--model", "ViT-H-14", "--gpus", "8", "--gpu-memory", "80"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "no batch given: add --batch-size N" in err and "--max-batch" in err and "not both" not in err
+    with pytest.raises(SystemExit):
+        P.main_plan(["--model", "ViT-H-14", "--gpus", "8", "--batch-size", "64", "--max-batch"])
+    assert "both given: keep one" in capsys.readouterr().err
