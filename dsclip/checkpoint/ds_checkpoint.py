@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dsclip.checkpoint import manifest, universal
+from dsclip.checkpoint import manifest, model_match, universal
 from dsclip.checkpoint.diskfull import DiskFullError, DiskFullGuard, is_disk_full
 from dsclip.checkpoint.layout import (
     COMPLETE,
@@ -305,6 +305,13 @@ class Checkpointer:
             return {}
         self.resume_point = ResumePoint(*universal.prepare_universal(*found, rank=self.rank))
         return {"checkpoint": {"load_universal": True}}
+
+    def check_model(self, model_cfg: dict, model_name: str) -> None:
+        """Before anything is written: the checkpoint to resume was trained as ``model_cfg`` (this run's
+        resolved architecture), else one ConfigError line naming both models (every rank reads the tag's
+        small model_config.json, so every rank raises it)."""
+        if self.resume_point is not None:
+            model_match.check_resumed_model(self.resume_point.load_dir / self.resume_point.tag, model_cfg, model_name)
 
     def _resolve(self, resume: str) -> tuple[Path, str] | None:
         """Rank 0 finds and verifies the checkpoint (reading it once), every rank gets its answer or error."""

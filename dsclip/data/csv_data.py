@@ -10,6 +10,7 @@ one (deterministically) and counted, so a batch always has B rows.
 from __future__ import annotations
 
 import csv
+import io
 import logging
 import os
 from pathlib import Path
@@ -24,12 +25,30 @@ log = logging.getLogger("dsclip.data")
 _MAX_REPLACEMENTS = 100
 
 
+def read_utf8(path: Path) -> str:
+    """The text of a UTF-8 table (a leading BOM dropped); a file in another encoding (Latin-1 from Excel) is one
+    ValueError naming the file, the line and the byte, and how to convert it, instead of the codec's
+    "can't decode byte 0xe9 in position 1963"."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        byte = data[e.start : e.start + 1].hex()
+        converted = path.with_name(f"{path.stem}.utf8{path.suffix}")
+        raise ValueError(
+            f"{path}: line {line}, column {column}: byte 0x{byte} is not UTF-8 (the file is in another encoding, "
+            f"e.g. Latin-1); convert it: iconv -f latin1 -t utf-8 {path} > {converted}"
+        ) from None
+
+
 def read_csv(path: str | os.PathLike, img_key: str, caption_key: str, sep: str = "\t") -> tuple[list[str], list[str]]:
     """(image paths, captions) from a CSV/TSV; errors name the missing file or column."""
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"CSV not found: {p}")
-    with open(p, newline="", encoding="utf-8") as f:
+    with io.StringIO(read_utf8(p), newline="") as f:
         reader = csv.DictReader(f, delimiter=sep)
         cols = reader.fieldnames or []
         for key, flag in ((img_key, "--csv-img-key"), (caption_key, "--csv-caption-key")):

@@ -28,7 +28,7 @@ from pathlib import Path
 from PIL import Image
 from tqdm import tqdm
 
-from .csv_data import read_csv
+from .csv_data import read_csv, read_utf8
 from .shards import BadData, captions_of, decode_image, expand_urls, image_bytes, iter_tar, parse_sources, split_key
 from .tokenizer import SentencePieceTokenizer, length_summary, train_sentencepiece
 
@@ -353,7 +353,7 @@ def main_data(argv: list[str]) -> int:
 
 def _iter_captions(src: str, csv_caption_key: str, csv_separator: str) -> Iterator[str]:
     if src.lower().endswith((".csv", ".tsv")):
-        with open(src, newline="", encoding="utf-8") as f:
+        with io.StringIO(read_utf8(Path(src)), newline="") as f:
             reader = csv.DictReader(f, delimiter=csv_separator)
             if csv_caption_key not in (reader.fieldnames or []):
                 raise DataToolError(f"{src}: no column {csv_caption_key!r}; columns are {reader.fieldnames}")

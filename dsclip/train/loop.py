@@ -234,6 +234,7 @@ def build_run(cfg: RunConfig) -> Run:
     tokenizer, data = build_data(cfg.data, model_cfg, cfg.model, cfg.train, rank=rank, world_size=world_size)
     student_cfg = resolved_model_config(cfg.model, cfg.loss, model_cfg, tokenizer)
     ft.check_weights(student_cfg)  # before any engine
+    checkpointer.check_model(student_cfg, cfg.model.model)  # --resume: the same architecture, before any write
     teacher_plan = plan_teacher(cfg.loss, cfg.model, tokenizer, student_cfg)  # --distill-model: checked, not loaded
     if rank == 0:
         write_run_files(cfg, ds_config)  # exactly what deepspeed.initialize receives below

@@ -65,3 +65,19 @@ def test_csv_errors(tmp_path):
             world_size=1,
             seed=0,
         )
+
+
+def test_latin1_csv_is_one_line_naming_file_line_and_fix(tmp_path):
+    # issue 32: a Latin-1 table was "'utf-8' codec can't decode byte 0xe9 in position 1963", no file, no row
+    from dsclip.data.csv_data import read_csv
+
+    path = tmp_path / "caf.csv"
+    path.write_bytes("filepath,title\na.png,ok\nb.png,caf\u00e9 au lait\n".encode("latin-1"))
+    with pytest.raises(ValueError) as e:
+        read_csv(path, "filepath", "title", ",")
+    msg = str(e.value)
+    assert "\n" not in msg and f"{path}: line 3, column 10: byte 0xe9 is not UTF-8" in msg
+    assert "iconv -f latin1 -t utf-8" in msg
+    # the converted file (and one with Excel's BOM) reads
+    path.write_bytes("\ufefffilepath,title\na.png,ok\nb.png,caf\u00e9 au lait\n".encode("utf-8"))
+    assert read_csv(path, "filepath", "title", ",")[1] == ["ok", "caf\u00e9 au lait"]
