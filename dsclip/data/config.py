@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass, field
 
 from dsclip.config_base import ConfigError
+from dsclip.data.shards import ImageLimits
 from dsclip.data.transforms import INTERPOLATIONS, RESIZE_MODES, check_mean_std, parse_aug_cfg
 
 DATASET_TYPES = ("auto", "demo", "webdataset", "csv", "synthetic")
@@ -58,6 +59,20 @@ class DataConfig:
     workers: int = field(default=1, metadata={"help": "DataLoader worker processes per rank (0 = main process)."})
     shuffle_buffer: int = field(
         default=5000, metadata={"help": "Webdataset sample shuffle buffer per worker (0 disables)."}
+    )
+    min_image_size: int = field(
+        default=16,
+        metadata={
+            "help": "Skip (and count as small_image) training images whose shorter side is below this many pixels: "
+            "1x1 tracking pixels and placeholders upscaled to the model's size teach nothing (0: off)."
+        },
+    )
+    max_image_size: int = field(
+        default=4096,
+        metadata={
+            "help": "Skip (and count as large_image) training images whose longer side is above this many pixels: "
+            "web sets are resized at download, and an 8000x8000 image costs a worker seconds and 192 MB (0: off)."
+        },
     )
     csv_img_key: str = field(default="filepath", metadata={"help": "CSV column holding image paths."})
     csv_caption_key: str = field(default="title", metadata={"help": "CSV column holding captions."})
@@ -159,8 +174,17 @@ class DataConfig:
             raise ConfigError("give either --imagenet-val or --zeroshot-data, not both")
         if self.data_decode == "gpu" and not _cuda_available():
             raise ConfigError("--data-decode gpu needs CUDA, none found: use --data-decode cpu (the CPU path)")
+        if self.min_image_size < 0 or self.max_image_size < 0:
+            raise ConfigError("--min-image-size and --max-image-size are pixels (>= 0; 0 turns the limit off)")
+        if self.max_image_size and self.min_image_size > self.max_image_size:
+            raise ConfigError(
+                f"--min-image-size {self.min_image_size} > --max-image-size {self.max_image_size}: no image can pass"
+            )
         check_mean_std("image-mean", self.image_mean)
         check_mean_std("image-std", self.image_std)
+
+    def image_limits(self) -> ImageLimits:
+        return ImageLimits(self.min_image_size, self.max_image_size)
 
     def preprocess_args(self) -> dict:
         """The keyword arguments of :func:`dsclip.data.transforms.image_transform` this config sets."""

@@ -18,7 +18,7 @@ from pathlib import Path
 from torch.utils.data import Dataset
 
 from .loader import mix_seed
-from .shards import BadData, decode_image
+from .shards import NO_LIMITS, BadData, ImageLimits, decode_image
 from .transforms import image_transform, seeded_rngs
 
 log = logging.getLogger("dsclip.data")
@@ -70,8 +70,16 @@ class CsvDataset(Dataset):
     """``get_sample(index, epoch) -> (image tensor, caption, bad-data counts)``, augmentation seeded by
     (seed, epoch, index) so results do not depend on the worker that loads them."""
 
-    def __init__(self, images: list[str], captions: list[str], transform, seed: int = 0):
+    def __init__(
+        self,
+        images: list[str],
+        captions: list[str],
+        transform,
+        seed: int = 0,
+        image_limits: ImageLimits = NO_LIMITS,
+    ):
         self.images, self.captions, self.transform, self.seed = images, captions, transform, seed
+        self.image_limits = image_limits
 
     def __len__(self) -> int:
         return len(self.images)
@@ -91,6 +99,10 @@ class CsvDataset(Dataset):
             img = decode_image(data)
         except Exception as e:  # PIL raises many types for corrupt data
             bad.add("corrupt_image", f"row {index} ({path}: {e.__class__.__name__}: {e})")
+            return None
+        problem = self.image_limits.problem(img.size)
+        if problem is not None:
+            bad.add(problem[0], f"row {index} ({path}: {problem[1]})")
             return None
         with seeded_rngs(mix_seed(self.seed, epoch, index)):
             return self.transform(img), caption
@@ -114,6 +126,10 @@ def csv_train_dataset(data_cfg, image_size: int, seed: int) -> tuple[CsvDataset,
     )
     # As in OpenCLIP, an epoch is the whole table (train_num_samples is not used for CSV input).
     ds = CsvDataset(
-        images, captions, image_transform(image_size, is_train=True, **data_cfg.preprocess_args()), seed=seed
+        images,
+        captions,
+        image_transform(image_size, is_train=True, **data_cfg.preprocess_args()),
+        seed=seed,
+        image_limits=data_cfg.image_limits(),
     )
     return ds, f"CSV {data_cfg.train_data}"

@@ -16,6 +16,7 @@ import re
 import tarfile
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import braceexpand
@@ -215,16 +216,57 @@ def captions_of(sample: dict) -> list[str]:
     return []
 
 
+def undecodable_caption(sample: dict) -> str | None:
+    """What is wrong with a ``txt`` caption that is not UTF-8 (None when it is, or there is none)."""
+    try:
+        sample.get("txt", b"").decode("utf-8")
+    except UnicodeDecodeError as e:
+        return f"byte 0x{sample['txt'][e.start]:02x} at offset {e.start} is not UTF-8"
+    return None
+
+
 def check_sample(sample: dict, bad: BadData) -> bool:
-    """Raw-level validity (no decoding): has an image and a caption."""
+    """Raw-level validity (no decoding): has an image and a caption, and a ``txt`` caption is UTF-8 (another
+    encoding would train on replacement characters)."""
     where = f"{sample['__url__']}:{sample['__key__']}"
     if image_bytes(sample) is None:
         bad.add("missing_image", where)
+        return False
+    problem = undecodable_caption(sample)
+    if problem:
+        bad.add("undecodable_caption", f"{where}.txt ({problem})")
         return False
     if not captions_of(sample):
         bad.add("missing_caption", where)
         return False
     return True
+
+
+@dataclass(frozen=True)
+class ImageLimits:
+    """``--min-image-size`` / ``--max-image-size``: pixels of an image's shorter / longer side (0: no limit)."""
+
+    min_side: int = 0
+    max_side: int = 0
+
+    def problem(self, size: tuple[int, int]) -> tuple[str, str] | None:
+        """(bad-data reason, what is wrong) for an image of ``size`` = (width, height) outside the limits."""
+        w, h = size
+        if self.min_side and min(w, h) < self.min_side:
+            return "small_image", f"{w}x{h} < --min-image-size {self.min_side}"
+        if self.max_side and max(w, h) > self.max_side:
+            return "large_image", f"{w}x{h} > --max-image-size {self.max_side}"
+        return None
+
+    def check(self, data: bytes) -> tuple[str, str] | None:
+        """:meth:`problem` from the file's header only (PIL reads the size without decoding the pixels)."""
+        if not (self.min_side or self.max_side):
+            return None
+        with Image.open(io.BytesIO(data)) as img:
+            return self.problem(img.size)
+
+
+NO_LIMITS = ImageLimits()
 
 
 def decode_image(data: bytes):

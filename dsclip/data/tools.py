@@ -29,7 +29,17 @@ from PIL import Image
 from tqdm import tqdm
 
 from .csv_data import read_csv, read_utf8
-from .shards import BadData, captions_of, decode_image, expand_urls, image_bytes, iter_tar, parse_sources, split_key
+from .shards import (
+    BadData,
+    captions_of,
+    decode_image,
+    expand_urls,
+    image_bytes,
+    iter_tar,
+    parse_sources,
+    split_key,
+    undecodable_caption,
+)
 from .tokenizer import SentencePieceTokenizer, length_summary, train_sentencepiece
 
 log = logging.getLogger("dsclip.data")
@@ -240,6 +250,9 @@ def inspect_shards(pattern: str, decode: bool = True, max_shards: int | None = N
                 continue
             if not captions_of(s):
                 bad.counts["missing_caption"] += 1
+                continue
+            if undecodable_caption(s):  # training skips these (dsclip.data.shards.check_sample)
+                bad.counts["undecodable_caption"] += 1
                 continue
             if decode:
                 try:

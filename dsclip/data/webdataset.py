@@ -38,7 +38,9 @@ from .device_transform import DevicePrep
 from .fast_transforms import fast_train_transform
 from .loader import TrainData, mix_seed, shutdown_loader
 from .shards import (
+    NO_LIMITS,
     BadData,
+    ImageLimits,
     ShardError,
     captions_of,
     check_sample,
@@ -105,8 +107,10 @@ class WdsBatches(IterableDataset):
         steps_per_epoch,
         resampled,
         shuffle_buffer,
+        image_limits: ImageLimits = NO_LIMITS,
     ):
         super().__init__()
+        self.image_limits = image_limits
         self.urls = [u for urls, _ in sources for u in urls]
         self.weights = [w for urls, w in sources for _ in urls]
         self.tokenizer, self.transform = tokenizer, transform
@@ -168,9 +172,13 @@ class WdsBatches(IterableDataset):
             for j, s in enumerate(raw):
                 try:
                     data = image_bytes(s)  # the fast transform decodes the bytes itself (draft, crop first)
-                    images.append(self.transform(data if self._takes_bytes else decode_image(data)))
+                    problem = self.image_limits.check(data)  # the header only: before any pixel is decoded
+                    if problem is None:
+                        images.append(self.transform(data if self._takes_bytes else decode_image(data)))
                 except Exception as e:  # PIL raises many types for corrupt data
-                    bad.add("corrupt_image", f"{s['__url__']}:{s['__key__']} ({e.__class__.__name__}: {e})")
+                    problem = "corrupt_image", f"{e.__class__.__name__}: {e}"
+                if problem is not None:
+                    bad.add(problem[0], f"{s['__url__']}:{s['__key__']} ({problem[1]})")
                     images.append(None)
                     bad_idx.append(j)
                 caps = captions_of(s)
@@ -271,6 +279,7 @@ def build_wds_train_data(data_cfg, *, tokenizer, image_size, batch_size, rank, w
         steps_per_epoch=steps,
         resampled=data_cfg.dataset_resampled,
         shuffle_buffer=data_cfg.shuffle_buffer,
+        image_limits=data_cfg.image_limits(),
     )
     kw = dict(persistent_workers=True, prefetch_factor=2) if workers > 0 else {}
     loader = DataLoader(ds, batch_size=None, num_workers=workers, pin_memory=torch.cuda.is_available(), **kw)

@@ -81,3 +81,14 @@ def test_latin1_csv_is_one_line_naming_file_line_and_fix(tmp_path):
     # the converted file (and one with Excel's BOM) reads
     path.write_bytes("\ufefffilepath,title\na.png,ok\nb.png,caf\u00e9 au lait\n".encode("utf-8"))
     assert read_csv(path, "filepath", "title", ",")[1] == ["ok", "caf\u00e9 au lait"]
+
+
+def test_csv_images_outside_the_size_limits_are_skipped_and_counted(tmp_path):
+    path = _table(tmp_path, n=6)
+    Image.new("RGB", (1, 1)).save(tmp_path / "img" / "2.png")  # a tracking pixel
+    Image.new("RGB", (300, 40)).save(tmp_path / "img" / "4.png")  # longer side above --max-image-size 256
+    cfg = DataConfig(train_data=path, workers=0, max_image_size=256)
+    td = build_train_data(cfg, tokenizer=IdTokenizer(), image_size=16, batch_size=6, rank=0, world_size=1, seed=0)
+    seen = [t for _, tokens in td.batches(0) for t in tokens[:, 0].tolist()]
+    assert len(seen) == 6 and not {2, 4} & set(seen)
+    assert td.stats()["small_image"] == 1 and td.stats()["large_image"] == 1

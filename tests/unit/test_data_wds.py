@@ -216,3 +216,40 @@ def test_spec_errors(tmp_path):
     with pytest.raises(ShardError, match="train-num-samples"):
         (tmp_path / "d" / "sizes.json").unlink()
         _build(str(tmp_path / "d" / "shard-{000..001}.tar"))
+
+
+def _png(size, mode="RGB") -> bytes:
+    buf = io.BytesIO()
+    Image.new(mode, size).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_undecodable_captions_and_odd_image_sizes_are_skipped_and_counted(tmp_path, workers):
+    # issue 32: a Latin-1 caption trained on replacement characters, 1x1 and 8000x8000 images passed, all uncounted
+    d = tmp_path / "odd"
+    d.mkdir()
+    odd = {3: ("latin1", None), 6: ("tiny", (1, 1)), 9: ("huge", (8000, 8000))}  # sample id -> what, image size
+    with tarfile.open(d / "shard-000.tar", "w") as tar:
+        for i in range(16):
+            what, size = odd.get(i, (None, None))
+            # the 8000x8000 one in 1-bit mode: an 8 KB file (only its header is read before it is skipped)
+            _add(tar, f"{i:06d}.png", _png(size, "1" if what == "huge" else "RGB") if size else _jpeg(i))
+            caption = f"caf\u00e9 {i}" if what == "latin1" else f"sample {i}"
+            _add(tar, f"{i:06d}.txt", caption.encode("latin-1" if what == "latin1" else "utf-8"))
+    td = _build(str(d / "shard-000.tar"), world=1, batch=4, train_num_samples=16, workers=workers, shuffle_buffer=0)
+    try:
+        ids = sum(_epoch(td, 0), [])
+    finally:
+        td.close()
+    assert not {3, 6, 9} & set(ids) and len(ids) == 16
+    st = td.stats()
+    assert st["undecodable_caption"] >= 1 and st["small_image"] >= 1 and st["large_image"] >= 1, st
+    # the limits are flags: 0 turns them off, and the images train
+    td = _build(str(d / "shard-000.tar"), world=1, batch=4, train_num_samples=16, workers=0, shuffle_buffer=0,
+                min_image_size=0, max_image_size=0)  # fmt: skip
+    try:
+        ids = sum(_epoch(td, 0), [])
+    finally:
+        td.close()
+    assert {6, 9} <= set(ids) and "small_image" not in td.stats() and "large_image" not in td.stats()
