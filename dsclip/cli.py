@@ -2,7 +2,7 @@
 
 User mistakes (a missing recipe, an unknown flag or JSON key, batch sizes that don't multiply, an
 unknown architecture, invalid JSON) end with one line naming the problem and exit code 2, not a
-traceback. Set DSCLIP_DEBUG=1 to see the traceback anyway.
+traceback. ``--debug`` (or DSCLIP_DEBUG=1) shows the traceback anyway.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(getattr(importlib.import_module(module), fn)(rest) or 0)
     except _user_errors() as e:
-        if os.environ.get("DSCLIP_DEBUG"):
+        if os.environ.get("DSCLIP_DEBUG") or "--debug" in rest:  # OpenCLIP's --debug: the traceback too
             raise
         msg = str(e) if not isinstance(e, FileNotFoundError) or not e.filename else f"{e.strerror}: {e.filename}"
         print(f"dsclip {command}: error: {msg}", file=sys.stderr, flush=True)

@@ -186,7 +186,7 @@ OPENCLIP_FLAGS: dict[str, Row] = {
     ),
     "--wandb-notes": Row("same"),
     "--wandb-project-name": Row("same", "the wandb run id is kept in `RUN/wandb_id`: `--resume` continues the run"),
-    "--debug": Row("same", "DEBUG-level logging"),
+    "--debug": Row("same", "DEBUG-level logging; a user error shows its traceback, not only the one line"),
     "--copy-codebase": Row("same", "copies the dsclip package into `RUN/code`"),
     "--horovod": Row("not offered", "DeepSpeed replaces it"),
     "--ddp-static-graph": Row("no-op", "DeepSpeed, not DDP, reduces the gradients; there is no DDP graph to fix"),
