@@ -75,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # The deepspeed launcher puts --local_rank=N first when it runs `python -m dsclip`: drop it here.
     argv = [a for a in argv if not a.startswith("--local_rank=") and not a.startswith("--local-rank=")]
+    if argv[:1] == ["--"]:  # `torchrun -m dsclip -- train ...` (docs/clusters.md): where argparse keeps the `--`
+        argv = argv[1:]
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2

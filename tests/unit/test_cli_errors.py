@@ -16,3 +16,9 @@ def test_user_error_is_one_line_and_debug_raises_it(tmp_path, capsys, monkeypatc
     assert len(err) == 1 and err[0].startswith("dsclip train: error: unknown model 'ViT-Q-99'")
     with pytest.raises(UnknownModelError):
         main([*argv, "--debug"])
+
+
+def test_a_leading_double_dash_is_dropped(capsys):
+    # `torchrun -m dsclip -- train ...`: a Python whose argparse keeps the `--` hands it to dsclip
+    assert main(["--", "--help"]) == 0
+    assert "commands:" in capsys.readouterr().out

@@ -72,6 +72,8 @@ def dsclip_call(line: str) -> tuple[tuple[str, ...], list[str]] | None:
     for i, tok in enumerate(tokens):
         if tok == "dsclip" and i + 1 < len(tokens):
             rest = tokens[i + 1 :]
+            if rest[0] == "--":  # `torchrun -m dsclip -- train ...` (docs/clusters.md, torchrun)
+                rest = rest[1:]
             for words in sorted(COMMAND_WORDS, key=len, reverse=True):
                 if tuple(rest[: len(words)]) == words:
                     return words, rest[len(words) :]
@@ -120,6 +122,7 @@ def test_the_checker_finds_a_stale_flag():
     assert "--accum" not in gen.option_strings(("train",)) and "--accum-freq" in gen.option_strings(("train",))
     assert dsclip_call("deepspeed --num_gpus 8 --module dsclip plan --gpus 8") == (("plan",), ["--gpus", "8"])
     assert dsclip_call("python -c 'import dsclip'") is None
+    assert dsclip_call("torchrun --nproc_per_node 8 -m dsclip -- train --logs l") == (("train",), ["--logs", "l"])
 
 
 def test_cli_reference_is_generated_from_the_parsers():
