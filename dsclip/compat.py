@@ -123,7 +123,11 @@ OPENCLIP_FLAGS: dict[str, Row] = {
         "DeepSpeed bf16, both with fp32 master weights; `pure_bf16`/`pure_fp16` are refused (no master-less "
         "mode): use `bf16`",
     ),
-    "--model": Row("differs", "default `demo` (OpenCLIP: `RN50`, a ResNet dsclip does not have)"),
+    "--model": Row(
+        "differs",
+        "default `demo` (OpenCLIP: `RN50`, a ResNet dsclip does not have); OpenCLIP's ViT names, from OpenCLIP's "
+        "registry where dsclip ships no JSON",
+    ),
     "--pretrained": Row(
         "same",
         "an OpenCLIP tag (with `--model`), `open_clip:MODEL/TAG`, `hf-hub:ORG/NAME`, a checkpoint file or a "

@@ -12,7 +12,14 @@
 
 from .clip import CLIP
 from .config import resolve_model_config
-from .factory import ModelArgs, UnknownModelError, create_model, get_model_config, list_models
+from .factory import (
+    ModelArgs,
+    UnknownModelError,
+    UnsupportedModelError,
+    create_model,
+    get_model_config,
+    list_models,
+)
 from .openclip import (
     StateDictMismatchError,
     export_openclip,
@@ -28,6 +35,7 @@ __all__ = [
     "ModelArgs",
     "StateDictMismatchError",
     "UnknownModelError",
+    "UnsupportedModelError",
     "create_model",
     "export_openclip",
     "from_openclip_state_dict",

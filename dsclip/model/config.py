@@ -120,6 +120,34 @@ def _check_section(name: str, cfg: dict, defaults: dict, fixed: dict, passthroug
     return out
 
 
+def unsupported_parts(cfg: dict) -> list[str]:
+    """What of an OpenCLIP-schema config dsclip's towers cannot build, per tower and in words (empty: it
+    builds): another tower type is named once (a timm or Hugging Face tower, a ResNet, CoCa's decoder), not
+    as the list of its options."""
+    cfg = cfg.get("model_cfg", cfg)
+    vision, text = cfg.get("vision_cfg") or {}, cfg.get("text_cfg") or {}
+    out = []
+    if cfg.get("multimodal_cfg") is not None:
+        out.append("a multimodal text decoder (CoCa)")
+    if vision.get("timm_model_name"):
+        out.append(f"vision tower timm:{vision['timm_model_name']} (dsclip builds OpenCLIP's own ViT)")
+    elif isinstance(vision.get("layers"), (list, tuple)):
+        out.append("a ResNet vision tower (vision_cfg.layers is a list)")
+    if text.get("hf_model_name"):
+        out.append(f"text tower hf:{text['hf_model_name']} (dsclip builds OpenCLIP's own text transformer)")
+    sections = [("vision_cfg", vision, VISION_FIXED, "timm_model_name")]
+    sections.append(("text_cfg", text, TEXT_FIXED, "hf_model_name"))
+    for name, section, fixed, other_tower in sections:
+        if section.get(other_tower):
+            continue  # that tower's options belong to the tower type named above
+        for k, v in section.items():
+            if k in fixed and v != fixed[k] and not (fixed[k] is None and not v):
+                out.append(f"{name}.{k}={v!r}")
+    unknown = [k for k in cfg if k not in TOP_KEYS and k not in TOP_FIXED and k != "multimodal_cfg"]
+    out += [f"{k} (unknown key)" for k in unknown]
+    return out
+
+
 def resolve_model_config(cfg: dict) -> dict:
     """Validate an OpenCLIP-schema model config and return a deep copy with all defaults filled in."""
     cfg = copy.deepcopy(cfg)

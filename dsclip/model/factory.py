@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib.util
 import json
 import logging
 import os
@@ -15,7 +16,7 @@ import torch
 from dsclip.config_base import ConfigError, opt
 
 from .clip import CLIP
-from .config import TEXT_DEFAULTS, resolve_model_config
+from .config import TEXT_DEFAULTS, resolve_model_config, unsupported_parts
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +27,11 @@ CONFIG_DIR = Path(__file__).parent / "configs"
 class ModelArgs:
     """Run config section ``model``: which architecture, its overrides and initial weights."""
 
-    model: str = opt("demo", "Architecture name (dsclip/model/configs/*.json, OpenCLIP schema) or a JSON path.")
+    model: str = opt(
+        "demo",
+        "Architecture name (dsclip/model/configs/*.json, OpenCLIP schema; with open_clip_torch installed also "
+        "any ViT in OpenCLIP's registry) or a JSON path.",
+    )
     pretrained: str | None = opt(
         None,
         "Initial weights: a dsclip or OpenCLIP checkpoint (.safetensors/.pt/.bin or a folder), an OpenCLIP "
@@ -55,9 +60,40 @@ class UnknownModelError(ValueError):
     """An architecture name that is neither a registered config nor a JSON file."""
 
 
+class UnsupportedModelError(UnknownModelError):
+    """An OpenCLIP architecture whose towers dsclip does not build (timm/HF towers, ResNet, CoCa, ...)."""
+
+
 def list_models() -> list[str]:
     """Names of the registered architectures (``dsclip/model/configs/*.json``), sorted."""
     return sorted(p.stem for p in CONFIG_DIR.glob("*.json"))
+
+
+def openclip_config_path(name: str) -> Path | None:
+    """OpenCLIP's ``model_configs/NAME.json`` when open_clip is installed, found without importing it (which
+    loads torch, timm and its tokenizers)."""
+    spec = importlib.util.find_spec("open_clip")
+    if spec is None or not spec.submodule_search_locations or "/" in name or os.sep in name:
+        return None
+    for folder in spec.submodule_search_locations:
+        path = Path(folder) / "model_configs" / f"{name}.json"
+        if path.is_file():
+            return path
+    return None
+
+
+def _openclip_config(name: str, path: Path) -> dict:
+    """An OpenCLIP architecture as dsclip builds it, or one line naming what dsclip's towers lack."""
+    with open(path) as f:
+        cfg = json.load(f)
+    parts = unsupported_parts(cfg)
+    if parts:
+        siglip = " (the SigLIP loss on a tower dsclip builds: --siglip --model ViT-B-16)" if "SigLIP" in name else ""
+        raise UnsupportedModelError(
+            f"--model {name}: OpenCLIP's architecture has what dsclip's towers do not build: {'; '.join(parts)}; "
+            f"dsclip trains OpenCLIP's ViT + text-transformer architectures, e.g. ViT-B-32, ViT-L-14-336{siglip}"
+        )
+    return cfg
 
 
 def get_model_config(name_or_path: str | os.PathLike) -> dict:
@@ -72,8 +108,13 @@ def get_model_config(name_or_path: str | os.PathLike) -> dict:
         return copy.deepcopy(cfg.get("model_cfg", cfg))
     registered = CONFIG_DIR / f"{name_or_path}.json"
     if not registered.is_file():
+        # OpenCLIP's registry, where installed: its name for every architecture beyond dsclip's own JSONs
+        openclip = openclip_config_path(str(name_or_path))
+        if openclip is not None:
+            return _openclip_config(str(name_or_path), openclip)
         raise UnknownModelError(
-            f"unknown model {str(name_or_path)!r}; available: {', '.join(list_models())} (or a path to a .json config)"
+            f"unknown model {str(name_or_path)!r}; available: {', '.join(list_models())}, OpenCLIP's ViT "
+            "architectures when open_clip_torch is installed, or a path to a .json config"
         )
     with open(registered) as f:
         return json.load(f)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import importlib.util
 import os
 from pathlib import Path
 
@@ -33,10 +32,9 @@ DATA_OPTIONS = (
 def openclip_architecture(model: str) -> bool:
     """Whether ``model`` names one of OpenCLIP's architectures (its model_configs/NAME.json), found without
     importing open_clip (which loads torch and timm)."""
-    spec = importlib.util.find_spec("open_clip")
-    if spec is None or not spec.submodule_search_locations:
-        return False
-    return any((Path(p) / "model_configs" / f"{model}.json").is_file() for p in spec.submodule_search_locations)
+    from dsclip.model.factory import openclip_config_path
+
+    return openclip_config_path(model) is not None
 
 
 def check(cfg: RunConfig, *, rank: int = 0) -> RunConfig:
