@@ -59,7 +59,7 @@ def _folder_samples(images: Path, captions_file: Path | None) -> list[tuple[str,
         if not captions_file.is_file():
             raise DataToolError(f"captions file not found: {captions_file}")
         out = []
-        for n, line in enumerate(captions_file.read_text(encoding="utf-8").splitlines(), 1):
+        for n, line in enumerate(read_utf8(captions_file).splitlines(), 1):  # non-UTF-8: one line, file and line
             if not line.strip():
                 continue
             if "\t" not in line:
@@ -71,7 +71,7 @@ def _folder_samples(images: Path, captions_file: Path | None) -> list[tuple[str,
     for p in sorted(images.rglob("*")):
         if p.suffix.lower() in _EXT_FOR_SUFFIX:
             side = p.with_suffix(".txt")
-            out.append((str(p), side.read_text(encoding="utf-8").strip() if side.is_file() else ""))
+            out.append((str(p), read_utf8(side).strip() if side.is_file() else ""))  # one line naming a non-UTF-8 file
     if not out:
         raise DataToolError(f"no images (.jpg/.jpeg/.png/.webp) under {images}")
     return out

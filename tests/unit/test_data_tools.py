@@ -113,3 +113,28 @@ def test_tokenizer_train_cli(tmp_path, capsys):
     tok = SentencePieceTokenizer(tmp_path / "tok" / "spm.model", 16)
     assert tok.decode(tok(["a small red circle"])) == ["a small red circle"]
     assert main_tokenizer(["train", "--input", str(tmp_path / "none.txt"), "--out", str(tmp_path / "t2")]) == 2
+
+
+def test_non_utf8_captions_are_counted_by_inspect_and_named_by_write(tmp_path, capsys):
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (32, 32)).save(buf, format="PNG")
+    shard = tmp_path / "shard-00000.tar"
+    with tarfile.open(shard, "w") as tar:
+        for name, data in [("a.png", buf.getvalue()), ("a.txt", "caf\u00e9".encode("latin-1")),
+                           ("b.png", buf.getvalue()), ("b.txt", b"fine")]:  # fmt: skip
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    total = inspect_shards(str(shard))["total"]
+    assert total["good"] == 1 and total["undecodable_caption"] == 1
+    # an image folder whose caption file is Latin-1: one line naming that file
+    (tmp_path / "imgs").mkdir()
+    Image.new("RGB", (32, 32)).save(tmp_path / "imgs" / "x.png")
+    (tmp_path / "imgs" / "x.txt").write_bytes("caf\u00e9".encode("latin-1"))
+    assert main_data(["--images", str(tmp_path / "imgs"), "--out", str(tmp_path / "s")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and f"{tmp_path / 'imgs' / 'x.txt'}: line 1, column 4: byte 0xe9 is not UTF-8" in err
