@@ -454,12 +454,20 @@ class Checkpointer:
 
 def load(engine, ckpt_dir: Path, tag: str, *, load_optimizer_states: bool = True) -> dict[str, Any]:
     """Load a tag into the engine (collective); return dsclip's client state."""
-    if engine.load_universal_checkpoint():  # saved on another world size (dsclip.checkpoint.universal)
-        path, client_state = universal.load_universal(engine, ckpt_dir, tag)
-    else:
-        path, client_state = engine.load_checkpoint(
-            str(ckpt_dir), tag=tag, load_optimizer_states=load_optimizer_states, load_lr_scheduler_states=True
-        )
+    try:
+        if engine.load_universal_checkpoint():  # saved on another world size (dsclip.checkpoint.universal)
+            path, client_state = universal.load_universal(engine, ckpt_dir, tag)
+        else:
+            path, client_state = engine.load_checkpoint(
+                str(ckpt_dir), tag=tag, load_optimizer_states=load_optimizer_states, load_lr_scheduler_states=True
+            )
+    except RuntimeError as e:
+        # a tag without model_config.json (older dsclip) escapes Checkpointer.check_model: torch's strict load
+        # then lists every tensor (a 99-line traceback); one line with the first of them instead
+        mismatch = model_match.load_mismatch(e, ckpt_dir / tag)
+        if mismatch is None:
+            raise
+        raise mismatch from e
     if path is None:
         raise FileNotFoundError(f"DeepSpeed could not load checkpoint {ckpt_dir / tag}")
     state = (client_state or {}).get("dsclip")

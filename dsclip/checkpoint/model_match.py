@@ -52,8 +52,15 @@ def check_resumed_model(tag_dir: Path, built: dict, model_name: str) -> None:
     ``built`` (this run's resolved model config, from --model ``model_name``). A tag without a recorded
     config (older dsclip) is left to DeepSpeed's load."""
     path = tag_dir / MODEL_CONFIG_FILE
-    if not path.is_file():
-        return
+    if not path.is_file():  # older dsclip: the run's recorded --model (not yet rewritten: nothing is written yet)
+        old = saved_model_name(tag_dir)
+        if old is not None and old != model_name:
+            recorded = tag_dir.parent.parent / RUN_CONFIG_FILE
+            raise ConfigError(
+                f"--resume: checkpoint {tag_dir} was trained as --model {old} ({recorded}), this run builds --model "
+                f"{model_name}; resume with --model {old}, or train --model {model_name} as a new run (another --name)"
+            )
+        return  # the same name: torch's load checks the tensors (load_mismatch)
     saved = json.loads(path.read_text()).get("model_cfg", {})
     diffs = differences(saved, built)
     if not diffs:
@@ -69,4 +76,20 @@ def check_resumed_model(tag_dir: Path, built: dict, model_name: str) -> None:
     raise ConfigError(
         f"--resume: checkpoint {tag_dir} was trained as --model {old}, this run builds --model {model_name} "
         f"(checkpoint vs this run: {shown}); {fix}"
+    )
+
+
+_MISMATCH = ("size mismatch for", "Missing key(s) in state_dict", "Unexpected key(s) in state_dict")
+
+
+def load_mismatch(error: RuntimeError, tag_dir: Path) -> ConfigError | None:
+    """torch's strict-load error for a checkpoint of another architecture, as one line (None: another error)."""
+    lines = [ln.strip() for ln in str(error).splitlines()]
+    found = [ln for kind in _MISMATCH for ln in lines if ln.startswith(kind)]  # a size mismatch says most
+    if not found:
+        return None
+    first = found[0] if len(found[0]) <= 200 else found[0][:200] + "..."
+    return ConfigError(
+        f"--resume: checkpoint {tag_dir} was trained as another architecture than this run's ({first}); resume "
+        "with the --model, tokenizer and --force-* options it was trained with, or start a new run (another --name)"
     )
