@@ -45,10 +45,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dsclip.checkpoint import manifest, model_match, universal
+from dsclip.checkpoint import manifest, model_match, resume_optim, universal
 from dsclip.checkpoint.diskfull import DiskFullError, DiskFullGuard, is_disk_full
 from dsclip.checkpoint.layout import (
     COMPLETE,
+    DIVERGED,
     LATEST,
     MANIFEST,
     MODEL_CONFIG_FILE,
@@ -132,6 +133,27 @@ def candidate_tags(ckpt_dir: Path) -> list[str]:
     return tags
 
 
+def _step_of(tag: str) -> int:
+    return int(tag.split("_")[1])
+
+
+def diverged_note(tag_dir: Path) -> str | None:
+    """Why ``tag_dir`` is not to be resumed: a run diverged from its weights (see Checkpointer.mark_diverged)."""
+    marker = tag_dir / DIVERGED
+    if not marker.is_file():
+        return None
+    try:
+        first = json.loads(marker.read_text()).get("first_bad_step", "?")
+    except (OSError, ValueError, AttributeError):
+        first = "?"
+    return f"marked {DIVERGED} (the run trained on from its weights and diverged at step {first})"
+
+
+def _usable(tag_dir: Path) -> bool:
+    """A fallback worth keeping: not marked diverged, and its files have their manifest's sizes."""
+    return diverged_note(tag_dir) is None and manifest.verify(tag_dir, checksums=False).ok
+
+
 def _say(msg: str) -> None:
     print(msg, flush=True)
 
@@ -147,6 +169,10 @@ def newest_verified(ckpt_dir: Path, *, say: Callable[[str], None] = _say) -> str
     them would silently throw the run away)."""
     tags = candidate_tags(ckpt_dir)
     for tag in tags:
+        note = diverged_note(ckpt_dir / tag)
+        if note:
+            say(f"dsclip: checkpoint {ckpt_dir / tag} skipped: {note}; trying the previous one")
+            continue
         verdict = manifest.verify(ckpt_dir / tag)
         if verdict.unverified:
             say(_unverified_note(ckpt_dir / tag))
@@ -176,16 +202,16 @@ def verify_tag(tag_dir: Path, what: str, *, fix: str = RESUME_FIX, say: Callable
     """One named tag (``--resume PATH/TAG``, ``dsclip convert``): a tag that fails its manifest is a
     one-line ConfigError naming the file, what is wrong and ``fix`` (``{earlier}``: the complete tags
     before it, newest first); an unverified one (older dsclip) is one line through ``say``."""
-    verdict = manifest.verify(tag_dir)
+    note = diverged_note(tag_dir)
+    verdict = manifest.verify(tag_dir) if note is None else manifest.Verdict(note)
     if verdict.unverified:
         say(_unverified_note(tag_dir))
     if verdict.ok:
         return
     earlier = sorted((t for t in complete_tags(tag_dir.parent) if t < tag_dir.name), reverse=True)
     listed = ", ".join(earlier[:3]) + (", ..." if len(earlier) > 3 else "") or f"none in {tag_dir.parent}"
-    raise ConfigError(
-        f"{what}: checkpoint {tag_dir} fails verification: {verdict.problem}; {fix.format(earlier=listed)}"
-    )
+    failed = "is not to be used" if note else "fails verification"
+    raise ConfigError(f"{what}: checkpoint {tag_dir} {failed}: {verdict.problem}; {fix.format(earlier=listed)}")
 
 
 def resolve_resume(
@@ -227,6 +253,12 @@ class CheckpointArgs:
     resume: str | None = opt(None, "'latest' (the newest complete checkpoint of this run) or a checkpoint path.")
     keep_last: int = opt(0, "Keep only the newest N checkpoints (0: keep all). Pruning happens after a save completes.")
     delete_previous_checkpoint: bool = opt(False, "OpenCLIP's flag: same as --keep-last 1.")
+    max_skipped_steps: int = opt(
+        20,
+        "Stop the run (exit code 2) after N consecutive optimizer steps that were skipped or had a non-finite "
+        "loss (0: never). No checkpoint is saved from such steps, and latest is left on the last checkpoint "
+        "whose weights a later step trained on with a finite loss.",
+    )
     save_most_recent: bool = opt(
         False,
         "Also save at every epoch end, removing the previous checkpoint saved only for this (OpenCLIP's "
@@ -240,6 +272,8 @@ class CheckpointArgs:
     def check(self) -> None:
         if self.keep_last < 0:
             raise ConfigError("'keep_last' must be >= 0")
+        if self.max_skipped_steps < 0:
+            raise ConfigError(f"'max_skipped_steps' must be >= 0 (0: never stop), got {self.max_skipped_steps}")
 
 
 @dataclass
@@ -274,6 +308,10 @@ class Checkpointer:
         self.last_saved_step: int | None = None
         self._recent_only: str | None = None  # the tag saved only because of most_recent, removed by the next
         self.resume_point: ResumePoint | None = None
+        # tags up to this step hold weights that a later step trained on with a finite loss (certify)
+        self.certified_through = -1
+        self._pending_prune: str | None = None  # a tag whose prune waits for the tag to be confirmed (certify)
+        self._deferred_removal: tuple[str, str] | None = None  # (a --save-most-recent tag, the tag it waits for)
 
     @classmethod
     def from_args(cls, args: CheckpointArgs, run_dir: Path, *, rank: int) -> Checkpointer:
@@ -326,19 +364,28 @@ class Checkpointer:
             raise error
         return found
 
-    def resume(self, engine, *, global_batch: int, steps_per_epoch: int) -> int:
+    def resume(self, engine, *, global_batch: int, steps_per_epoch: int, optim: dict | None = None) -> int:
         """Load the prepared checkpoint into ``engine`` (collective); return the optimizer step to continue
         from (0 without one). Same global batch: the saved step; otherwise the same place in the data and
-        the LR schedule re-positioned there (the rule is in dsclip.checkpoint.universal)."""
+        the LR schedule re-positioned there (the rule is in dsclip.checkpoint.universal). ``optim``: this
+        run's optimizer settings (resume_optim.recorded); where they differ from the checkpoint's, this
+        run's are applied, in one line (dsclip.checkpoint.resume_optim)."""
         point = self.resume_point
         if point is None:
             return 0
+        built = resume_optim.snapshot(engine)
         state = load(engine, point.load_dir, point.tag)
         start_step, moved = universal.resume_position(state, global_batch=global_batch, steps_per_epoch=steps_per_epoch)
         if moved:
             universal.set_schedule_step(engine, start_step)
         if self.rank == 0:
             print(f"resumed from {point.load_dir / point.tag} at step {start_step}", flush=True)
+        if optim is not None:
+            resume_optim.reconcile(
+                engine, built, state.get("optim"), optim, start_step, say=_say if self.rank == 0 else lambda m: None
+            )
+        # the tags before the one resumed from were confirmed by the run that saved it (see certify)
+        self.certified_through = start_step - 1
         return start_step
 
     def due(self, step: int, *, epoch_end: bool, epoch: int) -> bool:
@@ -421,7 +468,10 @@ class Checkpointer:
         _fsync_dir(self.dir)
         _atomic_write(self.dir / LATEST, tag)
         if self._recent_only and self._recent_only != tag:  # OpenCLIP overwrites epoch_latest.pt
-            self._remove_tag(self._recent_only)
+            if _step_of(tag) <= self.certified_through or self._newest_certified(before=tag) != self._recent_only:
+                self._remove_tag(self._recent_only)
+            else:  # the last confirmed tag: removed once a step confirms ``tag`` (certify)
+                self._deferred_removal = (self._recent_only, tag)
         self._prune(keep=tag)
         self._remove_leftovers()
 
@@ -433,16 +483,61 @@ class Checkpointer:
     def _prune(self, keep: str) -> None:
         """Keep ``keep`` (just written and checksummed) and the newest ``keep_last - 1`` older tags that still
         match their manifest's sizes (a stat per file; a damaged tag is no fallback, so it does not take a
-        place); remove every other tag up to ``keep``. Tags newer than ``keep`` (left by a run that resumed
-        from an earlier one) are never touched."""
+        place), and the newest tag whose weights are confirmed good (:meth:`certify`) while ``keep`` is not:
+        remove every other tag up to ``keep``. Tags newer than ``keep`` (left by a run that resumed from an
+        earlier one) are never touched."""
         if self.keep_last <= 0:
             return
+        self._pending_prune = None
+        good = None if _step_of(keep) <= self.certified_through else self._newest_certified(before=keep)
         kept = 1
         for old in [t for t in complete_tags(self.dir) if t < keep][::-1]:
             if kept < self.keep_last and manifest.verify(self.dir / old, checksums=False).ok:
                 kept += 1
-            else:
+            elif old != good:
                 self._remove_tag(old)
+        if good is not None and kept >= self.keep_last and (self.dir / good).is_dir():
+            self._pending_prune = keep  # one more than keep_last until a step confirms ``keep``
+
+    def _newest_certified(self, before: str) -> str | None:
+        for tag in complete_tags(self.dir)[::-1]:
+            if tag < before and _step_of(tag) <= self.certified_through and _usable(self.dir / tag):
+                return tag
+        return None
+
+    def certify(self, through: int) -> None:
+        """The weights after step ``through`` are good: step ``through + 1`` trained on them with a finite loss
+        (every rank calls it with the same step). So is every tag before it: a skipped step leaves the
+        weights as they were. A step's own finite loss does not vouch for the weights it wrote (``--lr 1e6``:
+        step 1's loss is finite, its update blows the weights up, step 2's loss is NaN), so the tag saved at
+        a step waits for the next good step, and until then --keep-last keeps the previous good tag too."""
+        self.certified_through = max(self.certified_through, through)
+        if self.rank != 0:
+            return
+        pending, deferred = self._pending_prune, self._deferred_removal
+        if pending is not None and _step_of(pending) <= self.certified_through:
+            self._prune(keep=pending)
+        if deferred is not None and _step_of(deferred[1]) <= self.certified_through:
+            self._deferred_removal = None
+            self._remove_tag(deferred[0])
+
+    def mark_diverged(self, step: int, first_bad: int) -> Path | None:
+        """The run diverged (steps ``first_bad``..``step`` skipped or non-finite): rank 0 marks every tag of
+        this run it had not confirmed (:meth:`certify`; they hold the weights the bad steps ran on) with
+        ``DIVERGED`` and points ``latest`` at the newest confirmed tag (removes it when there is none).
+        Returns that tag's folder (None: no checkpoint from before the divergence)."""
+        tags = complete_tags(self.dir)
+        good = next((t for t in tags[::-1] if _step_of(t) <= self.certified_through and _usable(self.dir / t)), None)
+        if self.rank == 0 and self.dir.is_dir():
+            for tag in tags:
+                if self.certified_through < _step_of(tag) <= step:
+                    _atomic_write(self.dir / tag / DIVERGED, json.dumps({"first_bad_step": first_bad, "step": step}))
+            if good is not None:
+                _atomic_write(self.dir / LATEST, good)
+            else:
+                (self.dir / LATEST).unlink(missing_ok=True)
+        barrier()
+        return None if good is None else self.dir / good
 
     def _remove_tag(self, tag: str) -> None:
         if not (self.dir / tag).is_dir():

@@ -14,3 +14,4 @@ TOKENIZER_SPEC_FILE = "tokenizer.json"  # {"tokenizer": "open_clip:NAME"} for no
 RUN_CONFIG_FILE = "run_config.yaml"  # RUN/run_config.yaml, written by dsclip.train.build (read by convert)
 PARTIAL_PREFIX = ".partial."
 TRASH_PREFIX = ".trash."
+DIVERGED = "DIVERGED"  # {"first_bad_step": N, ...}: a later run diverged from this tag's weights (never resumed)

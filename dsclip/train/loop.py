@@ -8,14 +8,15 @@ root (the builders it calls live in dsclip.train.build).
 from __future__ import annotations
 
 import logging
+import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from dsclip.checkpoint import run_lock
+from dsclip.checkpoint import resume_optim, run_lock
 from dsclip.checkpoint.ds_checkpoint import Checkpointer, record_tokenizer, tag_for_step
 from dsclip.config import RunConfig, settle_run_name, validate
 from dsclip.config_base import ConfigError
@@ -39,6 +40,7 @@ from dsclip.train.build import (
     resolved_model_config,
     write_run_files,
 )
+from dsclip.train.divergence import DivergenceGuard
 from dsclip.train.evaluation import TrainingEvaluator
 from dsclip.train.gradcache import GradCacheStep
 from dsclip.train.metrics import MetricsLogger, console, data_counters
@@ -74,12 +76,19 @@ class Run:
     evaluator: TrainingEvaluator
     plan: StepPlan
     start_step: int = 0
+    guard: DivergenceGuard = field(default_factory=lambda: DivergenceGuard(0))
+    last_loss: float = float("nan")  # of the last optimizer step (recorded with a checkpoint)
 
     def client_state(self, step: int) -> dict:
-        """What a checkpoint records besides DeepSpeed's state: the data position and batch geometry."""
+        """What a checkpoint records besides DeepSpeed's state: the data position and batch geometry, the
+        optimizer settings (a resume with other ones says so and applies them: resume_optim) and the loss."""
         epoch, in_epoch = divmod(step, self.plan.steps_per_epoch)
         t = self.cfg.train
+        finite = math.isfinite(self.last_loss)
         return {
+            "optim": resume_optim.recorded(self.cfg.optim, self.plan.total_steps),
+            "loss": self.last_loss if finite else None,
+            "loss_finite": finite,
             "step": step,
             "epoch": epoch,
             "step_in_epoch": in_epoch,
@@ -108,7 +117,11 @@ def _train(cfg: RunConfig) -> dict:
     if run.checkpointer.last_saved_step != step and (
         preempted or cfg.checkpoint.save_frequency or cfg.checkpoint.save_every_n_steps
     ):
-        save_checkpoint(run, step)
+        save_if_good(run, step)
+    if not preempted and run.guard.good_to_save:
+        # a finished run: its last step's finite loss is all that will vouch for the final weights, so the
+        # checkpoint --keep-last kept back for safety (Checkpointer.certify) is released
+        run.checkpointer.certify(step)
     summary = {"step": step, "run_dir": str(cfg.run_dir), "preempted": bool(preempted)}
     # whatever ended training (the last epoch, --max-steps, the end of the data, a preemption, after its
     # checkpoint is safe): the configured evaluations run once more unless they just ran (collective)
@@ -122,6 +135,21 @@ def _train(cfg: RunConfig) -> dict:
         console(f"preempted: checkpoint saved at step {step}; exiting with {world.exit_code(preempted)} {what}")
     summary["exit_code"] = world.exit_code(preempted)
     return summary
+
+
+def save_if_good(run: Run, step: int, *, epoch_end: bool | None = None, epoch: int = 0) -> bool:
+    """:func:`save_checkpoint`, unless the last step was skipped or its loss not finite (dsclip.train.divergence):
+    then a save that was due is one line, and ``latest`` stays where it is."""
+    if run.guard.good_to_save:
+        return save_checkpoint(run, step, epoch_end=epoch_end, epoch=epoch)
+    if epoch_end is None or run.checkpointer.due(step, epoch_end=epoch_end, epoch=epoch):
+        run.metrics.write_line(run.guard.not_saved_line(step, latest_tag(run)))
+    return False
+
+
+def latest_tag(run: Run) -> str | None:
+    pointer = run.checkpointer.dir / "latest"
+    return str(run.checkpointer.dir / pointer.read_text().strip()) if pointer.is_file() else None
 
 
 def save_checkpoint(run: Run, step: int, *, epoch_end: bool | None = None, epoch: int = 0) -> bool:
@@ -187,7 +215,14 @@ def fit(run: Run) -> tuple[int, str | None]:
                 epoch=epoch,
                 extra={**data_counters(run.data.stats()), **result.terms},  # + contrastive/distill_loss
             )
-            save_checkpoint(run, step, epoch_end=epoch_end, epoch=epoch)
+            run.last_loss = result.loss
+            if run.guard.observe(step, result):
+                run.checkpointer.certify(step - 1)  # the weights this step trained on were good
+            if run.guard.diverged:  # before any save: nothing from the diverged state reaches the disk
+                error = run.guard.error(step, run.checkpointer.mark_diverged(step, run.guard.first_bad))
+                log.error(str(error))  # into RUN/out.log; the console gets it as the run's error line
+                raise error
+            save_if_good(run, step, epoch_end=epoch_end, epoch=epoch)
             if epoch_end:
                 run.evaluator.epoch_end(engine, step, epoch)
             # the stop flags were summed over all ranks inside the step: every rank stops at the same step
@@ -257,10 +292,14 @@ def build_run(cfg: RunConfig) -> Run:
     )  # fmt: skip
     evaluator = build_evaluator(cfg.log, cfg.data, tokenizer, model_cfg, metrics, run_dir=cfg.run_dir, device=device)
     start_step = checkpointer.resume(
-        bundle.engine, global_batch=plan.samples_per_step, steps_per_epoch=plan.steps_per_epoch
-    )
+        bundle.engine, global_batch=plan.samples_per_step, steps_per_epoch=plan.steps_per_epoch,
+        optim=resume_optim.recorded(cfg.optim, plan.total_steps),
+    )  # fmt: skip
     if rank == 0:
         announce(cfg, bundle, plan, world_size, ft.summary(bundle.precision, bundle.zero_stage, world_size))
         if teacher is not None:
             console(f"dsclip: {teacher.describe()}")
-    return Run(cfg, rank, world_size, bundle.engine, data, step_fn, checkpointer, metrics, evaluator, plan, start_step)
+    guard = DivergenceGuard(cfg.checkpoint.max_skipped_steps)
+    return Run(
+        cfg, rank, world_size, bundle.engine, data, step_fn, checkpointer, metrics, evaluator, plan, start_step, guard
+    )

@@ -48,3 +48,13 @@ def zero2_world2_run(shared_dir):
         "zero2_fp32_world2_8steps",
         lambda d: run_cli(_train_args(d.parent, d.name, "zero2_fp32", 2), world=2),
     )
+
+
+@pytest.fixture(scope="session")
+def tiny_const_lr_run(shared_dir):
+    """A 3-step tiny run at a constant lr 2e-3 (after a 2-step warm-up) with a checkpoint at every step, trained
+    once per session; test_faults.py resumes copies of it with another --lr (applied; or 1e6: diverges)."""
+    from tests.e2e.test_faults import CONST_LR_ARGS
+    from tests.e2e.test_train_cli import run_cli
+
+    return shared_build(shared_dir, "tiny_const_lr_3steps", lambda d: run_cli(CONST_LR_ARGS(d.parent, d.name)))

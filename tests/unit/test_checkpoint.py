@@ -430,3 +430,60 @@ def test_universal_copy_is_reused_only_while_it_verifies(tmp_path, monkeypatch, 
     assert universal.convert_to_universal(ckpts, "step_000000004") == out and len(calls) == 2  # made again
     assert "zero/w/fp32.pt is corrupt" in capsys.readouterr().out
     assert dc.manifest.verify(out).ok and dc.manifest.verify(ckpts / "step_000000004").ok
+
+
+def test_keep_last_keeps_the_last_confirmed_tag_until_a_step_confirms_the_new_one(tmp_path):
+    """A tag is confirmed once a later step trains on its weights with a finite loss (certify): --keep-last 1
+    keeps the previous tag until then, so weights that blow up right after a save never cost the good one."""
+    engine, ck = FakeEngine(), _ckpt(tmp_path, keep_last=1)
+    ckpts = tmp_path / "checkpoints"
+    ck.certify(1)  # step 2 was good
+    ck.save(engine, 2, {"step": 2})
+    ck.certify(3)  # steps 3, 4 good: step 2's weights trained on finitely
+    ck.save(engine, 4, {"step": 4})
+    assert dc.complete_tags(ckpts) == ["step_000000002", "step_000000004"]  # 4 is not confirmed yet
+    ck.certify(4)  # step 5 good
+    assert dc.complete_tags(ckpts) == ["step_000000004"]
+
+
+def test_divergence_marks_unconfirmed_tags_and_points_latest_at_the_confirmed_one(tmp_path):
+    engine, ck = FakeEngine(), _ckpt(tmp_path, keep_last=1)
+    ckpts = tmp_path / "checkpoints"
+    ck.certify(3)
+    ck.save(engine, 4, {"step": 4})
+    ck.certify(5)
+    ck.save(engine, 6, {"step": 6})  # step 6's loss was finite, its update blew the weights up
+    assert (ckpts / "latest").read_text() == "step_000000006"
+    assert ck.mark_diverged(9, first_bad=7) == ckpts / "step_000000004"  # steps 7-9 were NaN
+    assert (ckpts / "latest").read_text() == "step_000000004"
+    assert json.loads((ckpts / "step_000000006" / dc.DIVERGED).read_text())["first_bad_step"] == 7
+    assert not (ckpts / "step_000000004" / dc.DIVERGED).exists()
+    # a resume never takes a diverged tag: not by latest (pointer lost), not by name
+    (ckpts / "latest").unlink()
+    lines = []
+    assert dc.resolve_resume("latest", tmp_path, say=lines.append) == (ckpts, "step_000000004")
+    assert len(lines) == 1 and "step_000000006 skipped: marked DIVERGED" in lines[0] and "step 7" in lines[0]
+    with pytest.raises(ConfigError, match="step_000000006 is not to be used: marked DIVERGED.*step_000000004"):
+        dc.resolve_resume(str(ckpts / "step_000000006"), tmp_path)
+
+
+def test_divergence_with_no_confirmed_tag_removes_latest(tmp_path):
+    engine, ck = FakeEngine(), _ckpt(tmp_path, keep_last=1)
+    ck.save(engine, 1, {"step": 1})  # --lr 1e6: step 1 finite, step 2 on NaN
+    assert ck.mark_diverged(3, first_bad=2) is None
+    assert not (tmp_path / "checkpoints" / "latest").exists()
+    with pytest.raises(ConfigError, match="none of the 1 checkpoints"):
+        dc.resolve_resume("latest", tmp_path, say=lambda m: None)
+
+
+def test_save_most_recent_keeps_the_confirmed_extra_until_the_new_one_is_confirmed(tmp_path):
+    engine = FakeEngine()
+    ck = dc.Checkpointer(tmp_path, every_n_steps=0, every_n_epochs=0, keep_last=0, rank=0, most_recent=True)
+    ckpts = tmp_path / "checkpoints"
+    ck.certify(4)
+    assert ck.maybe_save(engine, 5, {"step": 5}, epoch_end=True, epoch=0)
+    ck.certify(9)
+    assert ck.maybe_save(engine, 10, {"step": 10}, epoch_end=True, epoch=1)
+    assert dc.complete_tags(ckpts) == ["step_000000005", "step_000000010"]  # 10 is not confirmed yet
+    ck.certify(10)
+    assert dc.complete_tags(ckpts) == ["step_000000010"]
