@@ -55,9 +55,18 @@ def _check_model(cfg: RunConfig) -> None:
         if local and not p.exists():
             raise FileNotFoundError(2, "--pretrained weights not found", m.pretrained)
         return  # the weights may name the architecture (finetune.prepare resolves it)
-    from dsclip.model import get_model_config  # raises UnknownModelError naming the known models
+    from dsclip.model import get_model_config, resolve_model_config  # UnknownModelError names the known models
+    from dsclip.model.config import unsupported_parts
 
-    get_model_config(m.model)
+    model_cfg = get_model_config(m.model)
+    # a JSON file of the user's: what the towers lack, or an inconsistent number, as one line naming the file
+    parts = unsupported_parts(model_cfg)
+    if parts:
+        raise ConfigError(f"--model {m.model}: dsclip's towers do not build {'; '.join(parts)}")
+    try:
+        resolve_model_config(model_cfg)
+    except ValueError as e:
+        raise ConfigError(f"--model {m.model}: {e}") from None
 
 
 def _check_precision(cfg: RunConfig) -> None:
