@@ -44,3 +44,25 @@ def test_optimizer_changes_name_old_and_new_values():
         "schedule length 200 steps (--epochs/--max-steps; checkpoint had 100)",
     ]
     assert resume_optim.changes(old, dict(old), None, None) == []
+
+
+def test_checkpoint_without_a_record_is_compared_on_the_loaded_lr_and_wd_and_this_runs_are_applied():
+    """An older dsclip's checkpoint has no "optim" record: the load put its lr/wd into the engine, which is
+    what is compared; applying puts this run's back and re-positions the schedule at the resume step."""
+    import torch
+
+    w = torch.nn.Parameter(torch.zeros(2))
+    b = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.AdamW([{"params": [b], "weight_decay": 0.0}, {"params": [w], "weight_decay": 0.05}], lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 if s >= 3 else 1.0)
+    engine = SimpleNamespace(lr_scheduler=sched, optimizer=opt)
+    built = resume_optim.snapshot(engine)
+    sched.base_lrs = [5e-4, 5e-4]  # what load_checkpoint restores: the checkpoint's run
+    opt.param_groups[1]["weight_decay"] = 0.2
+    said = []
+    found = resume_optim.reconcile(engine, built, None, {}, 4, say=said.append)
+    assert found == ["--lr 0.001 (checkpoint had 0.0005)", "--wd 0.05 (checkpoint had 0.2)"]
+    assert said == ["resume: --lr 0.001 (checkpoint had 0.0005), --wd 0.05 (checkpoint had 0.2): applied from step 5"]
+    assert [g["lr"] for g in opt.param_groups] == [5e-4, 5e-4]  # 1e-3 x the schedule's 0.5 at step 4
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.0, 0.05]
+    assert resume_optim.reconcile(engine, built, None, {}, 4, say=said.append) == [] and len(said) == 1
