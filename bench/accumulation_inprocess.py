@@ -7,7 +7,7 @@ step pair is what is reported (median, min-max). Same model (BENCH_CFG), data, f
 micro-batch B, K micro-batches per step:
 
   dsclip          the shipped GradCacheStep on a DeepSpeed ZeRO-2 engine (one-copy flush at world 1:
-                  dsclip/engine/local_flush.py; BlockedAdamW: dsclip/engine/optim.py)
+                  dsclip/engine/patches/local_flush.py; BlockedAdamW: dsclip/engine/optim.py)
   dsclip-before   the same with DeepSpeed's own coalesced flush and torch's AdamW (this module's
                   state before issue 17 item 4)
   openclip-style  open_clip_train's accum_freq branch on the plain model with torch AdamW (as
@@ -46,13 +46,15 @@ def _rank(rank, world, a):
     cfg, k = V.BENCH_CFG, a.k
     steps = {}
     for name, local in (("dsclip", True), ("dsclip-before", False)):
-        engine, bundle, _ = V.dsclip_engine("fp32", a.batch, k, cfg, world)
+        engine, bundle, _ = V.dsclip_engine(
+            "fp32", a.batch, k, cfg, world, {"engine_patches": "all" if local else "none"}
+        )
         if not local:  # torch's AdamW over the flat partition, as before (same groups, hyperparameters)
             inner = engine.optimizer.optimizer
             torch_adamw = torch.optim.AdamW(inner.param_groups, foreach=False)
             torch_adamw.state = inner.state
             engine.optimizer.optimizer = torch_adamw
-        fn = GradCacheStep(engine, build_loss("infonce"), compute_dtype=autocast_dtype(bundle), local_flush=local)
+        fn = GradCacheStep(engine, build_loss("infonce"), accum_freq=k, compute_dtype=autocast_dtype(bundle))
 
         def ds_step(chunk, engine=engine, fn=fn):
             engine.train()

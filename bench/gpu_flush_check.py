@@ -1,6 +1,6 @@
 """The one-rank flat flush on a GPU against DeepSpeed's own flush: gradients, norms and weights.
 
-tests/dist/test_local_flush.py proves dsclip/engine/local_flush.py bit for bit against DeepSpeed's
+tests/dist/test_local_flush.py proves dsclip/engine/patches/local_flush.py bit for bit against DeepSpeed's
 coalesced flush on CPU (gloo, worlds 1 and 2). On a GPU only world 1 takes the flat flush (more ranks
 keep NCCL's reduce-scatter), with bf16 weights and CUDA kernels, which the CPU tests cannot run. This
 script runs the same steps (ZeRO-2 bf16, gradient cache K micro-batches, clipping on) three times on
@@ -36,18 +36,18 @@ def run(cfg, batches, k, dev, local_flush: bool, precision: str = "bf16") -> dic
 
     precision = precision if dev.type == "cuda" else "fp32"
     engine, bundle, _ = V.dsclip_engine(
-        precision, batches[0][0].shape[0], k, cfg, 1, extra={"grad_clip_norm": 1.0}, device_type=dev.type
+        precision,
+        batches[0][0].shape[0],
+        k,
+        cfg,
+        1,
+        extra={"grad_clip_norm": 1.0, "engine_patches": "all" if local_flush else "none"},
+        device_type=dev.type,
     )
     # DeepSpeed's runs keep its own per-parameter overflow check too: the reference is DeepSpeed's step as shipped
-    step = GradCacheStep(
-        engine,
-        build_loss("infonce"),
-        compute_dtype=autocast_dtype(bundle),
-        local_flush=local_flush,
-        fast_overflow_check=local_flush,
-    )
+    step = GradCacheStep(engine, build_loss("infonce"), accum_freq=k, compute_dtype=autocast_dtype(bundle))
     named = list(engine.module.named_parameters())
-    out = {"local_flush": step.local_flush, "grads": [], "norms": [], "weights": []}
+    out = {"local_flush": "local_flush" in bundle.patches.active, "grads": [], "norms": [], "weights": []}
     for s in range(len(batches) // k):
         torch.manual_seed(7 + s)
         step(batches[s * k : (s + 1) * k], optimizer_step=False)

@@ -4,7 +4,7 @@ Builds the engine as bench/utilisation.py does (``build_engine`` + ``GradCacheSt
 thread per rank, the model ``--model`` on synthetic batches), runs ``--world`` gloo ranks, and prints
 rank 0's profile (process CPU time, so the machine's load stays out) of ``--steps`` steps after two
 untimed ones, sorted by ``--sort``. ``--deepspeed-flush`` keeps DeepSpeed's own coalesced flush (the
-reference dsclip/engine/local_flush.py replaces), to profile the two side by side.
+reference dsclip/engine/patches/local_flush.py replaces), to profile the two side by side.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/step_profile.py --model ViT-B-32 --world 2 --batch 8 --steps 3
 """
@@ -32,9 +32,11 @@ def _rank(rank, world, model, batch, accum, steps, sort, lines, local_flush):
 
     V.one_thread()
     cfg = V.BENCH_CFG if model == "bench" else get_model_config(model)
-    engine, _, _ = V.dsclip_engine("fp32", batch, accum, cfg, world)
+    engine, _, _ = V.dsclip_engine(
+        "fp32", batch, accum, cfg, world, {"engine_patches": "all" if local_flush else "none"}
+    )
     loss = build_loss("infonce")
-    step = GradCacheStep(engine, lambda *a: loss(*a), local_flush=local_flush)
+    step = GradCacheStep(engine, lambda *a: loss(*a), accum_freq=accum)
     data = V.synthetic_batches((steps + 2) * accum, batch, cfg, seed=3 + rank)
     engine.train()
     step(data[:accum])

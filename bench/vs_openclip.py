@@ -263,22 +263,17 @@ def dsclip_engine(
 def dsclip_trainer(rank, world, precision, batch, cfg, accum_freq=1, opts=None):
     """``run(data, n0)``: dsclip's steps over ``data`` (K micro-batches each; ``n0`` = steps already
     taken) as ``dsclip train`` runs them: ``build_engine`` + ``GradCacheStep``, each step seeded by
-    ``step_seed``, the gradient norm taken on logged steps only; on CPU with freed memory kept for the next
-    step, as `dsclip train` sets on every CPU rank (``opts["keep_freed_memory"] = False``: glibc's default).
-    That setting is process-wide: trainers built in the same process (``bench/utilisation.py --interleave``)
-    run with it too."""
+    ``step_seed``, the gradient norm taken on logged steps only. ``opts["extra"]`` takes run-config values
+    (e.g. ``{"engine_patches": "none"}``: DeepSpeed's own paths)."""
     import torch
 
-    from dsclip.engine.build import autocast_dtype, device_type
-    from dsclip.engine.host_memory import keep_freed_memory
+    from dsclip.engine.build import autocast_dtype
     from dsclip.losses import build_loss
     from dsclip.train.gradcache import GradCacheStep
     from dsclip.train.loop import step_seed
     from dsclip.train.metrics import LogArgs
 
     opts = opts or {}
-    if device_type() == "cpu" and opts.get("keep_freed_memory", True):
-        keep_freed_memory()
     engine, bundle, rc = dsclip_engine(
         precision,
         batch,
@@ -300,7 +295,7 @@ def dsclip_trainer(rank, world, precision, batch, cfg, accum_freq=1, opts=None):
         build_loss(opts.get("loss", "infonce")),
         keep_last_graph=opts.get("keep_last_graph", True),
         compute_dtype=autocast_dtype(bundle),
-        single_rank_step=opts.get("single_rank_step", True),
+        accum_freq=accum_freq,
     )
     k = accum_freq
     log_every = LogArgs().log_every_n_steps  # as `dsclip train` logs (and so takes the gradient norm) by default

@@ -28,11 +28,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import warnings
 from argparse import Namespace
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from dsclip.checkpoint import manifest
 from dsclip.checkpoint.layout import COMPLETE, MANIFEST, STATE_FILE
@@ -114,46 +113,24 @@ def resume_position(state: dict[str, Any], *, global_batch: int, steps_per_epoch
 
 
 def set_schedule_step(engine, step: int) -> None:
-    """Re-position the LR scheduler so the next optimizer step uses the LR of step ``step``."""
+    """Re-position the LR scheduler so the next optimizer step uses the LR of step ``step``.
+
+    Through the scheduler's public ``step()``: from ``last_epoch = step - 1`` it computes every group's LR at
+    ``step`` (LambdaLR: base LR x multiplier) and records it as the last LR, as a scheduler stepped there would."""
     sched = engine.lr_scheduler
     if sched is None or not hasattr(sched, "lr_lambdas"):
         return
-    lrs = [base * fn(step) for base, fn in zip(sched.base_lrs, sched.lr_lambdas)]
-    for group, lr in zip(sched.optimizer.param_groups, lrs):
-        group["lr"] = lr
-    sched.last_epoch = step
-    sched._last_lr = lrs
+    sched.last_epoch = step - 1
+    with warnings.catch_warnings():  # "lr_scheduler.step() before optimizer.step()": a re-positioning, not a step
+        warnings.simplefilter("ignore", UserWarning)
+        sched.step()
 
 
 def load_universal(engine, load_dir: Path, tag: str) -> tuple[Any, Any]:
-    """``engine.load_checkpoint`` of a universal tag, plus a fix for DeepSpeed 0.19.8's ZeRO-3 path.
+    """``engine.load_checkpoint`` of a universal tag (ZeRO-3's optimizer state repaired: the seam's
+    dsclip/engine/patches/universal_zero3.py)."""
+    from dsclip.engine.patches import universal_zero3
 
-    ``DeepSpeedZeroOptimizer_Stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3`` copies the
-    hyper-parameters of param group 0 into every group (so the no-weight-decay group gets group 0's
-    weight decay) and sets every group's ``params`` to ``[]`` (so the wrapped torch optimizer updates
-    nothing afterwards); it also gives every flat fp32 partition the *same* ``step`` tensor, which torch's
-    Adam increments in place once per partition, so bias correction runs ahead by the number of
-    partitions. We put back each group's own parameter list and saved hyper-parameters and give each
-    partition its own ``step``."""
-
-    inner = getattr(engine.optimizer, "optimizer", None)
-    params_before = [list(g["params"]) for g in inner.param_groups] if inner is not None else None
-    path, client_state = engine.load_checkpoint(
-        str(load_dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
-    )
-    if path is not None and engine.zero_optimization_stage() == 3 and params_before is not None:
-        optim_sd = torch.load(
-            Path(load_dir) / tag / "zero" / "optimizer_state.pt", map_location="cpu", weights_only=False
-        )
-        saved_groups = optim_sd["optimizer_state_dict"]["param_groups"]
-        if len(saved_groups) != len(inner.param_groups):
-            raise RuntimeError(
-                f"universal checkpoint has {len(saved_groups)} param groups, the optimizer {len(inner.param_groups)}"
-            )
-        for group, params, saved in zip(inner.param_groups, params_before, saved_groups):
-            group.update({k: v for k, v in saved.items() if k != "params"})
-            group["params"] = params
-        for state in inner.state.values():
-            if torch.is_tensor(state.get("step")):
-                state["step"] = state["step"].clone()
-    return path, client_state
+    report = getattr(engine, "dsclip_patches", None)  # --engine-patches (dsclip.engine.build)
+    enabled = report is None or universal_zero3.NAME in report.selected
+    return universal_zero3.load_universal(engine, load_dir, tag, enabled=enabled)

@@ -26,7 +26,10 @@ from dsclip.engine import optim, world
 from dsclip.engine.compile import compile_towers
 from dsclip.engine.ds_config import TrainArgs, precision_of, zero_stage
 from dsclip.engine.optim import OptimArgs
-from dsclip.engine.world import release_shm_workspace
+from dsclip.engine.patches import PatchReport, install_patches, parse_selection
+from dsclip.engine.patches.fingerprint import deepspeed_version
+from dsclip.engine.patches.shm_workspace import release_shm_workspace
+from dsclip.engine.world import DeviceBindingError
 
 
 @dataclass
@@ -34,6 +37,7 @@ class EngineBundle:
     engine: DeepSpeedEngine
     zero_stage: int
     precision: str  # "fp32" | "bf16" | "fp16"
+    patches: PatchReport | None = None  # dsclip's changes to DeepSpeed internals active on this engine
 
     @property
     def module(self) -> nn.Module:
@@ -89,6 +93,7 @@ def build_engine(
     # zero.Init and activation checkpointing read the world from deepspeed.comm, which must exist
     # before them (a no-op after dsclip.engine.world.init_distributed; needed when a caller set up
     # torch.distributed directly, as the multi-process tests do).
+    selection = parse_selection(train.engine_patches)  # a typo fails before any work
     deepspeed.init_distributed(dist_backend="nccl" if device_type() == "cuda" else "gloo")
     release_shm_workspace()  # DeepSpeed's CPU all-reduce segment would outlive the run in /dev/shm
     with construction_context(ds_config):
@@ -126,7 +131,25 @@ def build_engine(
     if dev is not None:
         kwargs["args"] = SimpleNamespace(device_rank=dev)
     engine, _, _, _ = deepspeed.initialize(**kwargs)
-    return EngineBundle(engine, zero_stage(ds_config), precision_of(ds_config).name)
+    check_engine_device(engine, dev)
+    rank = rank_world()[0]
+    patches = install_patches(engine, selection, log=lambda line: print(line, flush=True))
+    print(f"[dsclip] rank {rank} {patches.describe()} (DeepSpeed {deepspeed_version()})", flush=True)
+    return EngineBundle(engine, zero_stage(ds_config), precision_of(ds_config).name, patches)
+
+
+def check_engine_device(engine, bound: int | None) -> None:
+    """The device binding cannot fall back (a wrong GPU is not a slower path), so check its result: the
+    engine must sit on the index dsclip bound (``device_rank``, read by DeepSpeed's _set_distributed_vars)."""
+    if bound is None or device_type() != "cuda":
+        return
+    got = torch.device(engine.device)
+    if got.index is not None and got.index != bound:
+        raise DeviceBindingError(
+            f"DeepSpeed {deepspeed_version()} put this rank's engine on {got}, but dsclip bound cuda:{bound}; "
+            f"this DeepSpeed ignores args.device_rank: launch one process per visible GPU "
+            f"(CUDA_VISIBLE_DEVICES / --gpus-per-task=1 with LOCAL_RANK=0) or use a tested DeepSpeed (setup.py)"
+        )
 
 
 def autocast_dtype(bundle: EngineBundle) -> torch.dtype:

@@ -68,6 +68,11 @@ class TrainArgs:
         "with restored RNG and ZeRO hooks run between blocks).",
         choices=("default", "max-autotune-no-cudagraphs"),
     )
+    engine_patches: str = opt(
+        "all",
+        "dsclip's changes to DeepSpeed internals (dsclip/engine/patches/): all, none, a comma list of names, or "
+        "all,-NAME. Each checks the installed DeepSpeed first and otherwise leaves DeepSpeed's own path.",
+    )
     ddp_static_graph: bool = opt(
         False, "Accepted for OpenCLIP command lines; no effect: DeepSpeed, not DDP, reduces the gradients."
     )

@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 
 from dsclip.dist import initialized, rank_world
-from dsclip.engine.host_memory import keep_freed_memory
+from dsclip.engine.patches.shm_workspace import release_shm_workspace
 
 # Exit code of a run that stopped early on request (preemption signal) after saving a checkpoint:
 # the launch scripts requeue the job when they see it. 0 = finished, anything else = failure.
@@ -568,9 +568,6 @@ def init_distributed(
     )
     release_shm_workspace()
     threads = share_cores(info)
-    # CPU ranks: a step's freed gradients and activations stay in the process for the next step
-    # (dsclip/engine/host_memory.py); on a GPU the host's allocations are small and left to malloc
-    malloc = "default" if on_gpu else keep_freed_memory()
     _state["info"] = info
     if os.environ.get("DSCLIP_LOG_WORLD", "1") != "0":
         # one line per rank: the first thing to look at when a launch misbehaves
@@ -579,7 +576,7 @@ def init_distributed(
             f"host {socket.gethostname()} node {os.environ.get('SLURMD_NODENAME', '-')} "
             f"source {info.source} master {init_method or f'{info.master_addr}:{info.master_port}'} backend {backend} "
             f"timeout {int(timeout.total_seconds())}s {binding.describe()} "
-            f"cpus {format_cpus(cpu_affinity())} ({len(cpu_affinity())}) net {net_settings()} {threads} malloc {malloc}"
+            f"cpus {format_cpus(cpu_affinity())} ({len(cpu_affinity())}) net {net_settings()} {threads}"
         )
     if not _state["atexit"]:
         _state["atexit"] = True
@@ -587,38 +584,6 @@ def init_distributed(
         sys.excepthook = _excepthook
         atexit.register(_shutdown_at_exit)
     return info
-
-
-SHM_WORKSPACE = "/dev/shm/deepspeed_allreduce_buffer_{uid}_{addr}_{port}_{rank}"
-
-
-def release_shm_workspace() -> bool:
-    """Unlink this rank's DeepSpeed CPU shared-memory all-reduce workspace from /dev/shm (keeping it mapped).
-
-    Why: on a CPU accelerator DeepSpeed (0.19) creates a ~69 MB POSIX shm segment per rank when its
-    comm backend starts (csrc/cpu/comm/shm.cpp, named from MASTER_ADDR/MASTER_PORT/rank) and never
-    unlinks it, so every run leaves RAM-backed files behind until the machine fills up. Its
-    initialisation returns only after the rank has opened every peer's segment, so once all ranks
-    are past it (the barrier) the names are no longer needed; the mappings stay valid until exit.
-    Safe to call more than once and where the segment does not exist (GPU runs). Collective when
-    the world has more than one rank: call it on every rank. Returns True if a segment was removed.
-    """
-
-    if not initialized():
-        return False
-    path = SHM_WORKSPACE.format(
-        uid=os.getuid(),
-        addr=os.environ.get("MASTER_ADDR", ""),
-        port=os.environ.get("MASTER_PORT", ""),
-        rank=dist.get_rank(),
-    )
-    if dist.get_world_size() > 1 and dist.get_backend() == "gloo":
-        dist.barrier()  # every peer has mapped our segment
-    try:
-        os.unlink(path)
-        return True
-    except FileNotFoundError:
-        return False
 
 
 def device_rank() -> int | None:

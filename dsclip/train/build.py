@@ -144,6 +144,7 @@ def build_step(bundle: EngineBundle, loss: LossArgs, train: TrainArgs, teacher: 
     return GradCacheStep(
         bundle.engine,
         loss_fn,
+        accum_freq=train.accum_freq,
         keep_last_graph=train.keep_last_graph,
         compute_dtype=autocast_dtype(bundle),
         extra_flags=world.local_stop_flags,  # stop signals ride on the step's own all-reduce

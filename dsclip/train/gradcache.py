@@ -40,11 +40,8 @@ import torch
 import torch.distributed as dist
 
 from dsclip.dist import rank_world
-from dsclip.engine.grad_hooks import hooks_removable, zero_grad_hooks_suspended
-from dsclip.engine.grad_norm import grad_norm_optional, without_grad_norm
-from dsclip.engine.local_flush import install_local_flush, local_flush_supported
-from dsclip.engine.overflow_check import fast_overflow_check_supported, install_fast_overflow_check
-from dsclip.engine.single_rank_step import install_single_rank_step, single_rank_step_supported
+from dsclip.engine.patches.accumulation import require_exact_accumulation
+from dsclip.engine.patches.grad_norm import norm_skipped
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # images (B,3,H,W), tokens (B,L)
 
@@ -87,9 +84,12 @@ def _all_reduce(t: torch.Tensor, op=None) -> torch.Tensor:
 class GradCacheStep:
     """Runs one optimizer step of a DeepSpeed engine over ``accum_freq`` micro-batches.
 
-    ``reduction`` is "coalesced" (correct, one reduction per step, DeepSpeed >= 0.19.2) or
-    "boundary" (boundary flags only: correct where DeepSpeed reduces at the boundary, i.e.
-    ZeRO-0/1 and the BF16_Optimizer wrapper, chosen automatically there).
+    Only DeepSpeed's public engine API: forward, ``backward``, ``coalesce_grad_reduction`` with the
+    accumulation boundary, ``step``. How K backwards are reduced exactly is the engine's
+    (dsclip/engine/patches/accumulation.py): "coalesced" (ZeRO-1/2/3), "boundary" (ZeRO-0, the BF16_Optimizer
+    wrapper: DeepSpeed reduces only at the boundary), or refused at construction where neither is exact.
+    Whatever dsclip changes inside DeepSpeed to make those calls cheaper was installed with the engine
+    (dsclip/engine/patches/), not here.
     """
 
     def __init__(
@@ -97,14 +97,11 @@ class GradCacheStep:
         engine,
         loss_fn: Callable[..., torch.Tensor],
         *,
+        accum_freq: int = 1,
         keep_last_graph: bool = True,
         compute_dtype: torch.dtype = torch.float32,
-        reduction: str = "auto",
         extra_flags: Callable[[], Sequence[float]] = tuple,
         teacher: Callable[[torch.Tensor, torch.Tensor], dict] | None = None,
-        local_flush: bool = True,
-        fast_overflow_check: bool = True,
-        single_rank_step: bool = True,
     ):
         self.engine = engine
         self.loss_fn = loss_fn
@@ -116,40 +113,8 @@ class GradCacheStep:
         self.keep_last_graph = keep_last_graph
         self.compute_dtype = compute_dtype
         self.device = engine.device if isinstance(engine.device, torch.device) else torch.device(engine.device)
-        if reduction == "auto":
-            reduction = "coalesced" if self._coalescing_supported() else "boundary"
-        if reduction not in ("coalesced", "boundary"):
-            raise ValueError(f"unknown reduction {reduction!r}")
-        self.reduction = reduction
-        # ZeRO-1/2 hooks do nothing useful inside a coalesced block (dsclip/engine/grad_hooks.py)
-        self.skip_zero_hooks = reduction == "coalesced" and hooks_removable(engine)
-        # one rank: the coalesced "reduction" is one copy per gradient (dsclip/engine/local_flush.py)
-        # (local_flush=False keeps DeepSpeed's flush: the side-by-side reference in tests and bench/)
-        self.local_flush = local_flush and reduction == "coalesced" and local_flush_supported(engine)
-        # several ranks on one host: the flush's shared-memory exchange, whose barrier also sums the reported loss
-        self.exchange = install_local_flush(engine) if self.local_flush else None
-        # one rank, fp32: AdamW reads the gradients where backward left them, no flat copy
-        # (dsclip/engine/single_rank_step.py); False keeps the flat step (the reference in tests and bench/)
-        self.single_rank_step = single_rank_step and self.local_flush and single_rank_step_supported(engine)
-        if self.single_rank_step:
-            install_single_rank_step(engine)
-        # ZeRO-1/2's pre-step inf/NaN check (fp16; bf16 by default) in multi-tensor kernels, one GPU or many
-        # (dsclip/engine/overflow_check.py); False keeps DeepSpeed's per-parameter check (the reference)
-        opt = getattr(engine, "optimizer", None)
-        self.fast_overflow_check = fast_overflow_check and fast_overflow_check_supported(opt)
-        if self.fast_overflow_check:
-            install_fast_overflow_check(opt)
-        # without clipping the norm is only reported: steps called with grad_norm=False skip it
-        # (dsclip/engine/grad_norm.py)
-        self.grad_norm_optional = grad_norm_optional(opt)
-
-    def _coalescing_supported(self) -> bool:
-        e = self.engine
-        return (
-            hasattr(e, "coalesce_grad_reduction")
-            and e.zero_optimization_stage() in (1, 2, 3)
-            and hasattr(e.optimizer, "_coalesce_grad_reduction")
-        )
+        # a one-line error here (start-up) where K backwards per step could not be exact (issue #34)
+        self.reduction = require_exact_accumulation(engine, accum_freq)
 
     def _inputs(self, batch: Batch) -> Batch:
         images, tokens = batch
@@ -198,8 +163,7 @@ class GradCacheStep:
         k = len(micro_batches)
         e = self.engine
         ctx = e.coalesce_grad_reduction() if self.reduction == "coalesced" else contextlib.nullcontext()
-        hooks = zero_grad_hooks_suspended(e) if self.skip_zero_hooks else contextlib.nullcontext()
-        with ctx, hooks:  # hooks re-registered before the coalesced reduction runs
+        with ctx:
             for i in range(k):
                 final = i == k - 1
                 e.set_gradient_accumulation_boundary(final)
@@ -225,112 +189,97 @@ class GradCacheStep:
         ``optimizer_step=False`` stops after the gradients are reduced (tests inspect them with
         ``deepspeed.utils.safe_get_full_grad`` and then call ``engine.step()`` themselves).
         ``grad_norm=False``: nobody reads this step's gradient norm (not a logged step), so where clipping
-        does not need it either the step skips computing it and reports None.
+        does not need it either the step skips computing it and reports None (patches/grad_norm.py).
         """
         k = len(micro_batches)
         if k < 1:
             raise ValueError("a step needs at least one micro-batch")
+        if k > 1:
+            require_exact_accumulation(self.engine, k)
         rng_states, img_cache, txt_cache, live, out, teacher_cache = self._first_pass(micro_batches)
         rng_after = snapshot_rng(self.device)
         sizes = [t.shape[0] for t in img_cache]
         scale = out["logit_scale"].detach().float().reshape(())
         bias = out.get("logit_bias")
         bias = None if bias is None else bias.detach().float().reshape(())
-
-        # Non-finite embeddings (fp16 forward overflow): every rank must agree to skip, or the
-        # others would block in the loss's collectives.
-        finite = torch.isfinite(torch.cat(img_cache)).all() & torch.isfinite(torch.cat(txt_cache)).all()
-        teacher_inputs = {}
-        if teacher_cache:  # the distillation loss takes the teacher's rows of the same samples, same order
-            teacher_inputs = dict(
-                teacher_image_features=torch.cat(teacher_cache["image"]),  # (K·B, Dt)
-                teacher_text_features=torch.cat(teacher_cache["text"]),
-                teacher_logit_scale=teacher_cache["scale"],
-            )
-            for t in teacher_inputs.values():
-                finite &= torch.isfinite(t).all()
-        flags = torch.cat([(~finite).float().reshape(1), torch.tensor([*self.extra_flags()], device=self.device)])
-        bad, *summed = _all_reduce(flags).tolist()  # (1 + F,): the one host sync before the loss
-        if bad > 0:
-            live = None  # nothing was back-propagated: the step is skipped on every rank together
-            return StepResult(
-                float("nan"),
-                scale.item(),
-                None if bias is None else bias.item(),
-                None,
-                False,
-                "non-finite embeddings",
-                tuple(summed),
-            )
-
-        # ---- the loss, once, over all cached embeddings (fp32) ----
-        img_all = torch.cat(img_cache).requires_grad_(True)  # (K·B, D)
-        txt_all = torch.cat(txt_cache).requires_grad_(True)
+        teacher_inputs = self._teacher_inputs(teacher_cache)
+        bad, summed = self._agree_finite(img_cache, txt_cache, teacher_inputs)
+        if bad:  # nothing was back-propagated: the step is skipped on every rank together
+            return StepResult(float("nan"), scale.item(), _item(bias), None, False, "non-finite embeddings", summed)
+        img_all, txt_all = torch.cat(img_cache), torch.cat(txt_cache)  # (K·B, D)
         # The per-chunk copies would otherwise live through the loss and pass 2: 6 instead of 4 N x D
         # buffers at the peak (dsclip plan's embedding cache counts 4: embeddings + their gradients).
         del img_cache, txt_cache
-        scale_leaf = scale.clone().requires_grad_(True)
-        leaves = [img_all, txt_all, scale_leaf]
-        bias_leaf = None
-        if bias is not None:
-            bias_leaf = bias.clone().requires_grad_(True)
-            leaves.append(bias_leaf)
-        with torch.autocast(self.device.type, enabled=False):
-            loss = self.loss_fn(img_all, txt_all, scale_leaf, bias_leaf, **teacher_inputs)
-            grads = torch.autograd.grad(loss, leaves)
-        g_img = grads[0].split(sizes)
-        g_txt = grads[1].split(sizes)
-        g_scale = grads[2]
-        g_bias = grads[3] if bias_leaf is not None else None
-        del img_all, txt_all, leaves, grads, teacher_inputs
-        # The loss's named parts (a loss may keep them in ``last_terms``: DistillInfoNCELoss's contrastive_loss and
-        # distill_loss, as OpenCLIP logs them) ride on the same all-reduce; per-rank parts average to full-batch values.
-        parts = getattr(self.loss_fn, "last_terms", None)
-        parts = parts if isinstance(parts, dict) else {}
+        loss, grads, parts = self._loss_and_grads(img_all, txt_all, scale, bias, teacher_inputs, sizes)
+        del img_all, txt_all, teacher_inputs
         report = torch.stack([loss.detach().float().reshape(()), *(v.float().reshape(()) for v in parts.values())])
-        riding = self.exchange is not None and self.exchange.world == _world()
-        if riding:
-            self.exchange.payload = report  # summed by the flush at the end of pass 2: one meeting of the ranks fewer
-
-        self._second_pass(micro_batches, rng_states, live, (g_img, g_txt, g_scale, g_bias))
+        self._second_pass(micro_batches, rng_states, live, grads)
         restore_rng(rng_after, self.device)
         live = None
-        if not riding or self.exchange.payload is not None:  # not summed by a flush
-            if riding:
-                self.exchange.payload = None
-            report = _all_reduce(report)
-        report = report / _world()  # stays on the device: no host sync here
-
-        def terms() -> dict[str, float]:
-            return dict(zip(parts, report[1:].tolist()))
-
+        report = _all_reduce(report) / _world()  # stays on the device: no host sync here
+        terms = dict(zip(parts, report[1:].tolist()))
         if not optimizer_step:
-            return StepResult(
-                report[0].item(),
-                scale.item(),
-                None if bias is None else bias.item(),
-                None,
-                True,
-                None,
-                tuple(summed),
-                terms(),
-            )
-        e = self.engine
-        skip_norm = not grad_norm and self.grad_norm_optional
-        with without_grad_norm(e.optimizer) if skip_norm else contextlib.nullcontext():
-            e.step()
-
-        applied = bool(e.was_step_applied()) if hasattr(e, "was_step_applied") else True
-        grad_norm = e.get_global_grad_norm() if hasattr(e, "get_global_grad_norm") else None
-        if isinstance(grad_norm, torch.Tensor):
-            grad_norm = grad_norm.item()
+            return StepResult(report[0].item(), scale.item(), _item(bias), None, True, None, summed, terms)
+        applied, norm = self._optimizer_step(grad_norm)
         return StepResult(
             loss=report[0].item(),
             logit_scale=scale.item(),
-            logit_bias=None if bias is None else bias.item(),
-            grad_norm=grad_norm,
+            logit_bias=_item(bias),
+            grad_norm=norm,
             applied=applied,
             skip_reason=None if applied else "fp16 overflow (loss scale reduced)",
-            flags=tuple(summed),
-            terms=terms(),
+            flags=summed,
+            terms=terms,
         )
+
+    def _teacher_inputs(self, teacher_cache: dict) -> dict:
+        """The distillation loss's teacher rows of the same samples, same order ({} without a teacher)."""
+        if not teacher_cache:
+            return {}
+        return dict(
+            teacher_image_features=torch.cat(teacher_cache["image"]),  # (K·B, Dt)
+            teacher_text_features=torch.cat(teacher_cache["text"]),
+            teacher_logit_scale=teacher_cache["scale"],
+        )
+
+    def _agree_finite(self, img_cache, txt_cache, teacher_inputs: dict) -> tuple[bool, tuple[float, ...]]:
+        """(whether any rank saw non-finite embeddings, the extra flags summed over the ranks): one all-reduce.
+
+        Non-finite embeddings (fp16 forward overflow): every rank must agree to skip, or the others would
+        block in the loss's collectives."""
+        finite = torch.isfinite(torch.cat(img_cache)).all() & torch.isfinite(torch.cat(txt_cache)).all()
+        for t in teacher_inputs.values():
+            finite &= torch.isfinite(t).all()
+        flags = torch.cat([(~finite).float().reshape(1), torch.tensor([*self.extra_flags()], device=self.device)])
+        bad, *summed = _all_reduce(flags).tolist()  # (1 + F,): the one host sync before the loss
+        return bad > 0, tuple(summed)
+
+    def _loss_and_grads(self, img_all, txt_all, scale, bias, teacher_inputs: dict, sizes: list[int]):
+        """The loss, once, over all cached embeddings (fp32), and its gradient w.r.t. them and the scale/bias.
+
+        Returns (loss, per-chunk gradients for pass 2, the loss's named parts). A loss may keep its parts in
+        ``last_terms`` (DistillInfoNCELoss's contrastive_loss and distill_loss, as OpenCLIP logs them)."""
+        img_all, txt_all = img_all.requires_grad_(True), txt_all.requires_grad_(True)
+        scale_leaf = scale.clone().requires_grad_(True)
+        bias_leaf = None if bias is None else bias.clone().requires_grad_(True)
+        leaves = [img_all, txt_all, scale_leaf] + ([bias_leaf] if bias_leaf is not None else [])
+        with torch.autocast(self.device.type, enabled=False):
+            loss = self.loss_fn(img_all, txt_all, scale_leaf, bias_leaf, **teacher_inputs)
+            grads = torch.autograd.grad(loss, leaves)
+        g_bias = grads[3] if bias_leaf is not None else None
+        parts = getattr(self.loss_fn, "last_terms", None)
+        parts = parts if isinstance(parts, dict) else {}
+        return loss, (grads[0].split(sizes), grads[1].split(sizes), grads[2], g_bias), parts
+
+    def _optimizer_step(self, grad_norm: bool) -> tuple[bool, float | None]:
+        """``engine.step()`` (without the norm where nobody reads it); (whether it was applied, the norm)."""
+        e = self.engine
+        with norm_skipped(e) if not grad_norm else contextlib.nullcontext():
+            e.step()
+        applied = bool(e.was_step_applied()) if hasattr(e, "was_step_applied") else True
+        norm = e.get_global_grad_norm() if hasattr(e, "get_global_grad_norm") else None
+        return applied, norm.item() if isinstance(norm, torch.Tensor) else norm
+
+
+def _item(t: torch.Tensor | None) -> float | None:
+    return None if t is None else t.item()

@@ -129,7 +129,9 @@ def record_forwards(step) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return calls
 
 
-def _rank_step(rank, world, stage, k, reduction, patch_dropout, keep_last, compile_backend=None):
+def _rank_step(rank, world, stage, k, mode, patch_dropout, keep_last, compile_backend=None, patches="all"):
+    """One gradient-cache step. ``mode``: "auto" (what dsclip train does) or "naive" (engine.backward K times
+    with no boundary handling at all, what forks of OpenCLIP do); ``patches``: --engine-patches."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 
     from dsclip.engine.build import build_engine
@@ -138,6 +140,7 @@ def _rank_step(rank, world, stage, k, reduction, patch_dropout, keep_last, compi
     from dsclip.train.gradcache import GradCacheStep
 
     cfg = make_cfg(stage, k, compile_backend=compile_backend)
+    cfg.train.engine_patches = patches
     ds = resolve_ds_config(
         load_ds_json(cfg.train.deepspeed_config), cfg.train, cfg.optim, world_size=world, device_type="cpu"
     )
@@ -151,10 +154,12 @@ def _rank_step(rank, world, stage, k, reduction, patch_dropout, keep_last, compi
         return (p.detach() if v is None else v).clone()
 
     initial = {n: full_param(p) for n, p in engine.module.named_parameters()}
-    if reduction == "naive":  # what forks that call engine.backward K times do: no boundary handling at all
+    if mode == "naive":  # what forks that call engine.backward K times do: no boundary handling at all
+        import contextlib
+
         engine.set_gradient_accumulation_boundary = lambda flag: None
-        reduction = "boundary"
-    step = GradCacheStep(engine, build_loss("infonce"), keep_last_graph=keep_last, reduction=reduction)
+        engine.coalesce_grad_reduction = contextlib.nullcontext
+    step = GradCacheStep(engine, build_loss("infonce"), accum_freq=k, keep_last_graph=keep_last)
     forwards = record_forwards(step)
     images, tokens = make_batches(world, k)
     torch.manual_seed(SEED + 17 * rank)  # the per-(step, rank) seed the loop would set
@@ -180,11 +185,9 @@ def _rank_step(rank, world, stage, k, reduction, patch_dropout, keep_last, compi
         "initial": initial,
         "compiled_graphs": counters["stats"]["unique_graphs"],
         "optimizer": type(getattr(engine.optimizer, "optimizer", engine.optimizer)).__name__,
-        # ZeRO-1/2: DeepSpeed's per-parameter hooks were left out of the K backwards and are back afterwards
-        "hooks_skipped": step.skip_zero_hooks,
-        "local_flush": step.local_flush,  # ZeRO-1/2 on CPU: dsclip/engine/local_flush.py
-        "fast_overflow_check": step.fast_overflow_check,  # ZeRO-1/2 only: dsclip/engine/overflow_check.py
-        "all_reduce": getattr(engine, "_dsclip_local_flush", None),
+        "patches": list(bundle.patches.active),  # dsclip/engine/patches/ active on this engine
+        "reduction": step.reduction,
+        # ZeRO-1/2: DeepSpeed's per-parameter hooks (left out of the K backwards by grad_hooks) are back
         "hooks_restored": len(getattr(engine.optimizer, "_grad_acc_hooks", []))
         == sum(p.requires_grad for p in engine.module.parameters()),
     }
@@ -270,15 +273,26 @@ def assert_matches(results, ref, world, k, lr=LR, grad_slack=1.0):
             )
 
 
-def plain_run(shared_dir, world, stage, k) -> list[dict]:
+def plain_run(shared_dir, world, stage, k, patches="all") -> list[dict]:
     """Every rank's result of the plain gradient-cache step (kept last graph, no dropout), computed once per
     session whichever xdist worker asks first: test_check_catches_gradient_off_by_1e_4 reads the same
     2-rank ZeRO-2 K=2 run as test_gradcache_equals_big_batch[2-2-2] (one 2-rank launch less)."""
 
     def build(path):
-        torch.save(run_world(_rank_step, world, stage, k, "auto", 0.0, True), path)
+        torch.save(run_world(_rank_step, world, stage, k, "auto", 0.0, True, None, patches), path)
 
-    return torch.load(shared_build(shared_dir, f"gradcache_w{world}_zero{stage}_k{k}.pt", build), weights_only=False)
+    name = f"gradcache_w{world}_zero{stage}_k{k}_{patches}.pt"
+    return torch.load(shared_build(shared_dir, name, build), weights_only=False)
+
+
+# What each ZeRO stage and world gets with --engine-patches all (dsclip/engine/patches/): local_flush at
+# one rank only; universal_zero3 is listed for ZeRO-3 (it acts on a universal load)
+EXPECTED_PATCHES = {
+    (1, 2): ["local_flush", "overflow_check", "grad_hooks", "grad_norm"],
+    (2, 2): ["overflow_check", "grad_hooks", "grad_norm"],
+    (1, 3): ["universal_zero3"],
+    (2, 3): ["universal_zero3"],
+}
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -286,14 +300,62 @@ def plain_run(shared_dir, world, stage, k) -> list[dict]:
 @pytest.mark.parametrize("k", [1, 2, 4])
 def test_gradcache_equals_big_batch(world, stage, k, shared_dir):
     results = plain_run(shared_dir, world, stage, k)
-    if stage == 2:
-        assert all(r["hooks_skipped"] and r["hooks_restored"] for r in results)
+    assert all(r["hooks_restored"] for r in results)
     assert_matches(results, reference_step(results[0]["initial"], world, k), world, k)
-    assert all(r["local_flush"] == (stage == 2) for r in results)
-    # ZeRO-3 checks its own flat buffer: the per-parameter check being replaced is ZeRO-1/2's
-    assert all(r["fast_overflow_check"] == (stage == 2) for r in results)
-    # two ranks on one host: the flat buffers are summed through the host's shared-memory slots (host_shm.py)
-    assert all(r["all_reduce"] == {1: "none", 2: "shm"}[world] for r in results if stage == 2)
+    assert all(r["patches"] == EXPECTED_PATCHES[(world, stage)] for r in results), results[0]["patches"]
+    assert all(r["reduction"] == "coalesced" for r in results)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_gradcache_equals_big_batch_with_patches_off(world, shared_dir):
+    """--engine-patches none: DeepSpeed's own paths only (what a DeepSpeed whose sources differ from the
+    verified ones runs), ZeRO-2 where the patches act, K = 2."""
+    results = plain_run(shared_dir, world, 2, 2, patches="none")
+    assert all(r["patches"] == [] for r in results)
+    assert all(r["hooks_restored"] for r in results)
+    assert_matches(results, reference_step(results[0]["initial"], world, 2), world, 2)
+
+
+def _refusal_without_coalesced_reduction(rank, world):
+    """A real ZeRO-2 engine of a DeepSpeed without ``coalesce_grad_reduction`` (< 0.19.2): the attribute is
+    taken off the class in this rank process, as an older DeepSpeed would lack it."""
+    from deepspeed import DeepSpeedEngine
+
+    from dsclip.engine.build import build_engine
+    from dsclip.engine.ds_config import load_ds_json, resolve_ds_config
+    from dsclip.engine.patches.accumulation import AccumulationUnsupportedError
+    from dsclip.losses import build_loss
+    from dsclip.train.gradcache import GradCacheStep
+
+    del DeepSpeedEngine.coalesce_grad_reduction
+    cfg = make_cfg(2, 2)
+    ds = resolve_ds_config(
+        load_ds_json(cfg.train.deepspeed_config), cfg.train, cfg.optim, world_size=world, device_type="cpu"
+    )
+    engine = build_engine(ds, cfg.train, cfg.optim, make_model, total_steps=10, steps_per_epoch=10).engine
+    try:
+        GradCacheStep(engine, build_loss("infonce"), accum_freq=2)
+        refused = None
+    except AccumulationUnsupportedError as e:
+        refused = str(e)
+    one = GradCacheStep(engine, build_loss("infonce"), accum_freq=1)  # one backward per step: nothing to coalesce
+    images, tokens = make_batches(world, 1)
+    applied = one(rank_chunks(images, tokens, rank, world, 1)).applied
+    try:  # and a step handed K > 1 chunks anyway refuses too, before any forward
+        one(rank_chunks(*make_batches(world, 2), rank, world, 2))
+        refused_at_call = False
+    except AccumulationUnsupportedError:
+        refused_at_call = True
+    return {"refused": refused, "mode": one.reduction, "applied": applied, "refused_at_call": refused_at_call}
+
+
+def test_accum_freq_refused_where_deepspeed_lacks_coalesced_reduction():
+    """Issue #34: no silent fallback to boundary flags (inexact under ZeRO-2/3 before 0.19.2): one line that
+    names the DeepSpeed version with the API and what to pass instead."""
+    (r,) = run_world(_refusal_without_coalesced_reduction, 1)
+    assert r["refused"] is not None and "\n" not in r["refused"]
+    assert "DeepSpeed >= 0.19.2" in r["refused"] and "--accum-freq 1" in r["refused"], r["refused"]
+    assert r["mode"] == "unsupported" and r["applied"] and r["refused_at_call"]
 
 
 @pytest.mark.parametrize("stage", [0, 1, "2off", "3off"])
@@ -301,6 +363,7 @@ def test_gradcache_other_zero_stages_and_offload(stage):
     """ZeRO-0/1 reduce at the boundary (no coalescing needed); ZeRO-2/3 with CPU offload coalesce, and
     their offloaded step is DeepSpeed's CPU Adam, whose weights must equal torch AdamW's reference."""
     results = run_world(_rank_step, 2, stage, 2, "auto", 0.0, True)
+    assert all(r["reduction"] == ("boundary" if stage == 0 else "coalesced") for r in results)
     expected = "DeepSpeedCPUAdam" if str(stage).endswith("off") else "FusedAdamW"
     assert all(r["optimizer"] == expected for r in results), [r["optimizer"] for r in results]
     assert_matches(results, reference_step(results[0]["initial"], 2, 2), 2, 2)

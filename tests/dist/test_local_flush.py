@@ -1,18 +1,14 @@
-"""ZeRO-1/2 on CPU: dsclip's flat gradient flush against DeepSpeed's own coalesced flush.
+"""ZeRO-1/2 at one rank: the local_flush patch against DeepSpeed's own coalesced flush, bit for bit.
 
-dsclip/engine/local_flush.py replaces DeepSpeed's bucketed reduction by one copy of every ``.grad``
-into a flat buffer laid out like the flat weights, one all-reduce of it when there is more than one
-rank, and this rank's slice handed to ``step()`` as its pre-flattened partition. At one and two
-ranks it sums the same terms (x/2 + y/2), so everything must be bit for bit what DeepSpeed's flush
-gives: the gradients (``safe_get_full_grad``), the gradient norm, the weights and the Adam moments of
-every rank's partition after each of several steps (the buffer is reused across steps), for ZeRO-1
-and ZeRO-2. At one rank in fp32 the optimizer's master partition is the flat weights themselves
-(``_alias_fp32_master``): asserted by pointer, and the same bit-for-bit comparison holds with it. The
-big-batch reference test (test_gradcache.py, worlds 1 and 2) covers the same path against an
-independent computation; the resume tests (tests/e2e/test_checkpoint_resume.py: 2 ranks -> 1 -> 2,
-universal checkpoints) save and load through the aliased master. From its second step a one-rank fp32
-run hands AdamW the gradients themselves instead (dsclip/engine/single_rank_step.py): switched off here,
-compared with DeepSpeed's step in test_single_rank_step.py.
+dsclip/engine/patches/local_flush.py replaces DeepSpeed's bucketed flush by one copy of every ``.grad``
+into a flat buffer laid out like the flat weights, handed to ``step()`` as the pre-flattened partition. At
+one rank there is nothing to sum, so everything must be bit for bit what DeepSpeed's flush gives: the
+gradients (``safe_get_full_grad``), the gradient norm, the weights and the Adam moments after each of
+several steps (the buffer is reused across steps), for ZeRO-1 and ZeRO-2, fp32, bf16 and fp16 (the fp16
+refusal of the CPU accelerator mocked). The patches are chosen as a user chooses them
+(``--engine-patches``): all, none (DeepSpeed's paths: the reference), and overflow_check alone (DeepSpeed's
+flush with dsclip's check, what GPUs at world > 1 run). The big-batch reference test (test_gradcache.py)
+covers the same path against an independent computation.
 """
 
 from __future__ import annotations
@@ -28,25 +24,16 @@ K, STEPS = 3, 3
 
 
 def _run_cases(rank, world, cases):
-    """Every (stage, local, shm) case in this one world, engines built one after another (seeded model)."""
-    import os
-
-    out = []
-    local_size = os.environ["LOCAL_SIZE"]
-    for stage, mode, shm, precision in cases:
-        os.environ["LOCAL_SIZE"] = local_size
-        out.append(_run(rank, world, stage, mode, shm, precision))
-    return out
+    """Every (stage, mode, precision) case in this one world, engines built one after another (seeded model)."""
+    return [_run(rank, world, stage, mode, precision) for stage, mode, precision in cases]
 
 
-# ours: dsclip's flat flush + its overflow check; deepspeed: DeepSpeed's flush and check (the reference);
-# deepspeed+check: DeepSpeed's flush with dsclip's multi-tensor overflow check (what GPUs at world > 1 run)
-MODES = {"ours": (True, True), "deepspeed": (False, False), "deepspeed+check": (False, True)}
+# --engine-patches of each mode. ours: every patch; deepspeed: DeepSpeed's flush and check (the reference);
+# deepspeed+check: DeepSpeed's flush with dsclip's multi-tensor overflow check
+MODES = {"ours": "all", "deepspeed": "none", "deepspeed+check": "overflow_check"}
 
 
-def _run(rank, world, stage, mode, shm=True, precision="fp32"):
-    import os
-
+def _run(rank, world, stage, mode, precision="fp32"):
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 
     from dsclip.engine.build import autocast_dtype, build_engine
@@ -56,6 +43,7 @@ def _run(rank, world, stage, mode, shm=True, precision="fp32"):
 
     cfg = make_cfg(stage, K)
     cfg.optim.grad_clip_norm = 0.05  # clipping rescales the flat buffer in place: covered too
+    cfg.train.engine_patches = MODES[mode]
     device_type = "cpu"
     if precision in ("bf16", "fp16"):  # DeepSpeed checks bf16/fp16 gradients for inf/NaN before each step
         cfg.train.precision, cfg.train.deepspeed_config = precision, f"ds_configs/zero{stage}_{precision}.json"
@@ -73,21 +61,10 @@ def _run(rank, world, stage, mode, shm=True, precision="fp32"):
         ds["fp16"]["initial_scale_power"] = 4  # a loss scale this model's gradients do not overflow at
     bundle = build_engine(ds, cfg.train, cfg.optim, make_model, total_steps=10, steps_per_epoch=10)
     engine = bundle.engine
-    if not shm:  # ranks that are not all on one host: the flat buffer is summed by the process group
-        os.environ.pop("LOCAL_SIZE")
-    local, check = MODES[mode]
-    step = GradCacheStep(
-        engine,
-        build_loss("infonce"),
-        local_flush=local,
-        fast_overflow_check=check,
-        compute_dtype=autocast_dtype(bundle),
-        single_rank_step=False,  # the flat step throughout (the in-place one: test_single_rank_step.py)
-    )
+    step = GradCacheStep(engine, build_loss("infonce"), accum_freq=K, compute_dtype=autocast_dtype(bundle))
     named = list(engine.module.named_parameters())
     out = {
-        "local_flush": step.local_flush,
-        "all_reduce": getattr(engine, "_dsclip_local_flush", None),
+        "local_flush": "local_flush" in bundle.patches.active,
         "norm_fn": engine.optimizer.get_grad_norm_direct.__qualname__,
         "overflow_fn": engine.optimizer.has_overflow_partitioned_grads_serial.__qualname__,
         "check_grad_overflow": engine.optimizer.check_grad_overflow,
@@ -117,81 +94,54 @@ def _run(rank, world, stage, mode, shm=True, precision="fp32"):
         state = engine.optimizer.optimizer.state
         out["exp_avg_sq"].append({i: st["exp_avg_sq"].clone() for i, st in enumerate(state.values())})
     # The step's re-pointing of parameters at their flat slices is skipped while they already are those
-    # views (local_flush._skip_if_views_in_place); a parameter moved off its slice must still be put back.
+    # views (patches/local_flush._skip_if_views_in_place); a parameter moved off its slice must still be put back.
     opt = engine.optimizer
     p0 = opt.bit16_groups[0][0]
     p0.data = p0.data.clone()
     opt._update_model_bit16_weights(0)
     out["repointed"] = p0.data_ptr() == opt.bit16_groups_flat[0].data_ptr()
-    # one rank, fp32: the optimizer's master partition is the flat weights buffer itself (no second copy)
-    masters, parts = opt.single_partition_of_fp32_groups, [g[0] for g in opt.parallel_partitioned_bit16_groups]
-    out["master_aliased"] = getattr(engine, "_dsclip_master_aliased", False)
-    out["master_shares_weights"] = [m.data_ptr() == q.data_ptr() for m, q in zip(masters, parts)]
     return out
 
 
-# (stage, shm, precision) per world; shm=False: ranks not all on one host, the flat buffer summed by the
-# process group; bf16 / fp16 (loss-scaled): DeepSpeed's overflow check runs before every step (fp32 has
-# none), step 1 carries an inf gradient element on rank 0, which must skip that step on every rank, and
-# DeepSpeed's flush also runs with dsclip's overflow check (deepspeed+check) against the reference
-CASES = {
-    1: [(1, True, "fp32"), (2, True, "fp32"), (2, True, "bf16"), (2, True, "fp16")],
-    2: [(1, True, "fp32"), (2, True, "fp32"), (2, False, "fp32"), (2, True, "bf16"), (2, True, "fp16")],
-}
+# (stage, precision); bf16 / fp16 (loss-scaled): DeepSpeed's overflow check runs before every step (fp32 has
+# none), step 1 carries an inf gradient element, which must skip that step, and DeepSpeed's flush also runs
+# with dsclip's overflow check (deepspeed+check) against the reference
+CASES = [(1, "fp32"), (2, "fp32"), (2, "bf16"), (2, "fp16")]
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_local_flush_is_bitwise_deepspeeds_flush(world):
-    # one gloo world per world size: ours and DeepSpeed's flush for every case, one after another
+def test_local_flush_is_bitwise_deepspeeds_flush():
     cases = []
-    for stage, shm, precision in CASES[world]:
+    for stage, precision in CASES:
         modes = ("ours", "deepspeed", "deepspeed+check") if precision != "fp32" else ("ours", "deepspeed")
-        cases += [(stage, mode, shm, precision) for mode in modes]
-    ranks = run_world(_run_cases, world, cases)
+        cases += [(stage, mode, precision) for mode in modes]
+    ranks = run_world(_run_cases, 1, cases)
     results = {c: [r[i] for r in ranks] for i, c in enumerate(cases)}
-    for stage, shm, precision in CASES[world]:
-        case = f"stage {stage}, world {world}, shm {shm}, {precision}"
-        theirs = results[(stage, "deepspeed", shm, precision)]
+    for stage, precision in CASES:
+        case = f"stage {stage}, {precision}"
+        theirs = results[(stage, "deepspeed", precision)]
         assert all(t["overflow_fn"] == "DeepSpeedZeroOptimizer.has_overflow_partitioned_grads_serial" for t in theirs)
-        check_bitwise(
-            results[(stage, "ours", shm, precision)],
-            theirs,
-            world,
-            shm,
-            case,
-            precision != "fp32",
-            fp32=precision == "fp32",
-        )
+        check_bitwise(results[(stage, "ours", precision)], theirs, case, precision != "fp32")
         if precision != "fp32":
             check_bitwise(
-                results[(stage, "deepspeed+check", shm, precision)],
+                results[(stage, "deepspeed+check", precision)],
                 theirs,
-                world,
-                shm,
                 case + ", DeepSpeed's flush with dsclip's overflow check",
                 overflow_checked=True,
                 local_flush=False,
             )
 
 
-def check_bitwise(ours_ranks, theirs_ranks, world, shm, case, overflow_checked=False, local_flush=True, fp32=False):
+def check_bitwise(ours_ranks, theirs_ranks, case, overflow_checked=False, local_flush=True):
     for ours, theirs in zip(ours_ranks, theirs_ranks, strict=True):
         assert ours["local_flush"] == local_flush and not theirs["local_flush"], case
-        aliased = local_flush and fp32 and world == 1
-        assert ours["master_aliased"] == aliased and not theirs["master_aliased"], case
-        assert all(s == aliased for s in ours["master_shares_weights"]), case
-        assert not any(theirs["master_shares_weights"]), case
         assert ours["norm_fn"] == (
             "_flat_grad_norm.<locals>.grad_norm" if local_flush else "DeepSpeedZeroOptimizer.get_grad_norm_direct"
         ), case
         assert theirs["norm_fn"] == "DeepSpeedZeroOptimizer.get_grad_norm_direct", case
         assert ours["overflow_fn"] == "_fast_overflow_check.<locals>.has_overflow_partitioned_grads_serial", case
         assert ours["check_grad_overflow"] == theirs["check_grad_overflow"] == overflow_checked, case
-        # tests/distutil.py sets LOCAL_SIZE: both ranks on this host exchange through shared-memory slots
-        if local_flush:
-            assert ours["all_reduce"] == ("none" if world == 1 else "shm" if shm else "process_group"), case
         assert ours["repointed"] and theirs["repointed"], case
-        # bf16: the step with the inf element is skipped by both checks on every rank, the others applied
+        # bf16: the step with the inf element is skipped by both checks, the others applied
         expected = [s != 1 for s in range(STEPS)] if overflow_checked else [True] * STEPS
         assert ours["applied"] == theirs["applied"] == expected, case
         assert ours["norms"] == theirs["norms"], case
@@ -202,15 +152,12 @@ def check_bitwise(ours_ranks, theirs_ranks, world, shm, case, overflow_checked=F
                 assert not diff, f"{case}, step {s}: {key} differ for {diff}"
         # the steps moved the weights (the comparison is not between two untouched models)
         assert any(not torch.equal(ours["weights"][0][n], ours["weights"][-1][n]) for n in ours["weights"][0]), case
-    if world > 1:  # every rank ends with the same whole model
-        last = [r["weights"][-1] for r in ours_ranks]
-        assert all(torch.equal(last[0][n], last[1][n]) for n in last[0]), case
 
 
 def test_blocked_sum_of_squares_is_float64_accurate():
     """The norm's blocks (a partial last one included) sum every square in float64: within float64's
     worst-case summation bound of the exact sum, where a float32 sum would be off by ~1e-3 here."""
-    from dsclip.engine.local_flush import NORM_BLOCK, sum_of_squares_fp64
+    from dsclip.engine.patches.local_flush import NORM_BLOCK, sum_of_squares_fp64
     from tests.tolerances import worst_case
 
     x = torch.randn(2 * NORM_BLOCK + 12345, generator=torch.Generator().manual_seed(0)) * 1e-3

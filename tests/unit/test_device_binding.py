@@ -153,7 +153,7 @@ def test_init_distributed_binds_the_index_of_the_tasks_view(monkeypatch, capsys,
     assert "device cuda bind cuda:0 gpu 3 visible 3 " in line
     cpus = sorted(os.sched_getaffinity(0))
     cpus_part = f"cpus {world.format_cpus(cpus)} ({len(cpus)})"
-    assert line.endswith(f"{cpus_part} net NCCL_DEBUG=WARN threads 1 (OMP_NUM_THREADS) malloc default")  # GPU
+    assert line.endswith(f"{cpus_part} net NCCL_DEBUG=WARN threads 1 (OMP_NUM_THREADS)")  # GPU
 
 
 @pytest.mark.parametrize(
@@ -201,14 +201,13 @@ def test_init_distributed_divides_the_hosts_cores_when_omp_num_threads_is_unset(
     monkeypatch.setattr(world, "release_shm_workspace", lambda: False)
     monkeypatch.setattr(world, "check_master_port", lambda info: None)
     monkeypatch.setattr(world, "cpu_affinity", lambda: list(range(8)))
-    monkeypatch.setattr(world, "keep_freed_memory", lambda: "kept")  # not this pytest process's malloc
     set_threads = []
     monkeypatch.setattr(torch, "get_num_threads", lambda: 32)
     monkeypatch.setattr(torch, "set_num_threads", set_threads.append)
     world.init_distributed()
     assert set_threads == [2] and os.environ["OMP_NUM_THREADS"] == "2"
     line = [x for x in capsys.readouterr().err.splitlines() if x.startswith("[dsclip] rank 1/4")][0]
-    assert line.endswith("threads 2 (8 cpus / 4 local ranks, OMP_NUM_THREADS unset) malloc kept"), line
+    assert line.endswith("threads 2 (8 cpus / 4 local ranks, OMP_NUM_THREADS unset)"), line
 
     assert world.share_cores(world.world_info(), env={"OMP_NUM_THREADS": "3"}) == "threads 32 (OMP_NUM_THREADS)"
     assert set_threads == [2]  # an explicit OMP_NUM_THREADS is left alone

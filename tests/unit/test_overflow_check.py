@@ -1,4 +1,4 @@
-"""dsclip/engine/overflow_check.py against DeepSpeed's own per-parameter inf/NaN check.
+"""dsclip/engine/patches/overflow_check.py against DeepSpeed's own per-parameter inf/NaN check.
 
 The replacement must give DeepSpeed's answer for every placement of a non-finite value (NaN, +inf,
 -inf; in fp32, bf16 and fp16 gradients; first, middle or last tensor; with empty and missing
@@ -17,11 +17,8 @@ import torch
 from deepspeed.runtime.utils import has_inf_or_nan
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-from dsclip.engine.local_flush import _FlatGrads
-from dsclip.engine.overflow_check import (
-    fast_overflow_check_supported,
-    install_fast_overflow_check,
-)
+from dsclip.engine.patches import overflow_check
+from dsclip.engine.patches.local_flush import _FlatGrads
 
 BAD = (float("nan"), float("inf"), float("-inf"))
 
@@ -39,6 +36,18 @@ def fake_optimizer(groups: list[list]) -> SimpleNamespace:
         opt
     )
     return opt
+
+
+def engine_of(opt, stage: int = 2) -> SimpleNamespace:
+    return SimpleNamespace(optimizer=opt, zero_optimization_stage=lambda: stage)
+
+
+def fast_overflow_check_supported(opt, stage: int = 2) -> bool:
+    return overflow_check.applies(engine_of(opt, stage))
+
+
+def install_fast_overflow_check(opt) -> None:
+    overflow_check.install(engine_of(opt))
 
 
 def deepspeeds_answer(groups) -> bool:
@@ -115,3 +124,5 @@ def test_falls_back_to_deepspeed_for_what_it_does_not_handle():
 def test_not_installed_where_deepspeed_has_no_per_parameter_check():
     assert not fast_overflow_check_supported(None)
     assert not fast_overflow_check_supported(SimpleNamespace(bit16_groups=[], averaged_gradients=[]))
+    # ZeRO-3 checks its one flat buffer
+    assert not fast_overflow_check_supported(fake_optimizer([[torch.ones(3)]]), stage=3)

@@ -1,0 +1,125 @@
+"""The seam: every change dsclip makes to DeepSpeed's (or torch's) internals, one module per change.
+
+Why one place: a patched method that keeps its name but changes what it does upstream would make a run
+silently diverge, so each change states what it was written against and checks it before it goes in,
+the pattern onnxruntime's ``_ds_modifier.py`` uses for the same ZeRO-1/2 methods:
+
+- ``verified``: the DeepSpeed releases its tests ran on (CI's version matrix, .ci/run);
+- ``targets``: the DeepSpeed methods it replaces or whose behaviour it relies on, each with the source
+  fingerprints (dsclip/engine/patches/fingerprint.py) of the verified releases. A missing attribute or an
+  unknown fingerprint means no patch: DeepSpeed's own path runs, and one line in the log names the patch,
+  the installed version and the method that differs;
+- ``applies(engine)``: whether the engine is one the patch is for (ZeRO stage, world, offload ...). A patch
+  that does not apply is simply not installed (no line: that is the normal case, e.g. ZeRO-3).
+
+``build_engine`` calls :func:`install_patches` right after ``deepspeed.initialize``; every patch is scoped to
+that engine (instance attributes of the engine and its optimizer), nothing replaces a module-level
+function. ``--engine-patches`` (run config ``engine_patches``) selects them: ``all`` (default), ``none``,
+a comma list of names, or ``all,-NAME`` to leave some out. The rank line and run_config.yaml list what is
+active. Outside this package nothing touches a private DeepSpeed name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from dsclip.engine.patches import grad_hooks, grad_norm, local_flush, overflow_check, universal_zero3
+from dsclip.engine.patches.fingerprint import deepspeed_version, mismatched_target
+
+ALL, NONE = "all", "none"
+
+
+@dataclass(frozen=True)
+class Patch:
+    name: str
+    summary: str  # what it changes, one line (docs/deepspeed-notes.md has the measurements)
+    verified: tuple[str, ...]
+    targets: dict[str, frozenset[str]]  # "module:Class.method" -> fingerprints of the verified releases
+    applies: Callable[[object], bool]
+    install: Callable[[object], None]
+
+
+PATCHES: tuple[Patch, ...] = tuple(
+    Patch(m.NAME, m.SUMMARY, m.VERIFIED, m.TARGETS, m.applies, m.install)
+    for m in (local_flush, overflow_check, grad_hooks, grad_norm)
+)
+# Patches that act later than build_engine, where the engine does what they repair (a universal load):
+# selected and checked the same way, applied by the code that calls them.
+LOAD_TIME = (universal_zero3,)
+NAMES = tuple(p.name for p in PATCHES) + tuple(m.NAME for m in LOAD_TIME)
+
+
+class PatchSelectionError(ValueError):
+    pass
+
+
+def parse_selection(spec: str) -> frozenset[str]:
+    """``all`` | ``none`` | ``a,b`` | ``all,-a`` -> the set of patch names to try."""
+    items = [s.strip() for s in str(spec).split(",") if s.strip()]
+    chosen: set[str] = set()
+    for item in items or [ALL]:
+        name = item.lstrip("-")
+        if item == ALL:
+            chosen |= set(NAMES)
+        elif item == NONE:
+            chosen.clear()
+        elif name not in NAMES:
+            raise PatchSelectionError(
+                f"--engine-patches: unknown patch {name!r}; known: {', '.join(NAMES)} (or 'all' / 'none')"
+            )
+        elif item.startswith("-"):
+            chosen.discard(name)
+        else:
+            chosen.add(name)
+    return frozenset(chosen)
+
+
+@dataclass
+class PatchReport:
+    selected: frozenset[str] = frozenset()
+    active: list[str] = field(default_factory=list)
+    # name -> why DeepSpeed's own path runs instead (a failed check; not "does not apply")
+    refused: dict[str, str] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        """The rank line's part: ``patches local_flush,overflow_check`` (or ``patches none``)."""
+        return "patches " + (",".join(self.active) or "none")
+
+
+def check_patch(patch: Patch, version: str | None = None) -> str | None:
+    """None when the installed DeepSpeed has every target with a known fingerprint, else the reason."""
+    version = version or deepspeed_version()
+    bad = mismatched_target(patch.targets)
+    if bad is None:
+        return None
+    return (
+        f"patch {patch.name} off: DeepSpeed {version}'s {bad} is not the one it was written against "
+        f"(verified: DeepSpeed {', '.join(patch.verified)}); DeepSpeed's own path runs"
+    )
+
+
+def install_patches(engine, selection: str | frozenset[str] = ALL, log: Callable[[str], None] = print) -> PatchReport:
+    """Install every selected patch that applies to ``engine`` and passes its check; log each refusal."""
+    chosen = parse_selection(selection) if isinstance(selection, str) else selection
+    report = PatchReport(selected=chosen)
+    for patch in PATCHES:
+        if patch.name not in chosen or not patch.applies(engine):
+            continue
+        reason = check_patch(patch)
+        if reason is not None:
+            report.refused[patch.name] = reason
+            log(f"[dsclip] {reason}")
+            continue
+        patch.install(engine)
+        report.active.append(patch.name)
+    for module in LOAD_TIME:  # listed as active where they would act (they check again when they do)
+        if module.NAME in chosen and module.applies(engine) and mismatched_target(module.TARGETS) is None:
+            report.active.append(module.NAME)
+    engine.dsclip_patches = report  # what tests, bench/ and the run config read
+    return report
+
+
+def active_patches(engine) -> list[str]:
+    report = getattr(engine, "dsclip_patches", None)
+    return list(report.active) if report is not None else []
