@@ -25,7 +25,7 @@ KERNEL_TESTS ?= 'tests/dist/test_gradcache.py::test_gradcache_equals_big_batch[1
 # .ci/run passes --after-make-test: the leg with this CPU's best kernels and 1 thread is `make test` itself.
 KERNEL_LEGS_ARGS ?=
 
-.PHONY: venv demo test test-all test-kernels lint docs clean
+.PHONY: venv demo test test-all test-kernels test-ds-floor lint docs clean
 
 # DeepSpeed JIT-compiles two C++ ops on CPU the first time they are used: the shm all-reduce (every run)
 # and cpu_adam (ZeRO-Offload); ~1-2 min of both cores from nothing. `make venv` compiles them into
@@ -68,6 +68,38 @@ test-all: venv
 # threads per process; every leg prints the capability torch really used (tests/conftest.py summary).
 test-kernels: venv
 	$(PY) tests/kernel_legs.py $(KERNEL_LEGS_ARGS) $(KERNEL_TESTS)
+
+# The oldest DeepSpeed setup.py allows (the newest is the venv's own): the numerical core again against it
+# (issue #31). A second venv holding only that DeepSpeed, its scripts and ninja, with the main venv's
+# site-packages behind it (a .pth line), so nothing else is installed twice (seconds, not minutes). Its own
+# JIT cache: the ops of two DeepSpeed releases differ. Tests that assert a patch is active ask the patch's
+# check first (on this release most patches fall back: DeepSpeed's own paths are what is tested here).
+DS_FLOOR ?= 0.19.2
+FLOOR_VENV ?= .venv-ds-$(DS_FLOOR)
+FLOOR_TESTS ?= tests/unit/test_patches.py tests/unit/test_overflow_check.py \
+	'tests/dist/test_gradcache.py::test_gradcache_equals_big_batch[2-2-1]' \
+	'tests/dist/test_gradcache.py::test_gradcache_equals_big_batch[2-2-2]' \
+	'tests/dist/test_gradcache.py::test_gradcache_equals_big_batch[2-3-1]' \
+	'tests/dist/test_gradcache.py::test_gradcache_equals_big_batch[2-3-2]' \
+	'tests/dist/test_gradcache.py::test_gradcache_other_zero_stages_and_offload[1]' \
+	tests/dist/test_gradcache.py::test_gradcache_equals_big_batch_with_patches_off \
+	tests/dist/test_gradcache.py::test_accum_freq_refused_where_deepspeed_lacks_coalesced_reduction \
+	tests/dist/test_local_flush.py tests/dist/test_convert.py \
+	'tests/e2e/test_checkpoint_resume.py::test_resume_on_other_world_size_continues_loss_curve' \
+	'tests/e2e/test_train_cli.py::test_two_rank_deepspeed_launcher_trains_and_resumes_exactly[zero2_bf16]'
+
+$(FLOOR_VENV)/.installed: $(VENV)/.installed
+	test -x $(FLOOR_VENV)/bin/python || $(PYTHON) -m venv $(FLOOR_VENV)
+	$(FLOOR_VENV)/bin/python -m pip install -q --no-deps deepspeed==$(DS_FLOOR)
+	ln -sf $(abspath $(VENV))/bin/ninja $(FLOOR_VENV)/bin/ninja
+	echo "import site; site.addsitedir('$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')')" \
+	  > "$$($(FLOOR_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/zz_main_venv.pth"
+	$(FLOOR_VENV)/bin/python -c 'import deepspeed, dsclip; assert deepspeed.__version__ == "$(DS_FLOOR)", deepspeed.__version__'
+	touch $@
+
+test-ds-floor: $(FLOOR_VENV)/.installed
+	TORCH_EXTENSIONS_DIR=$(CURDIR)/.cache/torch_extensions-ds-$(DS_FLOOR) OMP_NUM_THREADS=1 $(FLOOR_VENV)/bin/python \
+	  -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup --durations=10 $(FLOOR_TESTS)
 
 lint: venv
 	$(PY) -m ruff check dsclip tests bench

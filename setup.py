@@ -15,7 +15,9 @@ setup(
     install_requires=[
         "torch>=2.4",
         "torchvision",
-        "deepspeed>=0.19.2",  # coalesce_grad_reduction (PR #7992) is what the gradient cache relies on
+        # the range .ci/run tests, oldest and newest (dsclip/engine/patches/versions.py); 0.19.2 brought
+        # coalesce_grad_reduction (PR #7992), what the gradient cache relies on
+        "deepspeed>=0.19.2,<=0.19.8",
         "timm>=1.0",
         "webdataset>=0.2.86",
         "sentencepiece",

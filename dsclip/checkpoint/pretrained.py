@@ -192,9 +192,13 @@ def load_pretrained_into(model: nn.Module, path: str | os.PathLike) -> None:
             continue
         partitioned = [p for p in params.values() if _is_partitioned(p)]
         if partitioned:
+            # Every rank copies the same values, not rank 0 alone: on exit rank 0's copy is what gets
+            # re-partitioned, but ZeRO-3 *persistent* parameters (below stage3_param_persistence_threshold,
+            # held whole on every rank) were not re-broadcast by DeepSpeed before 0.19.8, so rank 1 kept its
+            # init values and embedded differently (tests/dist/test_convert.py, CI's oldest DeepSpeed).
             with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=0):
-                if rank == 0:
-                    copied += _copy(source, plan, prefix, params)
+                n = _copy(source, plan, prefix, params)
+                copied += n if rank == 0 else 0
         else:
             copied += _copy(source, plan, prefix, params)
         copied += _copy(source, plan, prefix, buffers)  # buffers are never partitioned

@@ -43,6 +43,7 @@ def check(cfg: RunConfig, *, rank: int = 0) -> RunConfig:
     _check_model(cfg)
     _check_precision(cfg)
     _check_resume(cfg)
+    _check_deepspeed(cfg, rank=rank)
     kind = _check_data(cfg)
     return _default_tokenizer(cfg, kind, rank=rank)
 
@@ -79,6 +80,24 @@ def _check_precision(cfg: RunConfig) -> None:
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     ds = copy.deepcopy(load_ds_json(cfg.train.deepspeed_config))
     _fill_precision(ds, cfg.train, str(cfg.train.deepspeed_config), device_type)
+
+
+def _check_deepspeed(cfg: RunConfig, *, rank: int) -> None:
+    """From the installed DeepSpeed's version alone (no import): --engine-patches names, --accum-freq > 1
+    without exact accumulation (issue #34), and one line when the version is outside the tested range."""
+    from dsclip.engine.patches import PatchSelectionError, parse_selection
+    from dsclip.engine.patches.accumulation import refusal
+    from dsclip.engine.patches.versions import has_coalesced_reduction, outside_tested_range
+
+    try:
+        parse_selection(cfg.train.engine_patches)
+    except PatchSelectionError as e:
+        raise ConfigError(str(e)) from e
+    if cfg.train.accum_freq > 1 and not has_coalesced_reduction():
+        raise refusal(cfg.train.accum_freq)
+    line = outside_tested_range()
+    if line is not None and rank == 0:
+        print(line, flush=True)
 
 
 def _check_resume(cfg: RunConfig) -> None:

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from dsclip.engine.patches import passes_check
 from dsclip.model import (
     create_model,
     get_model_config,
@@ -302,7 +303,8 @@ def test_gradcache_equals_big_batch(world, stage, k, shared_dir):
     results = plain_run(shared_dir, world, stage, k)
     assert all(r["hooks_restored"] for r in results)
     assert_matches(results, reference_step(results[0]["initial"], world, k), world, k)
-    assert all(r["patches"] == EXPECTED_PATCHES[(world, stage)] for r in results), results[0]["patches"]
+    expected = [n for n in EXPECTED_PATCHES[(world, stage)] if passes_check(n)]  # all, on a verified DeepSpeed
+    assert all(r["patches"] == expected for r in results), results[0]["patches"]
     assert all(r["reduction"] == "coalesced" for r in results)
 
 

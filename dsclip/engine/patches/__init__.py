@@ -9,8 +9,10 @@ the pattern onnxruntime's ``_ds_modifier.py`` uses for the same ZeRO-1/2 methods
   fingerprints (dsclip/engine/patches/fingerprint.py) of the verified releases. A missing attribute or an
   unknown fingerprint means no patch: DeepSpeed's own path runs, and one line in the log names the patch,
   the installed version and the method that differs;
-- ``applies(engine)``: whether the engine is one the patch is for (ZeRO stage, world, offload ...). A patch
-  that does not apply is simply not installed (no line: that is the normal case, e.g. ZeRO-3).
+- ``stages``: the ZeRO stages it is for; on other stages it is not considered at all (no line: the normal
+  case, e.g. ZeRO-1/2 patches under ZeRO-3). The fingerprint check comes next, then
+- ``applies(engine)``: whether this engine is the plain case the patch handles (world, offload, layout ...);
+  where it is not, DeepSpeed's path runs without a line (nothing is wrong with the installed DeepSpeed).
 
 ``build_engine`` calls :func:`install_patches` right after ``deepspeed.initialize``; every patch is scoped to
 that engine (instance attributes of the engine and its optimizer), nothing replaces a module-level
@@ -36,12 +38,13 @@ class Patch:
     summary: str  # what it changes, one line (docs/deepspeed-notes.md has the measurements)
     verified: tuple[str, ...]
     targets: dict[str, frozenset[str]]  # "module:Class.method" -> fingerprints of the verified releases
+    stages: tuple[int, ...]
     applies: Callable[[object], bool]
     install: Callable[[object], None]
 
 
 PATCHES: tuple[Patch, ...] = tuple(
-    Patch(m.NAME, m.SUMMARY, m.VERIFIED, m.TARGETS, m.applies, m.install)
+    Patch(m.NAME, m.SUMMARY, m.VERIFIED, m.TARGETS, m.STAGES, m.applies, m.install)
     for m in (local_flush, overflow_check, grad_hooks, grad_norm)
 )
 # Patches that act later than build_engine, where the engine does what they repair (a universal load):
@@ -99,22 +102,31 @@ def check_patch(patch: Patch, version: str | None = None) -> str | None:
     )
 
 
+def passes_check(name: str) -> bool:
+    """Whether patch ``name``'s targets are the verified ones in the installed DeepSpeed."""
+    targets = {p.name: p.targets for p in PATCHES} | {m.NAME: m.TARGETS for m in LOAD_TIME}
+    return mismatched_target(targets[name]) is None
+
+
 def install_patches(engine, selection: str | frozenset[str] = ALL, log: Callable[[str], None] = print) -> PatchReport:
     """Install every selected patch that applies to ``engine`` and passes its check; log each refusal."""
     chosen = parse_selection(selection) if isinstance(selection, str) else selection
     report = PatchReport(selected=chosen)
+    stage = engine.zero_optimization_stage()
     for patch in PATCHES:
-        if patch.name not in chosen or not patch.applies(engine):
+        if patch.name not in chosen or stage not in patch.stages:
             continue
         reason = check_patch(patch)
         if reason is not None:
             report.refused[patch.name] = reason
             log(f"[dsclip] {reason}")
             continue
+        if not patch.applies(engine):
+            continue
         patch.install(engine)
         report.active.append(patch.name)
     for module in LOAD_TIME:  # listed as active where they would act (they check again when they do)
-        if module.NAME in chosen and module.applies(engine) and mismatched_target(module.TARGETS) is None:
+        if module.NAME in chosen and stage in module.STAGES and mismatched_target(module.TARGETS) is None:
             report.active.append(module.NAME)
     engine.dsclip_patches = report  # what tests, bench/ and the run config read
     return report

@@ -33,14 +33,18 @@ def accumulation_mode(engine) -> str:
     return "coalesced"
 
 
+def refusal(accum_freq: int) -> AccumulationUnsupportedError:
+    return AccumulationUnsupportedError(
+        f"--accum-freq {accum_freq} needs DeepSpeed >= {COALESCE_API_VERSION} (engine.coalesce_grad_reduction); "
+        f"DeepSpeed {deepspeed_version()} has no exact way to reduce several backwards per step. "
+        f"Upgrade DeepSpeed (pip install 'deepspeed>={COALESCE_API_VERSION}'), or pass --accum-freq 1 with a "
+        f"larger --batch-size (dsclip plan --max-batch shows what fits)"
+    )
+
+
 def require_exact_accumulation(engine, accum_freq: int) -> str:
     """The mode for ``accum_freq`` micro-batches per step, or a one-line error where it would not be exact."""
     mode = accumulation_mode(engine)
     if accum_freq > 1 and mode == "unsupported":
-        raise AccumulationUnsupportedError(
-            f"--accum-freq {accum_freq} needs DeepSpeed >= {COALESCE_API_VERSION} (engine.coalesce_grad_reduction); "
-            f"DeepSpeed {deepspeed_version()} has no exact way to reduce several backwards per step. "
-            f"Upgrade DeepSpeed (pip install 'deepspeed>={COALESCE_API_VERSION}'), or pass --accum-freq 1 with a "
-            f"larger --batch-size (dsclip plan --max-batch shows what fits)"
-        )
+        raise refusal(accum_freq)
     return mode

@@ -25,6 +25,7 @@ NAME = "grad_hooks"
 SUMMARY = "ZeRO-1/2: DeepSpeed's per-parameter gradient hooks out of the backwards of a coalesced block"
 VERIFIED = ("0.19.8",)
 _Z = "deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer."
+STAGES = (1, 2)
 TARGETS = {
     "deepspeed.runtime.engine:DeepSpeedEngine.coalesce_grad_reduction": frozenset({"79db9ff01808"}),
     _Z + "create_gradient_handling_hooks": frozenset({"889a2e66c36c"}),

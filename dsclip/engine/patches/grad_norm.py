@@ -24,6 +24,7 @@ import torch
 NAME = "grad_norm"
 SUMMARY = "ZeRO-1/2 without clipping: the global gradient norm only on the steps that report it"
 VERIFIED = ("0.19.8",)
+STAGES = (1, 2)
 TARGETS = {"deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer.step": frozenset({"279ae7c6a4e8"})}
 
 

@@ -30,6 +30,7 @@ SUMMARY = "one rank, ZeRO-1/2: the coalesced flush as one copy into a flat parti
 VERIFIED = ("0.19.8",)
 _Z = "deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer."
 _E = "deepspeed.runtime.engine:DeepSpeedEngine."
+STAGES = (1, 2)
 TARGETS = {
     _E + "coalesce_grad_reduction": frozenset({"79db9ff01808"}),
     _E + "_flush_coalesced_reduction_zero12": frozenset({"03b969f7dd4c"}),

@@ -25,6 +25,7 @@ SUMMARY = "ZeRO-1/2: the pre-step inf/NaN check in multi-tensor kernels instead 
 VERIFIED = ("0.19.8",)
 METHOD = "has_overflow_partitioned_grads_serial"
 _Z = "deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer."
+STAGES = (1, 2)
 TARGETS = {
     _Z + METHOD: frozenset({"6141630b8b45"}),
     _Z + "has_overflow": frozenset({"53a5fc9ff81a"}),  # calls it (the cpu_offload branch aside)

@@ -22,16 +22,13 @@ import torch
 from dsclip.engine.patches.fingerprint import deepspeed_version, mismatched_target
 
 NAME = "universal_zero3"
-VERIFIED = ("0.19.8",)
+VERIFIED = ("0.19.2", "0.19.8")
+STAGES = (3,)
 TARGETS = {
     "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3": (
-        frozenset({"461ec0c7c73f"})
+        frozenset({"bcf61c804ca4", "461ec0c7c73f"})
     ),
 }
-
-
-def applies(engine) -> bool:
-    return engine.zero_optimization_stage() == 3
 
 
 def load_universal(engine, load_dir: Path, tag: str, *, enabled: bool = True) -> tuple[Any, Any]:
