@@ -32,8 +32,6 @@ from dsclip.config_base import ConfigError
 from dsclip.dist import rank_world
 from dsclip.model import (
     StateDictMismatchError,
-    create_model,
-    load_model,
     to_openclip_state_dict,
 )
 from dsclip.model.openclip import expected_shapes, unwrap_state_dict
@@ -89,10 +87,6 @@ class WeightSource:
 
 def _strip(key: str) -> str:
     return key[len("module.") :] if key.startswith("module.") else key
-
-
-def _meta(shapes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
-    return {k: torch.empty(s, device="meta") for k, s in shapes.items()}
 
 
 class PretrainedMismatchError(StateDictMismatchError, ConfigError):
@@ -214,18 +208,6 @@ def _copy(source: WeightSource, plan: dict[str, str], prefix: str, tensors: dict
             value = resample_pos_embed(value, t.shape)
         t.copy_(value.reshape(t.shape))  # OpenCLIP's 0-dim logit_scale / (1,1,W) class token -> dsclip shapes
     return len(tensors)
-
-
-def load_pretrained_model(path: str | os.PathLike, model: str | dict | None = None, device: str = "cpu"):
-    """A plain (non-distributed) ``CLIP`` from ``path``: with ``model`` (an architecture name or config),
-    that architecture loaded with ``load_pretrained_into`` (bare OpenCLIP checkpoints have no config);
-    else ``dsclip.model.load_model`` (a config.json / open_clip_config.json beside the weights)."""
-
-    if model is None:
-        return load_model(path, device=device)
-    m = create_model(model, device=device)
-    load_pretrained_into(m, path)
-    return m.eval()
 
 
 # --- --pretrained by name: OpenCLIP tags and hf-hub models, through open_clip's own registry -------------

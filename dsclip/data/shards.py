@@ -26,7 +26,6 @@ from webdataset.gopen import gopen
 log = logging.getLogger("dsclip.data")
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
-TEXT_EXTS = ("txt", "json")
 _REMOTE = re.compile(r"^(pipe:|https?://|s3://|gs://|ais://)")
 _WARN_LIMIT = 5  # warnings per reason per process; everything is still counted
 

@@ -286,13 +286,3 @@ def openclip_preprocess_cfg(data: Mapping[str, Any]) -> dict[str, Any]:
 def preprocess_settings(preprocess_cfg: Mapping[str, Any]) -> dict[str, Any]:
     """The inverse: an OpenCLIP ``preprocess_cfg`` -> DataConfig settings (``image_mean``, ...)."""
     return {name: preprocess_cfg[key] for key, name in PREPROCESS_FIELDS.items() if preprocess_cfg.get(key)}
-
-
-def normalize_uint8(images: torch.Tensor, mean=OPENAI_DATASET_MEAN, std=OPENAI_DATASET_STD) -> torch.Tensor:
-    """uint8 (..., 3, H, W) or float in [0, 1] -> float normalized with the CLIP mean/std."""
-    x = images.float()
-    if images.dtype == torch.uint8:
-        x = x / 255.0
-    m = torch.tensor(mean, dtype=x.dtype).view(3, 1, 1)
-    s = torch.tensor(std, dtype=x.dtype).view(3, 1, 1)
-    return (x - m) / s

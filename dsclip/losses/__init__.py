@@ -71,4 +71,8 @@ def build_loss(
         return InfoNCELoss(local=True, label_smoothing=cfg.label_smoothing, check_finite=cfg.check_finite, group=group)
     if cfg.name == "infonce_tiled":
         return TiledInfoNCELoss(cfg.tile_size, cfg.label_smoothing, check_finite=cfg.check_finite, group=group)
-    return SigLipRingLoss(cfg.tile_size, check_finite=cfg.check_finite, group=group)
+    if cfg.name == "siglip":
+        return SigLipRingLoss(cfg.tile_size, check_finite=cfg.check_finite, group=group)
+    # LossConfig validates the name; this line is for a LossConfig built around that check (a new name
+    # added to LOSS_NAMES without a branch here must not silently become another loss)
+    raise ValueError(f"unknown loss {cfg.name!r}: choose one of {', '.join(LOSS_NAMES)}")

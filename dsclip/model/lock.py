@@ -162,7 +162,3 @@ def count_parameters(model: nn.Module) -> dict[str, int]:
     total = sum(numel(p) for p in model.parameters())
     trainable = sum(numel(p) for p in model.parameters() if p.requires_grad)
     return {"total": total, "trainable": trainable, "locked": total - trainable}
-
-
-def locked_names(model: nn.Module) -> list[str]:
-    return [n for n, p in model.named_parameters() if not p.requires_grad]

@@ -37,6 +37,7 @@ from dsclip.train.build import (
     check_torchcompile,
     merge_ds_config,
     model_factory,
+    record_engine_patches,
     resolved_model_config,
     write_run_files,
 )
@@ -282,6 +283,8 @@ def build_run(cfg: RunConfig) -> Run:
         total_steps=plan.total_steps, steps_per_epoch=plan.steps_per_epoch,
         grad_checkpointing=cfg.model.grad_checkpointing, after_construction=ft.after_construction,  # weights, locking
     )  # fmt: skip
+    if rank == 0:
+        record_engine_patches(cfg.run_dir, bundle)  # what the rank lines say, kept with the run
     teacher = teacher_plan.build(ds_config) if teacher_plan else None  # outside the student's engine
     step_fn = build_step(bundle, cfg.loss, cfg.train, teacher)
     device = bundle.engine.device

@@ -256,3 +256,19 @@ def test_bad_input_world1(name):
 def test_losses_never_import_deepspeed():
     code = "import sys, dsclip.losses; sys.exit(int(any(m.startswith('deepspeed') for m in sys.modules)))"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+def test_unknown_loss_name_is_an_error_not_siglip():
+    """Issue #31: build_loss used to fall through to SigLIP for any name it did not know."""
+    import dataclasses
+
+    from dsclip.losses import LossConfig, SigLipRingLoss, build_loss
+
+    with pytest.raises(ValueError, match="unknown loss 'sigmoid'; choose one of infonce"):
+        build_loss("sigmoid")
+    cfg = LossConfig(name="siglip")
+    assert isinstance(build_loss(cfg), SigLipRingLoss)
+    bypassed = dataclasses.replace(cfg)
+    object.__setattr__(bypassed, "name", "siglip2")  # a config built around LossConfig's own check
+    with pytest.raises(ValueError, match="unknown loss 'siglip2'"):
+        build_loss(bypassed)

@@ -22,7 +22,7 @@ import torch
 
 NAME = "overflow_check"
 SUMMARY = "ZeRO-1/2: the pre-step inf/NaN check in multi-tensor kernels instead of ~12 launches per parameter"
-VERIFIED = ("0.19.8",)
+VERIFIED = ("0.19.2", "0.19.8")  # the same sources in both (tests on CI's oldest: make test-ds-floor)
 METHOD = "has_overflow_partitioned_grads_serial"
 _Z = "deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer."
 STAGES = (1, 2)
