@@ -14,6 +14,7 @@ Then the loss alone: tiled vs local InfoNCE forward+backward at large N (time an
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -124,7 +125,7 @@ def openclip_run(name, cfg, bs, steps, dev):
     return sps, peak_mem_gb(dev)  # model and optimizer are freed on return
 
 
-def dsclip_run(name, cfg, bs, steps, dev, compile_blocks=False):
+def dsclip_run(name, cfg, bs, steps, dev, compile_blocks=False, engine_patches="all"):
     from dsclip.engine.build import autocast_dtype
     from dsclip.losses import build_loss
     from dsclip.train.gradcache import GradCacheStep
@@ -132,7 +133,9 @@ def dsclip_run(name, cfg, bs, steps, dev, compile_blocks=False):
 
     precision = "bf16" if dev.type == "cuda" else "fp32"
     # compile_blocks: --torchcompile (inductor, every transformer block); compiled in the untimed warm-up
-    extra = {"torchcompile": True} if compile_blocks else None
+    # engine_patches: --engine-patches (dsclip/engine/patches/): all (the default), none (DeepSpeed's own paths)
+    extra = {"torchcompile": True} if compile_blocks else {}
+    extra["engine_patches"] = engine_patches
     engine, bundle, _ = V.dsclip_engine(precision, bs, 1, cfg, 1, extra=extra, device_type=dev.type)
     step = GradCacheStep(engine, build_loss("infonce"), compute_dtype=autocast_dtype(bundle))
     for b in make_batches(cfg, bs, 2, dev):
@@ -157,6 +160,12 @@ TRAINERS = {
     "openclip": openclip_run,
     "dsclip": dsclip_run,
     "dsclip_compile": lambda *a: dsclip_run(*a, compile_blocks=True),
+    # the seam (issue #31): DeepSpeed's own paths only, and each patch left out in turn
+    "dsclip_patches_none": lambda *a: dsclip_run(*a, engine_patches="none"),
+    **{
+        f"dsclip_no_{p}": functools.partial(dsclip_run, engine_patches=f"all,-{p}")
+        for p in ("local_flush", "overflow_check", "grad_hooks", "grad_norm")
+    },
 }
 
 
@@ -213,7 +222,8 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--trainers",
         default="openclip,dsclip",
-        help="compared trainers, alternated: openclip, dsclip, dsclip_compile (dsclip with --torchcompile)",
+        help="compared trainers, alternated: openclip, dsclip, dsclip_compile (dsclip with --torchcompile), "
+        "dsclip_patches_none (--engine-patches none), dsclip_no_PATCH (--engine-patches all,-PATCH)",
     )
     ap.add_argument("--assume-fits", action="store_true", help="skip the OOM probe: the given batch is known to fit")
     ap.add_argument("--loss-sizes", default="32768,65536,131072", help="N for the loss-memory rows ('' skips them)")

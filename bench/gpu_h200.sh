@@ -6,10 +6,12 @@
 #      launcher), then `python -m dsclip train` with ZeRO-2 bf16 and the gradient cache (--accum-freq 2,
 #      the one-rank flat flush). Each run's zero-shot line against the CPU fp32 result in README.
 #   2. bench/gpu_bench.py: dsclip vs open_clip_train samples/s, peak memory and MFU (bf16, fused AdamW,
-#      same synthetic batches, alternated) for ViT-B-32 and ViT-L-14.
+#      same synthetic batches, alternated) for ViT-B-32 and ViT-L-14; dsclip with its default engine patches
+#      and with none (--engine-patches none: DeepSpeed's own paths; issue #31's goal: default >= 1.15x).
 #   3. bench/gpu_flush_check.py: the flat flush against DeepSpeed's flush on the GPU (ZeRO-2 bf16 and fp16, K=2).
 #   4. bench/gpu_profile.py: step-time variants and profiler tables (where the remaining time goes).
 #   5. bench/gpu_bench.py --trainers dsclip,dsclip_compile: --torchcompile on/off (features table's GPU column).
+
 # (Measured once and not repeated each lease: bench/utilisation.py --device cuda, the GEMM rate at the ViT
 # block shapes; bench/gpu_bench.py's loss-memory rows, --loss-sizes 32768,65536,131072.)
 # Results land in $OUT (or ./gpu_results): logs and JSON.
@@ -50,8 +52,9 @@ stage fp16_zero2_launcher 50 deepspeed --num_gpus 1 --master_port 29611 --module
   --name fp16_zero2 --deepspeed-config zero2_fp16 --precision fp16
 stage bf16_zero2_gradcache 50 "$PY" -m dsclip train "${DEMO[@]}" --name bf16_zero2_accum2 \
   --deepspeed-config zero2_bf16 --precision bf16 --accum-freq 2 --batch-size 64
-stage gpu_bench 210 "$PY" bench/gpu_bench.py --models ViT-B-32=512,ViT-L-14=128 --rounds 2 --steps 8 \
-  --assume-fits --loss-sizes ""
+# also the seam (issue #31): dsclip with its default patch set and with none (DeepSpeed's own paths)
+stage gpu_bench 290 "$PY" bench/gpu_bench.py --models ViT-B-32=512,ViT-L-14=128 --rounds 2 --steps 8 \
+  --trainers openclip,dsclip,dsclip_patches_none --assume-fits --loss-sizes ""
 # one stage (one log): at most 8 files come back from the device machine
 stage flush_check 100 bash -c "for p in bf16 fp16; do $PY bench/gpu_flush_check.py --model ViT-B-32 --batch 64 \
   --accum-freq 2 --precision \$p || exit 1; done"
