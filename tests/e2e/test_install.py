@@ -60,10 +60,12 @@ def test_wheel_in_a_fresh_venv_trains_two_steps_from_an_empty_directory(tmp_path
         [str(vpy), "-c", "import dsclip; print(dsclip.__file__)"],
         cwd=work,
         env=env,
-        check=True,
+        check=False,
         capture_output=True,
         text=True,
-    ).stdout.strip()
+    )
+    assert where.returncode == 0, where.stderr[-3000:]
+    where = where.stdout.strip()
     assert where.startswith(site), f"dsclip imported from {where}, not from the installed wheel in {site}"
 
     p = subprocess.run(
