@@ -140,7 +140,12 @@ def test_awkward_batch_decoded_or_counted(tmp_path):
         for i, data in enumerate(samples):
             _add(tar, f"{i:06d}.{'png' if i == 1 else 'jpg'}", data)
             _add(tar, f"{i:06d}.txt", f"sample {i}".encode())
-    cfg = DataConfig(train_data=str(tmp_path / "s.tar"), train_num_samples=6, workers=0, data_decode="cpu")
+    # the size limits off (--min-image-size / --max-image-size 0): the point is that the decode path takes
+    # the 1x1 and 6000x4000 images; the limits have their own tests (test_data_wds.py)
+    cfg = DataConfig(
+        train_data=str(tmp_path / "s.tar"), train_num_samples=6, workers=0, data_decode="cpu",
+        min_image_size=0, max_image_size=0,
+    )  # fmt: skip
     td = build_train_data(cfg, tokenizer=IdTokenizer(), image_size=32, batch_size=6, rank=0, world_size=1, seed=0)
     try:
         ((images, tokens),) = list(td.batches(0))
