@@ -32,7 +32,7 @@ COMMANDS = {
     "convert": ("dsclip.checkpoint.convert", "main_convert"),
     "data": ("dsclip.data.cli", "main_data"),
     "tokenizer": ("dsclip.data.cli", "main_tokenizer"),
-    "plan": ("dsclip.plan", "main_plan"),
+    "plan": ("dsclip.plan_cli", "main_plan"),
 }
 
 

@@ -1,8 +1,12 @@
 """``dsclip plan``: what fits on each GPU, and how fast it runs, before a big job is queued.
 
-    dsclip plan --model ViT-bigG-14 --gpus 256 --gpu-memory 80 --batch-size 32768 | --max-batch \
-        [--zero 2|3] [--precision bf16] [--grad-checkpointing] [--patch-dropout 0.5] \
+    dsclip plan --model ViT-bigG-14 --gpus 256 --gpu-memory 80 --batch-size 64 --accum-freq 2 | --max-batch \
+        [--zero 2|3] [--precision bf16] [--grad-checkpointing] [--force-patch-dropout 0.5] \
         [--loss infonce|infonce_local|infonce_tiled|siglip] [--mfu 0.4] [--peak-tflops 790]
+
+The command line (dsclip/plan_cli.py) takes dsclip train's flag names with their meanings. The Python
+API below counts in global rows: ``make_plan(batch_size=...)`` is the global contrastive batch and
+``micro_batch`` the per-GPU micro-batch.
 
 Everything is computed from the architecture (no GPU, no weights: the model is built on the meta
 device to count parameters). Each number has one function here, and the tests check them against
@@ -25,10 +29,10 @@ measurements:
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import math
+import shlex
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -409,10 +413,12 @@ def make_plan(
     host_memory_gb: float = 1024.0,
     device: str = "cuda",
     baseline_gb: float | None = None,
+    ds_config: tuple[str, dict] | None = None,
 ) -> Plan:
     """Plan one run. ``device="cpu"`` predicts the peak resident memory of each rank of a CPU run
     (``gpu_memory_gb`` is then the RAM per rank and ``baseline_gb`` the measured resident size of a rank
-    before the model exists: see :func:`_plan_cpu_memory`)."""
+    before the model exists: see :func:`_plan_cpu_memory`). ``ds_config`` is (name as printed, JSON) of the
+    user's DeepSpeed JSON; default: the shipped one for ``zero`` and ``precision``."""
     _check_plan_args(loss, zero, precision, gpus, batch_size, gpu_memory_gb, patch_dropout, mfu)
     if lock is not None:
         shape = load_arch(model, count_params=False, image_size=image_size)
@@ -438,7 +444,7 @@ def make_plan(
         lock={k: v for k, v in asdict(lock).items() if v} if lock is not None else {},
     )
     plan.local_batch = batch_size // gpus
-    ds_name, ds_cfg = shipped_ds_config(zero, precision)
+    ds_name, ds_cfg = ds_config or shipped_ds_config(zero, precision)
     if device == "cpu":
         losses = _plan_cpu_memory(plan, arch, tile, baseline_gb, keep_last_graph, micro_batch)
     else:
@@ -591,20 +597,26 @@ def _plan_speed(plan: Plan, arch: Arch, keep_last_graph: bool) -> None:
 
 
 def _train_command(plan: Plan, ds_name: str, tile: int, gpus_per_node: int) -> str:
-    gpus, micro = plan.gpus, plan.micro_batch
+    gpus = plan.gpus
     nodes = math.ceil(gpus / gpus_per_node)
     launch = (
         f"deepspeed --num_nodes {nodes} --num_gpus {min(gpus, gpus_per_node)} --hostfile HOSTFILE " if gpus > 1 else ""
     )
     if plan.device == "cpu" and gpus > 1:  # one machine, CPU ranks over gloo
         launch = f"deepspeed --num_gpus {gpus} "
+    head = f"{launch}--module dsclip train" if launch else "dsclip train"
+    return " ".join([head, *train_args(plan, ds_name, tile)])
+
+
+def train_args(plan: Plan, ds_name: str, tile: int) -> list[str]:
+    """The ``dsclip train`` flags (shell words, already quoted) that run this plan's settings."""
+    micro = plan.micro_batch
     args = [
-        f"{launch}--module dsclip train" if launch else "dsclip train",
-        f"--model {plan.model}",
+        f"--model {shlex.quote(plan.model)}",
         f"--batch-size {max(micro, 1)}",
         f"--accum-freq {max(plan.accum_freq, 1)}",
         f"--precision {plan.precision}",
-        f"--deepspeed-config {ds_name}",
+        f"--deepspeed-config {shlex.quote(ds_name)}",
     ]
     if plan.grad_checkpointing:
         args.append("--grad-checkpointing")
@@ -618,7 +630,7 @@ def _train_command(plan: Plan, ds_name: str, tile: int, gpus_per_node: int) -> s
     args += LOSS_FLAGS[plan.loss]
     if plan.loss in ("infonce_tiled", "siglip") and tile != TRAIN_TILE_SIZE:
         args.append(f"--loss-tile-size {tile}")
-    return " ".join(args)
+    return args
 
 
 def _plan_notes(plan: Plan, losses: dict[str, float], tile: int, gpus_per_node: int) -> None:
@@ -723,75 +735,11 @@ def _suggest(model, plan: Plan, tile: int, gpus_per_node: int) -> str:
     return "add GPUs or lower the batch"
 
 
-# ---------------------------------------------------------------------------------------------------
-# CLI
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="dsclip plan",
-        description=__doc__.split("\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        allow_abbrev=False,
-    )
-    p.add_argument("--model", required=True, help="architecture name (dsclip/model/configs) or JSON path")
-    p.add_argument("--gpus", type=int, required=True, help="total number of GPUs (ranks)")
-    p.add_argument("--gpu-memory", type=float, default=80.0, help="memory per GPU in GiB")
-    p.add_argument("--batch-size", type=int, help="global contrastive batch per optimizer step")
-    p.add_argument(
-        "--max-batch",
-        action="store_true",
-        help="find the largest contrastive batch that fits (micro-batch --micro-batch per GPU, gradient cache) "
-        "and plan that batch",
-    )
-    p.add_argument(
-        "--micro-batch",
-        type=int,
-        help="micro-batch per GPU (dsclip train's --batch-size): with --max-batch the one to keep room for "
-        "(default 32); with --batch-size the run's own (default: the largest that fits)",
-    )
-    p.add_argument("--zero", type=int, default=2, choices=(1, 2, 3), help="ZeRO stage")
-    p.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
-    p.add_argument("--grad-checkpointing", action="store_true", help="activation checkpointing of every block")
-    p.add_argument("--patch-dropout", type=float, default=0.0, help="FLIP patch-dropout rate (training)")
-    p.add_argument("--loss", default="infonce", choices=LOSS_MODES)
-    p.add_argument("--loss-tile-size", type=int, default=TRAIN_TILE_SIZE, help="tile edge of the tiled losses")
-    p.add_argument("--mfu", type=float, default=0.4, help="model-FLOPs utilisation (3x forward FLOPs / peak)")
-    p.add_argument("--peak-tflops", type=float, default=790.0, help="dense bf16 peak per GPU (H200 measured: 790)")
-    p.add_argument("--gpus-per-node", type=int, default=8)
-    p.add_argument("--reserve", type=float, default=2.0, help="GiB kept for the CUDA context and fragmentation")
-    p.add_argument(
-        "--host-memory",
-        type=float,
-        default=1024.0,
-        help="host RAM per node in GiB: the step's inputs (all --accum-freq micro-batches) are held there",
-    )
-    p.add_argument(
-        "--device",
-        default="cuda",
-        choices=("cuda", "cpu"),
-        help="cpu: predict each rank's peak resident memory of a CPU run (--gpus = ranks, --gpu-memory = RAM per "
-        "rank; needs --baseline-gb and --micro-batch)",
-    )
-    p.add_argument(
-        "--baseline-gb",
-        type=float,
-        help="with --device cpu: measured resident GiB of a rank before the model exists "
-        "(bench/largest_batch.py --baseline-only prints it)",
-    )
-    p.add_argument("--force-image-size", type=int, help="train at this image size (as dsclip train)")
-    p.add_argument("--lock-image", action="store_true", help="LiT: lock the image tower (as dsclip train)")
-    p.add_argument("--lock-image-unlocked-groups", type=int, default=0, help="image groups left trainable")
-    p.add_argument("--lock-text", action="store_true", help="lock the text tower (as dsclip train)")
-    p.add_argument("--lock-text-unlocked-layers", type=int, default=0, help="text groups left trainable")
-    p.add_argument("--lock-text-freeze-layer-norm", action="store_true", help="also lock locked layers' LayerNorms")
-    p.add_argument("--json", action="store_true", help="print the plan as JSON")
-    return p
-
-
 def format_plan(p: Plan) -> str:
     lines = [
         f"dsclip plan: {p.model} ({p.params / 1e9:.3f} B params, {p.trainable_params / 1e9:.3f} B trainable) | "
         + (f"{p.gpus} GPUs x {p.gpu_memory_gb:g} GiB | " if p.device != "cpu" else f"{p.gpus} CPU ranks | ")
-        + f"ZeRO-{p.zero} {p.precision} | batch {p.batch_size} ({p.local_batch}/GPU) | loss {p.loss}"
+        + f"ZeRO-{p.zero} {p.precision} | global batch {p.batch_size} ({p.local_batch}/GPU) | loss {p.loss}"
         + (" | grad-checkpointing" if p.grad_checkpointing else "")
         + (f" | patch-dropout {p.patch_dropout:g}" if p.patch_dropout else "")
         + (f" | image size {p.image_size}" if p.image_size else ""),
@@ -843,75 +791,3 @@ def format_plan(p: Plan) -> str:
     lines += [f"note: {n}" for n in p.notes]
     lines += ["", "recommended:", "  " + p.command]
     return "\n".join(lines)
-
-
-def main_plan(argv: list[str]) -> int:
-    parser = build_parser()
-    a = parser.parse_args(argv)
-    if a.batch_size is None and not a.max_batch:  # say what is missing, not what would be too much
-        parser.error(
-            "no batch given: add --batch-size N (plan that global batch) or --max-batch (find the largest that fits)"
-        )
-    if a.batch_size is not None and a.max_batch:
-        parser.error(
-            "--batch-size and --max-batch both given: keep one (--batch-size N plans that batch, "
-            "--max-batch finds the largest that fits)"
-        )
-    if a.max_batch and a.device == "cpu":
-        parser.error("--max-batch plans GPUs; with --device cpu give the run's --batch-size and --micro-batch")
-    if a.max_batch:
-        a.batch_size = largest_batch(
-            a.model,
-            gpus=a.gpus,
-            gpu_memory_gb=a.gpu_memory,
-            zero=a.zero,
-            precision=a.precision,
-            grad_checkpointing=a.grad_checkpointing,
-            patch_dropout=a.patch_dropout,
-            loss=a.loss,
-            tile=a.loss_tile_size,
-            reserve_gb=a.reserve,
-            micro_batch=a.micro_batch or 32,
-            host_memory_gb=a.host_memory,
-            gpus_per_node=a.gpus_per_node,
-        )
-        if not a.json:
-            print(
-                f"largest contrastive batch: {a.batch_size} ({a.batch_size // a.gpus} per GPU, micro-batch "
-                f"{a.micro_batch or 32}, loss {a.loss}, ZeRO-{a.zero} {a.precision}"
-                + (", grad-checkpointing" if a.grad_checkpointing else "")
-                + ")\n"
-            )
-        if a.batch_size == 0:
-            print(f"not even one micro-batch of {a.micro_batch or 32} per GPU fits; lower --micro-batch or add GPUs")
-            return 1
-    plan = make_plan(
-        a.model,
-        gpus=a.gpus,
-        gpu_memory_gb=a.gpu_memory,
-        batch_size=a.batch_size,
-        zero=a.zero,
-        precision=a.precision,
-        grad_checkpointing=a.grad_checkpointing,
-        patch_dropout=a.patch_dropout,
-        loss=a.loss,
-        mfu=a.mfu,
-        peak_tflops=a.peak_tflops,
-        tile=a.loss_tile_size,
-        gpus_per_node=a.gpus_per_node,
-        reserve_gb=a.reserve,
-        micro_batch=a.micro_batch,
-        host_memory_gb=a.host_memory,
-        device=a.device,
-        baseline_gb=a.baseline_gb,
-        image_size=a.force_image_size,
-        lock=LockConfig(
-            lock_image=a.lock_image,
-            lock_image_unlocked_groups=a.lock_image_unlocked_groups,
-            lock_text=a.lock_text,
-            lock_text_unlocked_layers=a.lock_text_unlocked_layers,
-            lock_text_freeze_layer_norm=a.lock_text_freeze_layer_norm,
-        ),
-    )
-    print(json.dumps(asdict(plan), indent=2) if a.json else format_plan(plan))
-    return 0 if plan.fits else 1

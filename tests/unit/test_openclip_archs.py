@@ -65,7 +65,7 @@ def test_towers_dsclip_lacks_are_one_line_naming_them(name, expect, tmp_path, ca
 
 
 def test_plan_takes_an_openclip_name(capsys):
-    from dsclip import plan
+    from dsclip import plan_cli
 
-    assert plan.main_plan(["--model", "ViT-L-14-336", "--gpus", "8", "--batch-size", "4096"]) == 0
+    assert plan_cli.main_plan(["--model", "ViT-L-14-336", "--gpus", "8", "--global-batch", "4096"]) == 0
     assert "ViT-L-14-336" in capsys.readouterr().out

@@ -11,6 +11,7 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
 from dsclip import plan as P
+from dsclip import plan_cli as C
 from dsclip.model import create_model
 
 # Small architectures that exercise every term: head_width != 64, a non-integer MLP ratio (bigG's
@@ -158,7 +159,7 @@ def test_forward_flops_match_flop_counter(name, patch_dropout):
 def test_bigg_plan_on_256_gpus_fits_and_prints_a_valid_command(capsys):
     from dsclip.config import parse_run_config
 
-    rc = P.main_plan(
+    rc = C.main_plan(
         [
             "--model",
             "ViT-bigG-14",
@@ -166,14 +167,14 @@ def test_bigg_plan_on_256_gpus_fits_and_prints_a_valid_command(capsys):
             "256",
             "--gpu-memory",
             "80",
-            "--batch-size",
+            "--global-batch",
             "32768",
             "--zero",
             "2",
             "--precision",
             "bf16",
             "--grad-checkpointing",
-            "--patch-dropout",
+            "--force-patch-dropout",
             "0.5",
             "--loss",
             "infonce_local",
@@ -227,7 +228,7 @@ def test_plan_is_consistent():
 
 
 def test_does_not_fit_exits_1_with_a_suggestion(capsys):
-    rc = P.main_plan(["--model", "ViT-bigG-14", "--gpus", "4", "--gpu-memory", "18", "--batch-size", "4096"])
+    rc = C.main_plan(["--model", "ViT-bigG-14", "--gpus", "4", "--gpu-memory", "18", "--global-batch", "4096"])
     out = capsys.readouterr().out
     assert rc == 1 and "does NOT fit" in out and "try" in out
 
@@ -269,7 +270,7 @@ def test_largest_contrastive_batch_vit_l14_on_8x80gb_is_past_a_million(capsys):
     # the global logit matrix (plain infonce) cannot get anywhere near it
     assert P.largest_batch("ViT-L-14", micro_batch=32, **{**kw, "loss": "infonce"}) < 200_000
     argv = ["--model", "ViT-L-14", "--gpus", "8", "--gpu-memory", "80", "--zero", "3", "--grad-checkpointing"]
-    assert P.main_plan([*argv, "--loss", "infonce_tiled", "--max-batch"]) == 0
+    assert C.main_plan([*argv, "--loss", "infonce_tiled", "--max-batch"]) == 0
     assert f"largest contrastive batch: {n} " in capsys.readouterr().out
 
 
@@ -312,10 +313,151 @@ def test_cpu_plan_predicts_phases_from_a_measured_baseline():
 def test_no_batch_says_what_is_missing(capsys):
     # issue 32: without a batch the error used to say "..., not both"
     with pytest.raises(SystemExit) as e:
-        P.main_plan(["--model", "ViT-H-14", "--gpus", "8", "--gpu-memory", "80"])
+        C.main_plan(["--model", "ViT-H-14", "--gpus", "8", "--gpu-memory", "80"])
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert "no batch given: add --batch-size N" in err and "--max-batch" in err and "not both" not in err
+    assert "no batch given: add --batch-size N" in err and "--global-batch N" in err and "--max-batch" in err
+    assert "not both" not in err
     with pytest.raises(SystemExit):
-        P.main_plan(["--model", "ViT-H-14", "--gpus", "8", "--batch-size", "64", "--max-batch"])
+        C.main_plan(["--model", "ViT-H-14", "--gpus", "8", "--global-batch", "64", "--max-batch"])
     assert "both given: keep one" in capsys.readouterr().err
+
+
+def _plan_json(capsys, argv: list[str]) -> dict:
+    import json
+
+    rc = C.main_plan([*argv, "--json"])
+    plan = json.loads(capsys.readouterr().out)
+    assert rc == (0 if plan["fits"] else 1)
+    return plan
+
+
+def test_plan_takes_train_flag_names_with_train_meanings(capsys):
+    """issue 33/31: --batch-size is the per-GPU micro-batch and --accum-freq the micro-batches per step, as in
+    dsclip train; the contrastive batch is their product with the GPUs."""
+    p = _plan_json(capsys, ["--model", "ViT-B-32", "--gpus", "8", "--batch-size", "64", "--accum-freq", "4"])
+    assert p["batch_size"] == 2048 and p["local_batch"] == 256
+    assert p["fits"] and p["micro_batch"] == 64 and p["accum_freq"] == 4
+    # --accum-freq defaults to 1 as in dsclip train
+    assert _plan_json(capsys, ["--model", "ViT-B-32", "--gpus", "8", "--batch-size", "64"])["batch_size"] == 512
+    # the plan-only global batch: the plan picks the micro-batch, or derives it from --accum-freq
+    g = _plan_json(capsys, ["--model", "ViT-B-32", "--gpus", "8", "--global-batch", "2048", "--accum-freq", "4"])
+    assert g["micro_batch"] == 64 and g["accum_freq"] == 4
+    # --deepspeed-config as in dsclip train: the stage (and, with auto, the precision) come from the JSON
+    d = _plan_json(
+        capsys,
+        [
+            "--model",
+            "ViT-B-32",
+            "--gpus",
+            "8",
+            "--batch-size",
+            "8",
+            "--deepspeed-config",
+            "zero3_bf16",
+            "--precision",
+            "auto",
+            "--force-patch-dropout",
+            "0.5",
+            "--no-grad-checkpointing",
+        ],
+    )
+    assert d["zero"] == 3 and d["precision"] == "bf16" and d["patch_dropout"] == 0.5
+    assert "--deepspeed-config zero3_bf16 " in d["command"]
+    assert (
+        _plan_json(capsys, ["--model", "ViT-B-32", "--gpus", "8", "--batch-size", "8", "--precision", "amp"])[
+            "precision"
+        ]
+        == "fp16"
+    )
+    # every plan flag not marked plan-only is one of dsclip train's
+    from dsclip.config import build_arg_parser
+
+    train_flags = {o for act in build_arg_parser()._actions for o in act.option_strings}
+    shared = [
+        o
+        for act in C.build_parser()._actions
+        if act.help not in (None, "==SUPPRESS==")
+        and not act.help.startswith("plan-only")
+        and act.option_strings[0] != "-h"
+        for o in act.option_strings
+    ]
+    assert {
+        "--model",
+        "--batch-size",
+        "--accum-freq",
+        "--precision",
+        "--deepspeed-config",
+        "--grad-checkpointing",
+        "--force-patch-dropout",
+        "--lock-image",
+    } <= set(shared)
+    assert [o for o in shared if o not in train_flags] == []
+
+
+def test_old_plan_spellings_are_one_line_errors(capsys):
+    base = ["--model", "ViT-B-32", "--gpus", "8"]
+    for extra, expect in (
+        (["--batch-size", "32768", "--micro-batch", "64"], "--batch-size is now the per-GPU micro-batch"),
+        (["--micro-batch", "64"], "--micro-batch is now --batch-size"),
+        (["--batch-size", "64", "--patch-dropout", "0.5"], "--patch-dropout is now --force-patch-dropout"),
+    ):
+        with pytest.raises(SystemExit) as e:
+            C.main_plan([*base, *extra])
+        assert e.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert err.startswith("dsclip plan: error: ") and expect in err, err
+    # the old global meaning alone (32768 rows per GPU cannot fit): the plan says where the global batch went
+    assert C.main_plan([*base, "--batch-size", "32768"]) == 1
+    out, err = capsys.readouterr()
+    assert err.strip() == f"dsclip plan: {C.BATCH_SIZE_MOVED}"
+    assert "for the global batch use --global-batch" in out
+
+
+@pytest.mark.parametrize("launcher", ["hostfile", "sbatch"])
+def test_printed_command_runs_with_dsclip_trains_parser(capsys, launcher):
+    """The recommended line is a ready command for the launcher asked for: dsclip train's parser takes its
+    flags with the planned settings, and the data and tokenizer are placeholders to fill in."""
+    from dsclip.config import build_arg_parser, parse_run_config
+
+    argv = [
+        "--model",
+        "ViT-H-14",
+        "--gpus",
+        "32",
+        "--batch-size",
+        "512",
+        "--accum-freq",
+        "4",
+        "--zero",
+        "3",
+        "--grad-checkpointing",
+        "--loss",
+        "infonce_tiled",
+        "--deepspeed-config",
+        "./ds_configs/zero3_bf16.json",
+    ]
+    assert C.main_plan([*argv, "--launcher", launcher]) == 0
+    cmd = capsys.readouterr().out.strip().splitlines()[-1].strip()
+    words = shlex.split(cmd)
+    if launcher == "sbatch":
+        assert cmd.startswith("RECIPE=dsclip/recipes/ViT-H-14.yaml sbatch --nodes=4 --ntasks-per-node=8 ")
+        assert "--gpus-per-node=8" in words
+        train = words[words.index("launch/slurm/train.sbatch") + 1 :]
+    else:
+        assert cmd.startswith("deepspeed --hostfile HOSTFILE --num_nodes 4 --num_gpus 8 --module dsclip train ")
+        train = words[words.index("train") + 1 :]
+    ns = build_arg_parser().parse_args(train)
+    assert ns.model == "ViT-H-14" and int(ns.batch_size) * int(ns.accum_freq) * 32 == 65536  # raw strings here
+    assert ns.train_data == "SHARDS/{00000..NNNNN}.tar" and ns.tokenizer == "open_clip:ViT-H-14"
+    assert ns.deepspeed_config == "ds_configs/zero3_bf16.json"  # clean: no ./
+    assert "./" not in cmd and " /" not in cmd
+    cfg = parse_run_config([*train, "--name", "x"])
+    assert cfg.train.batch_size == 512 and cfg.train.accum_freq == 4 and cfg.model.grad_checkpointing
+    assert cfg.loss_name == "infonce_tiled" and cfg.train.precision == "bf16"
+
+
+def test_clean_path(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    assert C.clean_path("./ds/x.json") == "ds/x.json"
+    assert C.clean_path(str(tmp_path / "ds" / ".." / "x.json")) == "x.json"

@@ -1,0 +1,320 @@
+"""``dsclip plan``'s command line: dsclip train's flag names with dsclip train's meanings.
+
+``--batch-size`` is the micro-batch per GPU and ``--accum-freq`` the micro-batches per optimizer step, as
+in ``dsclip train`` (OpenCLIP's meaning), so the contrastive batch is batch-size x accum-freq x GPUs.
+Flags only the planner has (``--gpus``, ``--global-batch``, ``--max-batch``, ``--zero``, ...) say so in
+their help. Spellings that used to mean something else stop with a one-line error naming the new flag,
+so an old command line never silently plans another batch. The answer ends with a ready command for
+the launcher asked for (``--launcher hostfile|sbatch``) with placeholders for the data and tokenizer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from dsclip.config_base import ConfigError
+from dsclip.engine.ds_config import PRECISIONS, PURE_PRECISIONS, load_ds_json, normalize_precision
+from dsclip.losses.config import LOSS_NAMES as LOSS_MODES
+from dsclip.losses.config import TRAIN_TILE_SIZE
+from dsclip.model.lock import LockConfig
+from dsclip.plan import ROOT, Plan, format_plan, largest_batch, make_plan, shipped_ds_config, train_args
+
+DEFAULT_MAX_BATCH_MICRO = 32  # --max-batch keeps room for this micro-batch when --batch-size is not given
+SHARDS = "SHARDS/{00000..NNNNN}.tar"  # placeholder: the user's webdataset shards
+SBATCH_SCRIPT = "launch/slurm/train.sbatch"
+
+# old plan spellings -> the one-line error that names the flag to use now
+RENAMED = {
+    "--micro-batch": "--micro-batch is now --batch-size (the per-GPU micro-batch, as in dsclip train)",
+    "--patch-dropout": "--patch-dropout is now --force-patch-dropout (as in dsclip train)",
+}
+BATCH_SIZE_MOVED = (
+    "--batch-size is now the per-GPU micro-batch as in dsclip train; for the global batch use --global-batch"
+)
+
+
+class _Renamed(argparse.Action):
+    """A flag plan used to take: refuse it with the new name instead of guessing what was meant."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        msg = RENAMED[option_string]
+        if option_string == "--micro-batch" and getattr(namespace, "batch_size", None) is not None:
+            msg = BATCH_SIZE_MOVED + "; " + msg  # the old pair: --batch-size GLOBAL --micro-batch M
+        parser.error(msg)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="dsclip plan",
+        description="Plan a run: per-GPU memory, the micro-batch x --accum-freq that fits, the step time, and "
+        "a ready launch command. Flags are dsclip train's, with the same meanings.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,
+    )
+    p.add_argument("--model", required=True, help="architecture name (dsclip/model/configs) or JSON path")
+    p.add_argument("--gpus", type=int, required=True, help="plan-only: total number of GPUs (ranks)")
+    p.add_argument("--gpu-memory", type=float, default=80.0, help="plan-only: memory per GPU in GiB")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        help="micro-batch per GPU, as in dsclip train; the contrastive batch is batch-size x accum-freq x GPUs. "
+        f"With --global-batch: the run's micro-batch (default: the largest that fits); with --max-batch: the "
+        f"micro-batch to keep room for (default {DEFAULT_MAX_BATCH_MICRO})",
+    )
+    p.add_argument(
+        "--accum-freq", type=int, help="micro-batches per optimizer step, as in dsclip train; 1 when not given"
+    )
+    p.add_argument(
+        "--global-batch",
+        type=int,
+        help="plan-only: the global contrastive batch per optimizer step; the plan picks the micro-batch "
+        "(or takes --batch-size) and --accum-freq",
+    )
+    p.add_argument(
+        "--max-batch",
+        action="store_true",
+        help="plan-only: find the largest contrastive batch that fits (gradient cache) and plan that batch",
+    )
+    p.add_argument(
+        "--zero",
+        type=int,
+        choices=(1, 2, 3),
+        help="plan-only: ZeRO stage (default: the stage of --deepspeed-config, else 2); picks the shipped "
+        "DeepSpeed JSON when --deepspeed-config is not given",
+    )
+    p.add_argument(
+        "--deepspeed-config",
+        help="DeepSpeed JSON, as in dsclip train (path or shipped name, e.g. zero3_bf16); default: the shipped "
+        "zero<--zero>_<precision> config",
+    )
+    p.add_argument(
+        "--precision",
+        default="bf16",
+        choices=[x for x in PRECISIONS if x not in PURE_PRECISIONS],
+        help="as in dsclip train (amp = fp16, amp_bf16 = bf16, auto = from --deepspeed-config)",
+    )
+    p.add_argument(
+        "--grad-checkpointing", action=argparse.BooleanOptionalAction, default=False, help="as in dsclip train"
+    )
+    p.add_argument("--force-patch-dropout", type=float, default=0.0, help="FLIP patch-dropout rate, as in dsclip train")
+    p.add_argument(
+        "--loss",
+        default="infonce",
+        choices=LOSS_MODES,
+        help="plan-only: the loss (the printed command carries dsclip train's flags for it)",
+    )
+    p.add_argument("--loss-tile-size", type=int, default=TRAIN_TILE_SIZE, help="tile edge of the tiled losses")
+    p.add_argument("--mfu", type=float, default=0.4, help="plan-only: model-FLOPs utilisation (3x fwd FLOPs / peak)")
+    p.add_argument("--peak-tflops", type=float, default=790.0, help="plan-only: dense bf16 peak per GPU (H200: 790)")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="plan-only: GPUs per node (sbatch --gpus-per-node)")
+    p.add_argument("--reserve", type=float, default=2.0, help="plan-only: GiB kept for the CUDA context")
+    p.add_argument(
+        "--host-memory",
+        type=float,
+        default=1024.0,
+        help="plan-only: host RAM per node in GiB: the step's inputs (all --accum-freq micro-batches) are held there",
+    )
+    p.add_argument(
+        "--device",
+        default="cuda",
+        choices=("cuda", "cpu"),
+        help="plan-only: cpu predicts each rank's peak resident memory of a CPU run (--gpus = ranks, --gpu-memory = "
+        "RAM per rank; needs --baseline-gb and --batch-size)",
+    )
+    p.add_argument(
+        "--baseline-gb",
+        type=float,
+        help="plan-only, with --device cpu: measured resident GiB of a rank before the model exists "
+        "(bench/largest_batch.py --baseline-only prints it)",
+    )
+    p.add_argument(
+        "--launcher",
+        default="hostfile",
+        choices=("hostfile", "sbatch"),
+        help="plan-only: the launcher of the printed command: deepspeed --hostfile, or sbatch " + SBATCH_SCRIPT,
+    )
+    p.add_argument("--force-image-size", type=int, help="train at this image size, as in dsclip train")
+    p.add_argument("--lock-image", action=argparse.BooleanOptionalAction, default=False, help="as in dsclip train")
+    p.add_argument("--lock-image-unlocked-groups", type=int, default=0, help="as in dsclip train")
+    p.add_argument("--lock-text", action=argparse.BooleanOptionalAction, default=False, help="as in dsclip train")
+    p.add_argument("--lock-text-unlocked-layers", type=int, default=0, help="as in dsclip train")
+    p.add_argument(
+        "--lock-text-freeze-layer-norm", action=argparse.BooleanOptionalAction, default=False, help="as in dsclip train"
+    )
+    p.add_argument("--json", action="store_true", help="plan-only: print the plan as JSON")
+    for old in RENAMED:
+        p.add_argument(old, action=_Renamed, help=argparse.SUPPRESS)
+    return p
+
+
+def clean_path(path: str) -> str:
+    """A path as a user would type it: no ./, and relative to the working directory when it lies under it."""
+    q = Path(os.path.normpath(path))
+    if q.is_absolute():
+        try:
+            q = q.relative_to(Path.cwd())
+        except ValueError:
+            pass
+    return q.as_posix()
+
+
+def _ds_config(a, parser) -> tuple[int, str, tuple[str, dict]]:
+    """(zero stage, precision, (printed name, JSON)) from --deepspeed-config / --zero / --precision."""
+    precision = normalize_precision(a.precision)
+    if a.deepspeed_config is None:
+        zero = a.zero or 2
+        precision = "fp32" if precision == "auto" else precision  # the shipped zeroN.json says auto: fp32
+        return zero, precision, shipped_ds_config(zero, precision)
+    try:
+        cfg = load_ds_json(a.deepspeed_config)
+    except ConfigError as e:
+        parser.error(str(e))
+    stage = cfg.get("zero_optimization", {}).get("stage", 0)
+    if stage not in (1, 2, 3):
+        parser.error(f"--deepspeed-config {a.deepspeed_config}: zero_optimization.stage is {stage!r}; plan needs 1-3")
+    if a.zero is not None and a.zero != stage:
+        parser.error(f"--zero {a.zero} but --deepspeed-config {a.deepspeed_config} has stage {stage}: keep one")
+    if precision == "auto":  # as dsclip train: the JSON's, fp32 if it says auto too
+        on = {k for k in ("bf16", "fp16") if cfg.get(k, {}).get("enabled") is True}
+        precision = next(iter(on), "fp32")
+    return stage, precision, (clean_path(a.deepspeed_config), cfg)
+
+
+def _global_batch(a, parser) -> tuple[int | None, int | None]:
+    """(global contrastive batch or None for --max-batch, the run's micro-batch per GPU or None)."""
+    given = [f for f, v in (("--global-batch", a.global_batch), ("--max-batch", a.max_batch or None)) if v]
+    if len(given) > 1:
+        parser.error(
+            "--global-batch and --max-batch both given: keep one (--global-batch N plans that batch, "
+            "--max-batch finds the largest that fits)"
+        )
+    if a.max_batch:
+        if a.accum_freq is not None:
+            parser.error("--max-batch chooses --accum-freq itself: drop --accum-freq (or plan it with --batch-size)")
+        if a.device == "cpu":
+            parser.error("--max-batch plans GPUs; with --device cpu give the run's --batch-size and --accum-freq")
+        return None, a.batch_size or DEFAULT_MAX_BATCH_MICRO
+    if a.global_batch is not None:
+        micro = a.batch_size
+        if a.accum_freq is not None:
+            if micro is None:
+                if a.global_batch % (a.gpus * a.accum_freq):
+                    parser.error(f"--global-batch {a.global_batch} is not a multiple of --gpus x --accum-freq")
+                micro = a.global_batch // (a.gpus * a.accum_freq)
+            elif micro * a.accum_freq * a.gpus != a.global_batch:
+                parser.error(
+                    f"--global-batch {a.global_batch} but --batch-size {micro} x --accum-freq {a.accum_freq} x "
+                    f"{a.gpus} GPUs = {micro * a.accum_freq * a.gpus}: drop one of them"
+                )
+        return a.global_batch, micro
+    if a.batch_size is None:  # say what is missing, not what would be too much
+        parser.error(
+            "no batch given: add --batch-size N [--accum-freq K] (per GPU, as dsclip train), --global-batch N "
+            "or --max-batch (find the largest that fits)"
+        )
+    return a.batch_size * (a.accum_freq or 1) * a.gpus, a.batch_size
+
+
+def _placeholders(model: str) -> list[str]:
+    if model == "demo":  # the demo trains on its built-in data with its own tokenizer
+        return []
+    tok = f"open_clip:{model}" if not model.endswith(".json") else "open_clip:MODEL"
+    return [f"--train-data {shlex.quote(SHARDS)}", f"--tokenizer {shlex.quote(tok)}"]
+
+
+def launch_command(plan: Plan, ds_name: str, tile: int, gpus_per_node: int, launcher: str) -> str:
+    """The ready command: the launcher, then dsclip train's flags for this plan, then data/tokenizer placeholders."""
+    gpus = plan.gpus
+    nodes, per_node = -(-gpus // gpus_per_node), min(gpus, gpus_per_node)
+    args = [*train_args(plan, ds_name, tile), *_placeholders(plan.model)]
+    if plan.device == "cpu":  # one machine, CPU ranks over gloo
+        head = f"deepspeed --num_gpus {gpus} --module dsclip train" if gpus > 1 else "dsclip train"
+    elif launcher == "sbatch":
+        recipe = ROOT / "dsclip" / "recipes" / f"{plan.model}.yaml"
+        env = f"RECIPE=dsclip/recipes/{plan.model}.yaml " if recipe.is_file() else ""
+        head = f"{env}sbatch --nodes={nodes} --ntasks-per-node={per_node} --gpus-per-node={per_node} {SBATCH_SCRIPT}"
+    elif gpus > 1:
+        head = f"deepspeed --hostfile HOSTFILE --num_nodes {nodes} --num_gpus {per_node} --module dsclip train"
+    else:
+        head = "dsclip train"
+    return " ".join([head, *args])
+
+
+def main_plan(argv: list[str]) -> int:
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    if a.gpus > a.gpus_per_node and a.gpus % a.gpus_per_node:
+        parser.error(f"--gpus {a.gpus} does not fill whole nodes of --gpus-per-node {a.gpus_per_node}")
+    if a.device == "cpu" and a.launcher == "sbatch":
+        parser.error("--launcher sbatch starts GPU ranks; a --device cpu plan prints a one-machine deepspeed command")
+    zero, precision, ds = _ds_config(a, parser)
+    batch, micro = _global_batch(a, parser)
+    if batch is None:
+        batch = largest_batch(
+            clean_path(a.model) if a.model.endswith(".json") else a.model,
+            gpus=a.gpus,
+            gpu_memory_gb=a.gpu_memory,
+            zero=zero,
+            precision=precision,
+            grad_checkpointing=a.grad_checkpointing,
+            patch_dropout=a.force_patch_dropout,
+            loss=a.loss,
+            tile=a.loss_tile_size,
+            reserve_gb=a.reserve,
+            micro_batch=micro,
+            host_memory_gb=a.host_memory,
+            gpus_per_node=a.gpus_per_node,
+        )
+        if not a.json:
+            print(
+                f"largest contrastive batch: {batch} ({batch // a.gpus} per GPU, micro-batch {micro}, "
+                f"loss {a.loss}, ZeRO-{zero} {precision}"
+                + (", grad-checkpointing" if a.grad_checkpointing else "")
+                + ")\n"
+            )
+        if batch == 0:
+            print(f"not even one micro-batch of {micro} per GPU fits; lower --batch-size or add GPUs")
+            return 1
+    plan = make_plan(
+        clean_path(a.model) if a.model.endswith(".json") else a.model,
+        gpus=a.gpus,
+        gpu_memory_gb=a.gpu_memory,
+        batch_size=batch,
+        zero=zero,
+        precision=precision,
+        grad_checkpointing=a.grad_checkpointing,
+        patch_dropout=a.force_patch_dropout,
+        loss=a.loss,
+        mfu=a.mfu,
+        peak_tflops=a.peak_tflops,
+        tile=a.loss_tile_size,
+        gpus_per_node=a.gpus_per_node,
+        reserve_gb=a.reserve,
+        micro_batch=micro,
+        host_memory_gb=a.host_memory,
+        device=a.device,
+        baseline_gb=a.baseline_gb,
+        image_size=a.force_image_size,
+        lock=LockConfig(
+            lock_image=a.lock_image,
+            lock_image_unlocked_groups=a.lock_image_unlocked_groups,
+            lock_text=a.lock_text,
+            lock_text_unlocked_layers=a.lock_text_unlocked_layers,
+            lock_text_freeze_layer_norm=a.lock_text_freeze_layer_norm,
+        ),
+        ds_config=ds,
+    )
+    plan.command = launch_command(plan, ds[0], a.loss_tile_size, a.gpus_per_node, a.launcher)
+    moved = not plan.fits and a.global_batch is None and not a.max_batch and micro > plan.max_micro_batch
+    if moved:  # most likely an old command line that meant the global batch
+        plan.notes.insert(0, f"--batch-size {micro} per GPU does not fit; " + BATCH_SIZE_MOVED)
+    print(json.dumps(asdict(plan), indent=2) if a.json else format_plan(plan))
+    if moved:
+        print(f"dsclip plan: {BATCH_SIZE_MOVED}", file=sys.stderr)
+    return 0 if plan.fits else 1
