@@ -176,7 +176,7 @@ def load_pretrained_into(model: nn.Module, path: str | os.PathLike) -> None:
     for n in plan:  # position embeddings of another image size: resampled (timm) while copying
         if n == "visual.pos_embed":
             source.resample[plan[n]] = model.config["vision_cfg"]
-    rank, _ = rank_world()
+    rank, world = rank_world()
     copied = 0
     for mod_name, module in model.named_modules():
         prefix = f"{mod_name}." if mod_name else ""
@@ -186,18 +186,34 @@ def load_pretrained_into(model: nn.Module, path: str | os.PathLike) -> None:
             continue
         partitioned = [p for p in params.values() if _is_partitioned(p)]
         if partitioned:
-            # Every rank copies the same values, not rank 0 alone: on exit rank 0's copy is what gets
-            # re-partitioned, but ZeRO-3 *persistent* parameters (below stage3_param_persistence_threshold,
-            # held whole on every rank) were not re-broadcast by DeepSpeed before 0.19.8, so rank 1 kept its
-            # init values and embedded differently (tests/dist/test_convert.py, CI's oldest DeepSpeed).
+            _check_zero3_import(world)
             with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=0):
-                n = _copy(source, plan, prefix, params)
-                copied += n if rank == 0 else 0
+                if rank == 0:
+                    copied += _copy(source, plan, prefix, params)
         else:
             copied += _copy(source, plan, prefix, params)
         copied += _copy(source, plan, prefix, buffers)  # buffers are never partitioned
     if rank == 0 and copied != len(plan):  # every checked key must have found its tensor in the model
         raise RuntimeError(f"copied {copied} of {len(plan)} tensors from {source.path}")
+
+
+# The oldest DeepSpeed this import is proven on under ZeRO-3 with more than one rank. On 0.19.2 (CI's oldest),
+# 0.19.5 and 0.19.7 rank 0's copies inside GatheredParameters(modifier_rank=0) did not all reach the other
+# ranks (ZeRO-3 persistent parameters; copying on every rank instead fixed 0.19.7 but not 0.19.2): their
+# embeddings were off OpenCLIP's by up to 0.1 (tests/dist/test_convert.py). Refused there, in one line.
+ZERO3_IMPORT_MIN = "0.19.8"
+
+
+def _check_zero3_import(world: int) -> None:
+    from dsclip.engine.patches.fingerprint import deepspeed_version
+    from dsclip.engine.patches.versions import at_least
+
+    if world > 1 and not at_least(ZERO3_IMPORT_MIN):
+        raise ConfigError(
+            f"--pretrained under ZeRO-3 on {world} ranks needs DeepSpeed >= {ZERO3_IMPORT_MIN}: DeepSpeed "
+            f"{deepspeed_version()} loses part of the copied weights; upgrade DeepSpeed, or start from the weights "
+            f"under ZeRO-2 (--deepspeed-config zero2_bf16) or on one rank"
+        )
 
 
 @torch.no_grad()

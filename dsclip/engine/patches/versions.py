@@ -29,6 +29,11 @@ def outside_tested_range(version: str | None = None) -> str | None:
     )
 
 
+def at_least(minimum: str, version: str | None = None) -> bool:
+    version = version or deepspeed_version()
+    return version == "not installed" or _key(version) >= _key(minimum)
+
+
 def has_coalesced_reduction(version: str | None = None) -> bool:
     version = version or deepspeed_version()
     return version == "not installed" or _key(version) >= _key(TESTED_MIN)
