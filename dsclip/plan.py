@@ -379,7 +379,10 @@ def _check_plan_args(loss, zero, precision, gpus, batch_size, gpu_memory_gb, pat
     if precision not in ("bf16", "fp16", "fp32"):
         raise ConfigError(f"--precision must be bf16, fp16 or fp32, got {precision!r}")
     if gpus < 1 or batch_size < 1 or gpu_memory_gb <= 0:
-        raise ConfigError("--gpus, --batch-size and --gpu-memory must be positive")
+        raise ConfigError(
+            f"--gpus, the global batch (--global-batch, or --batch-size x --accum-freq x --gpus) and --gpu-memory "
+            f"must be positive, got --gpus {gpus}, global batch {batch_size}, --gpu-memory {gpu_memory_gb:g}"
+        )
     if batch_size % gpus:
         raise ConfigError(
             f"--batch-size {batch_size} is not a multiple of --gpus {gpus}: every rank needs the same number of rows"

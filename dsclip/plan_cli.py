@@ -255,22 +255,24 @@ def main_plan(argv: list[str]) -> int:
         parser.error("--launcher sbatch starts GPU ranks; a --device cpu plan prints a one-machine deepspeed command")
     zero, precision, ds = _ds_config(a, parser)
     batch, micro = _global_batch(a, parser)
+    model = clean_path(a.model) if a.model.endswith(".json") else a.model
+    # what the largest-batch search and the plan are both computed for
+    common = dict(
+        gpus=a.gpus,
+        gpu_memory_gb=a.gpu_memory,
+        zero=zero,
+        precision=precision,
+        grad_checkpointing=a.grad_checkpointing,
+        patch_dropout=a.force_patch_dropout,
+        loss=a.loss,
+        tile=a.loss_tile_size,
+        reserve_gb=a.reserve,
+        micro_batch=micro,
+        host_memory_gb=a.host_memory,
+        gpus_per_node=a.gpus_per_node,
+    )
     if batch is None:
-        batch = largest_batch(
-            clean_path(a.model) if a.model.endswith(".json") else a.model,
-            gpus=a.gpus,
-            gpu_memory_gb=a.gpu_memory,
-            zero=zero,
-            precision=precision,
-            grad_checkpointing=a.grad_checkpointing,
-            patch_dropout=a.force_patch_dropout,
-            loss=a.loss,
-            tile=a.loss_tile_size,
-            reserve_gb=a.reserve,
-            micro_batch=micro,
-            host_memory_gb=a.host_memory,
-            gpus_per_node=a.gpus_per_node,
-        )
+        batch = largest_batch(model, **common)
         if not a.json:
             print(
                 f"largest contrastive batch: {batch} ({batch // a.gpus} per GPU, micro-batch {micro}, "
@@ -282,22 +284,11 @@ def main_plan(argv: list[str]) -> int:
             print(f"not even one micro-batch of {micro} per GPU fits; lower --batch-size or add GPUs")
             return 1
     plan = make_plan(
-        clean_path(a.model) if a.model.endswith(".json") else a.model,
-        gpus=a.gpus,
-        gpu_memory_gb=a.gpu_memory,
+        model,
+        **common,
         batch_size=batch,
-        zero=zero,
-        precision=precision,
-        grad_checkpointing=a.grad_checkpointing,
-        patch_dropout=a.force_patch_dropout,
-        loss=a.loss,
         mfu=a.mfu,
         peak_tflops=a.peak_tflops,
-        tile=a.loss_tile_size,
-        gpus_per_node=a.gpus_per_node,
-        reserve_gb=a.reserve,
-        micro_batch=micro,
-        host_memory_gb=a.host_memory,
         device=a.device,
         baseline_gb=a.baseline_gb,
         image_size=a.force_image_size,
