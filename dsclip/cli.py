@@ -71,8 +71,27 @@ def main_train(argv: list[str]) -> int:
     return int(summary.get("exit_code", 0))
 
 
+def venv_ninja_first(env=None) -> str | None:
+    """Put the directory of this interpreter's ``ninja`` (the venv's, from the ``ninja`` wheel) first on PATH.
+
+    Why: DeepSpeed JIT-builds its CPU ops with whichever ``ninja`` PATH names first, and ninja 1.11 (Debian's
+    /usr/bin/ninja) and 1.13 (the wheel's) hash a command line differently in .ninja_log, so each sees the
+    other's build as "command line changed" and rebuilds from scratch. ``make venv`` prebuilds the ops with
+    the venv's ninja; a run started without the venv on PATH (``make demo``, ``.venv/bin/dsclip``) would
+    otherwise rebuild them with the system's. Returns the directory put first, None when there is none."""
+    env = os.environ if env is None else env
+    bin_dir = os.path.dirname(sys.executable)
+    if not os.access(os.path.join(bin_dir, "ninja"), os.X_OK):
+        return None
+    parts = env.get("PATH", "").split(os.pathsep)
+    if parts[:1] != [bin_dir]:
+        env["PATH"] = os.pathsep.join([bin_dir] + [p for p in parts if p and p != bin_dir])
+    return bin_dir
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    venv_ninja_first()  # before anything can load DeepSpeed (and JIT-build an op)
     # The deepspeed launcher puts --local_rank=N first when it runs `python -m dsclip`: drop it here.
     argv = [a for a in argv if not a.startswith("--local_rank=") and not a.startswith("--local-rank=")]
     if argv[:1] == ["--"]:  # `torchrun -m dsclip -- train ...` (docs/clusters.md): where argparse keeps the `--`

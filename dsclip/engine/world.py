@@ -52,6 +52,8 @@ import torch
 import torch.distributed as dist
 
 from dsclip.dist import initialized, rank_world
+from dsclip.engine.patches.log_filter import install_log_filter
+from dsclip.engine.patches.shm_op import shm_op_for_world
 from dsclip.engine.patches.shm_workspace import release_shm_workspace
 
 # Exit code of a run that stopped early on request (preemption signal) after saving a checkpoint:
@@ -295,6 +297,10 @@ class DeviceBinding:
         return self.visible[self.index] if self.visible is not None else str(self.index)
 
     def describe(self) -> str:
+        if not self.on_gpu and self.visible is None:
+            # a CPU machine with no GPU view (CUDA_VISIBLE_DEVICES unset): nothing is or would be bound, so
+            # "bind cuda:1" would only mislead; with a view (a fake-GPU cluster) the would-be binding is shown
+            return "device cpu"
         vis = (",".join(self.visible) or "none") if self.visible is not None else "all"
         bind = "none" if self.index is None else f"cuda:{self.index}"
         return f"device {'cuda' if self.on_gpu else 'cpu'} bind {bind} gpu {self.physical} visible {vis}"
@@ -558,14 +564,16 @@ def init_distributed(
     # tcp:// and file:// rendezvous need rank and world size spelled out (env:// reads them from the
     # environment export_env just wrote), so hand over the discovered ones with any URL.
     ranks = dict(rank=info.rank, world_size=info.world_size) if init_method else {}
-    deepspeed.init_distributed(
-        dist_backend=backend,
-        timeout=timeout,
-        auto_mpi_discovery=False,
-        verbose=info.rank == 0,
-        init_method=init_method,
-        **ranks,
-    )
+    install_log_filter()
+    with shm_op_for_world(info.world_size):  # one rank: no shm op build/load; never its "built" line
+        deepspeed.init_distributed(
+            dist_backend=backend,
+            timeout=timeout,
+            auto_mpi_discovery=False,
+            verbose=info.rank == 0,
+            init_method=init_method,
+            **ranks,
+        )
     release_shm_workspace()
     threads = share_cores(info)
     _state["info"] = info

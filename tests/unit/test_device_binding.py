@@ -41,7 +41,10 @@ def test_index_is_valid_in_the_tasks_own_view(what, cvd, count, local, lws, inde
     # a CPU-only machine resolves the same index from CUDA_VISIBLE_DEVICES (what the launch tests check)
     cpu = resolve_device(info(local, lws), env, cuda_count=None)
     assert (cpu.index, cpu.physical, cpu.on_gpu) == (index, physical, False)
-    assert f"bind cuda:{index} gpu {physical} " in cpu.describe()
+    if cvd is None:  # no GPU view: nothing would be bound, and the rank line does not pretend otherwise
+        assert cpu.describe() == "device cpu"
+    else:
+        assert f"bind cuda:{index} gpu {physical} " in cpu.describe()
 
 
 def test_every_task_of_a_node_gets_a_distinct_gpu():
@@ -93,7 +96,11 @@ def test_unusable_view_is_one_line_naming_rank_and_fix(cvd, count, lws, needle):
 
 def test_cpu_run_reports_what_it_would_bind_and_never_refuses():
     b = resolve_device(info(1, 2), {}, cuda_count=None)
-    assert not b.on_gpu and b.describe().startswith("device cpu bind cuda:1 ")
+    # no GPU view at all (a plain CPU machine): the rank line says only "device cpu", never "bind cuda:1"
+    assert not b.on_gpu and b.index == 1 and b.describe() == "device cpu"
+    # a GPU view on a CPU machine (the fake-GPU cluster's gres): what the rank would bind
+    b = resolve_device(info(1, 2), {"CUDA_VISIBLE_DEVICES": "0,1"}, cuda_count=None)
+    assert b.describe().startswith("device cpu bind cuda:1 gpu 1 visible 0,1")
     # CUDA_VISIBLE_DEVICES="" is how people force a CPU run; a view GPUs could not serve is no error here
     for cvd, lws in (("", 2), ("0,1,2", 4)):
         b = resolve_device(info(1, lws), {"CUDA_VISIBLE_DEVICES": cvd}, cuda_count=None)
