@@ -115,9 +115,7 @@ def _rank(rank, world, a, plan):
     data = {}
     for b, k in {(b, k) for _, _, b, k in plan.values()}:
         whole = V.synthetic_batches(2, rows, cfg, seed=1 + rank)  # the same rows for every split of the batch
-        data[b, k] = [
-            [(img[i * b : (i + 1) * b], txt[i * b : (i + 1) * b]) for i in range(k)] for img, txt in whole
-        ]
+        data[b, k] = [[(img[i * b : (i + 1) * b], txt[i * b : (i + 1) * b]) for i in range(k)] for img, txt in whole]
     for n, (run, clock) in runs.items():  # warm-up: optimizer states, allocator, ZeRO-3's trace
         _, _, b, k = plan[n]
         for s in range(2):
@@ -198,7 +196,7 @@ def main(argv=None) -> int:
         "| variant | micro-batch × K | total | forward | backward | step | other | µs / tensor | "
         f"vs {first} |\n|---|---|---:|---:|---:|---:|---:|---:|---:|"
     )
-    per_step = {n: [{k: max(r[n][s][k] for r in ranks) for k in r[n][s]} for s in range(a.steps)] for n in plan}
+    per_step = {n: [{k: max(r[n][s][k] for r in ranks) for k in ranks[0][n][s]} for s in range(a.steps)] for n in plan}
     base = [s["total"] for s in per_step[first]]
     for n, steps in per_step.items():
         med = {k: 1e3 * statistics.median(s[k] for s in steps) for k in steps[0]}
@@ -206,8 +204,7 @@ def main(argv=None) -> int:
         _, _, b, k = plan[n]
         cells = " | ".join(f"{med[p]:.1f}" for p in (*PHASES, "other"))
         print(
-            f"| {n} | {b} × {k} | {med['total']:.1f} | {cells} | {1e3 * med['total'] / n_tensors:.0f} | "
-            f"{ratio:.2f} |"
+            f"| {n} | {b} × {k} | {med['total']:.1f} | {cells} | {1e3 * med['total'] / n_tensors:.0f} | {ratio:.2f} |"
         )
     return 0
 

@@ -142,7 +142,9 @@ def test_zero_key_the_installed_deepspeed_lacks_names_key_and_version():
 
 
 def test_zero_nested_keys_and_values_checked_by_deepspeeds_schema():
-    with pytest.raises(ConfigError, match=r"unknown key 'zero_optimization.offload_param.devise'.*did you mean 'device'"):
+    with pytest.raises(
+        ConfigError, match=r"unknown key 'zero_optimization.offload_param.devise'.*did you mean 'device'"
+    ):
         resolve({"zero_optimization": {"stage": 3, "offload_param": {"devise": "cpu"}}})
     with pytest.raises(ConfigError, match=r"zero_optimization.offload_param.device = 'gpu': .*fix the value") as e:
         resolve({"zero_optimization": {"stage": 3, "offload_param": {"device": "gpu"}}})
@@ -162,14 +164,29 @@ def test_deepcompile_refused_off_cuda_and_with_pairs_deepspeed_refuses():
     assert resolve({"zero_optimization": z3, "compile": {"deepcompile": True}}, device="cuda")["compile"]
     opt_cpu = {"stage": 3, "offload_optimizer": {"device": "cpu"}}
     with pytest.raises(ConfigError, match=r"compile.offload_opt_states with zero_optimization.offload_optimizer"):
-        resolve({"zero_optimization": opt_cpu, "compile": {"deepcompile": True, "offload_opt_states": True}}, device="cuda")
+        resolve(
+            {"zero_optimization": opt_cpu, "compile": {"deepcompile": True, "offload_opt_states": True}}, device="cuda"
+        )
     both_cpu = opt_cpu | {"offload_param": {"device": "cpu"}}
     with pytest.raises(ConfigError, match=r"compile.offload_opt_states with compile.offload_parameters"):
-        resolve({"zero_optimization": z3 | {"offload_param": {"device": "cpu"}} | {"offload_optimizer": {"device": "none"}},
-                 "compile": {"deepcompile": True, "offload_opt_states": True, "offload_parameters": True}}, device="cuda")
+        resolve(
+            {
+                "zero_optimization": z3
+                | {"offload_param": {"device": "cpu"}}
+                | {"offload_optimizer": {"device": "none"}},
+                "compile": {"deepcompile": True, "offload_opt_states": True, "offload_parameters": True},
+            },
+            device="cuda",
+        )
     from deepspeed.compile.config import CompileConfig
 
     # DeepSpeed 0.19.2 has no activation offload pass: there the key itself is the error
-    expect = "offload_activation with compile.offload_parameters" if "offload_activation" in CompileConfig.model_fields else "unknown key 'compile.offload_activation'"
+    expect = (
+        "offload_activation with compile.offload_parameters"
+        if "offload_activation" in CompileConfig.model_fields
+        else "unknown key 'compile.offload_activation'"
+    )
     with pytest.raises(ConfigError, match=expect):
-        resolve({"zero_optimization": both_cpu, "compile": {"deepcompile": True, "offload_activation": True}}, device="cuda")
+        resolve(
+            {"zero_optimization": both_cpu, "compile": {"deepcompile": True, "offload_activation": True}}, device="cuda"
+        )
