@@ -125,7 +125,9 @@ def openclip_run(name, cfg, bs, steps, dev):
     return sps, peak_mem_gb(dev)  # model and optimizer are freed on return
 
 
-def dsclip_run(name, cfg, bs, steps, dev, compile_blocks=False, engine_patches="all"):
+def dsclip_run(name, cfg, bs, steps, dev, compile_blocks=False, engine_patches="all", ds_json=None, accum=1, zero=None):
+    """dsclip's step: ``bs`` rows per step, ``accum`` micro-batches of ``bs // accum`` (the gradient cache);
+    ``ds_json`` a shipped DeepSpeed JSON (default ZeRO-2 of the precision), ``zero`` zero_optimization overrides."""
     from dsclip.engine.build import autocast_dtype
     from dsclip.losses import build_loss
     from dsclip.train.gradcache import GradCacheStep
@@ -136,10 +138,19 @@ def dsclip_run(name, cfg, bs, steps, dev, compile_blocks=False, engine_patches="
     # engine_patches: --engine-patches (dsclip/engine/patches/): all (the default), none (DeepSpeed's own paths)
     extra = {"torchcompile": True} if compile_blocks else {}
     extra["engine_patches"] = engine_patches
-    engine, bundle, _ = V.dsclip_engine(precision, bs, 1, cfg, 1, extra=extra, device_type=dev.type)
-    step = GradCacheStep(engine, build_loss("infonce"), compute_dtype=autocast_dtype(bundle))
+    if ds_json:
+        extra["deepspeed_config"] = f"ds_configs/{ds_json.format(p=precision)}.json"
+    mb = bs // accum
+    engine, bundle, _ = V.dsclip_engine(
+        precision, mb, accum, cfg, 1, extra=extra, ds_overrides={"zero_optimization": zero or {}}, device_type=dev.type
+    )
+    step = GradCacheStep(engine, build_loss("infonce"), compute_dtype=autocast_dtype(bundle), accum_freq=accum)
+
+    def chunks(b):
+        return [(b[0][i * mb : (i + 1) * mb], b[1][i * mb : (i + 1) * mb]) for i in range(accum)]
+
     for b in make_batches(cfg, bs, 2, dev):
-        step([b])
+        step(chunks(b))
     sync(dev)
     reset_mem(dev)
     batches = make_batches(cfg, bs, steps, dev)
@@ -147,7 +158,7 @@ def dsclip_run(name, cfg, bs, steps, dev, compile_blocks=False, engine_patches="
     log_every = LogArgs().log_every_n_steps  # the gradient norm on logged steps only, as `dsclip train` runs
     t = time.perf_counter()
     for i, b in enumerate(batches):
-        step([b], grad_norm=(i + 1) % log_every == 0)
+        step(chunks(b), grad_norm=(i + 1) % log_every == 0)
     sync(dev)
     sps = steps * bs / (time.perf_counter() - t)
     mem = peak_mem_gb(dev)
@@ -166,6 +177,13 @@ TRAINERS = {
         f"dsclip_no_{p}": functools.partial(dsclip_run, engine_patches=f"all,-{p}")
         for p in ("local_flush", "overflow_check", "grad_hooks", "grad_norm")
     },
+    # ZeRO-3 against ZeRO-2 (issue #29), the gradient cache at K = 2 (the batch given is the step's rows):
+    # the shipped JSON (each block one leaf) and stock ZeRO-3 (no leaf modules, one fetch per tensor)
+    "dsclip_zero2_k2": functools.partial(dsclip_run, accum=2),
+    "dsclip_zero3_k2": functools.partial(dsclip_run, ds_json="zero3_{p}", accum=2),
+    "dsclip_zero3_noleaf_k2": functools.partial(
+        dsclip_run, ds_json="zero3_{p}", accum=2, zero={"leaf_module": {"classes": []}}
+    ),
 }
 
 

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from dsclip.config_base import ConfigError, opt
+from dsclip.engine.ds_schema import check_zero_and_compile
 from dsclip.engine.optim import OptimArgs, timm_optimizer_info
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16", "amp", "amp_bf16", "amp_bfloat16", "pure_bf16", "pure_fp16")
@@ -211,18 +212,6 @@ KNOWN_BF16 = {
 }
 
 
-def _zero_keys() -> set[str]:
-    # lazy: the run config imports this module for TrainArgs; deepspeed loads only when a JSON is resolved
-    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
-
-    names = set()
-    for name, f in DeepSpeedZeroConfig.model_fields.items():
-        names.add(name)
-        if f.alias:
-            names.add(f.alias)
-    return names
-
-
 @dataclass
 class Precision:
     name: str  # "fp32" | "bf16" | "fp16"
@@ -313,6 +302,7 @@ def resolve_ds_config(
     if not isinstance(ds, dict):
         raise ConfigError(f"{where} must be a JSON object")
     _check_structure(ds, where)
+    check_zero_and_compile(ds, where, device_type)  # the installed DeepSpeed's own schema, before any model
     _fill_batch(ds, train, world_size, where)
     clip = optim.grad_clip_norm if optim.grad_clip_norm is not None else 0.0
     _fill(ds, "gradient_clipping", clip, where, what="--grad-clip-norm")
@@ -339,8 +329,7 @@ def resolve_ds_config(
 def _check_structure(ds: dict[str, Any], where: str) -> None:
     """Unknown keys (DeepSpeed would ignore them) and blocks dsclip cannot honour are errors."""
     _check_keys(ds, KNOWN_TOP_LEVEL, where)
-    zero = ds.setdefault("zero_optimization", {"stage": 0})
-    _check_keys(zero, _zero_keys(), f"{where} zero_optimization")
+    ds.setdefault("zero_optimization", {"stage": 0})
     _check_keys(
         ds.get("activation_checkpointing", {}), KNOWN_ACTIVATION_CHECKPOINTING, f"{where} activation_checkpointing"
     )

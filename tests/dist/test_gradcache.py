@@ -130,10 +130,13 @@ def record_forwards(step) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return calls
 
 
-def _rank_step(rank, world, stage, k, mode, patch_dropout, keep_last, compile_backend=None, patches="all"):
+def _rank_step(
+    rank, world, stage, k, mode, patch_dropout, keep_last, compile_backend=None, patches="all", zero3_leaves=True
+):
     """One gradient-cache step. ``mode``: "auto" (what dsclip train does) or "naive" (engine.backward K times
     with no boundary handling at all, what forks of OpenCLIP do); ``patches``: --engine-patches."""
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad, z3_leaf_parameter
+    from timm.models.vision_transformer import Block
 
     from dsclip.engine.build import build_engine
     from dsclip.engine.ds_config import load_ds_json, resolve_ds_config
@@ -145,6 +148,8 @@ def _rank_step(rank, world, stage, k, mode, patch_dropout, keep_last, compile_ba
     ds = resolve_ds_config(
         load_ds_json(cfg.train.deepspeed_config), cfg.train, cfg.optim, world_size=world, device_type="cpu"
     )
+    if not zero3_leaves:  # stock ZeRO-3: one fetch and one gradient hook per tensor
+        ds["zero_optimization"]["leaf_module"] = {"classes": []}
     bundle = build_engine(
         ds, cfg.train, cfg.optim, lambda: make_model(patch_dropout), total_steps=10, steps_per_epoch=10
     )
@@ -188,9 +193,12 @@ def _rank_step(rank, world, stage, k, mode, patch_dropout, keep_last, compile_ba
         "optimizer": type(getattr(engine.optimizer, "optimizer", engine.optimizer)).__name__,
         "patches": list(bundle.patches.active),  # dsclip/engine/patches/ active on this engine
         "reduction": step.reduction,
-        # ZeRO-1/2: DeepSpeed's per-parameter hooks (left out of the K backwards by grad_hooks) are back
+        # DeepSpeed's per-parameter hooks (ZeRO-1/2: left out of the K backwards by grad_hooks) are back; ZeRO-3
+        # hooks a leaf module (ds_configs/zero3*.json: each timm Block) once, not each of its parameters
         "hooks_restored": len(getattr(engine.optimizer, "_grad_acc_hooks", []))
-        == sum(p.requires_grad for p in engine.module.parameters()),
+        == sum(p.requires_grad and not z3_leaf_parameter(p) for p in engine.module.parameters()),
+        "leaf_blocks": len(getattr(engine.optimizer, "_leaf_module_hooks", [])),
+        "blocks": sum(isinstance(m, Block) for m in engine.module.modules()),
     }
 
 
@@ -302,10 +310,24 @@ EXPECTED_PATCHES = {
 def test_gradcache_equals_big_batch(world, stage, k, shared_dir):
     results = plain_run(shared_dir, world, stage, k)
     assert all(r["hooks_restored"] for r in results)
+    # the shipped ZeRO-3 JSONs make each transformer block one ZeRO-3 leaf (one fetch, one gradient hook)
+    assert all(r["leaf_blocks"] == (r["blocks"] if stage == 3 else 0) and r["blocks"] > 0 for r in results)
     assert_matches(results, reference_step(results[0]["initial"], world, k), world, k)
     expected = [n for n in EXPECTED_PATCHES[(world, stage)] if passes_check(n)]  # all, on a verified DeepSpeed
     assert all(r["patches"] == expected for r in results), results[0]["patches"]
     assert all(r["reduction"] == "coalesced" for r in results)
+
+
+def test_zero3_leaf_blocks_compute_what_stock_zero3_computes(shared_dir):
+    """The shipped ZeRO-3 JSONs' one setting that changes how the step runs (each timm Block one ZeRO-3 leaf:
+    one gather and one gradient hook per block) against stock ZeRO-3, two ranks, K = 2: the same loss,
+    gradients and updated weights, to the derived tolerance of assert_matches (the reduction order may differ)."""
+    shipped = plain_run(shared_dir, 2, 3, 2)
+    stock = run_world(_rank_step, 2, 3, 2, "auto", 0.0, True, None, "all", False)
+    assert all(r["leaf_blocks"] == 0 and r["hooks_restored"] for r in stock)
+    assert all(r["leaf_blocks"] == r["blocks"] > 0 for r in shipped)
+    ref = (shipped[0]["loss"], shipped[0]["grads"], shipped[0]["weights"])
+    assert_matches(stock, ref, 2, 2)
 
 
 @pytest.mark.parametrize("world", [1, 2])

@@ -45,7 +45,11 @@ def test_batch_triad_contradiction():
 def test_unknown_keys_are_errors():
     with pytest.raises(ConfigError, match="unknown key 'gradient_accumulation_dtype'"):
         resolve({"gradient_accumulation_dtype": "fp32"})
-    with pytest.raises(ConfigError, match="unknown key 'stage3_prefetch_bucket_sise'.*zero_optimization"):
+    with pytest.raises(
+        ConfigError,
+        match=r"unknown key 'zero_optimization.stage3_prefetch_bucket_sise': DeepSpeed [0-9.]+ has no such setting; "
+        r"did you mean 'stage3_prefetch_bucket_size'",
+    ):
         resolve({"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_sise": 1}})
     with pytest.raises(ConfigError, match="unknown key 'cpu_checkpoint'.*did you mean 'cpu_checkpointing'"):
         resolve({"activation_checkpointing": {"cpu_checkpoint": True}})
@@ -117,3 +121,72 @@ def test_options_incompatible_with_gradient_cache_refused():
         resolve({"managed_gradient_accumulation": False}, accum_freq=4)
     with pytest.raises(ConfigError, match="pipeline parallelism is not supported"):
         resolve({"pipeline": {}})
+
+
+# ZeRO settings that exist in one supported DeepSpeed release and not in the other (0.19.2 <-> 0.19.8).
+ONLY_NEWER, ONLY_OLDER = "compute_grad_norm", "mics_shard_size"
+
+
+def test_zero_key_the_installed_deepspeed_lacks_names_key_and_version():
+    import deepspeed
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    fields = DeepSpeedZeroConfig.model_fields
+    missing = ONLY_OLDER if ONLY_NEWER in fields else ONLY_NEWER
+    assert missing not in fields  # one of the two is absent from every supported release
+    with pytest.raises(ConfigError) as e:
+        resolve({"zero_optimization": {"stage": 3, missing: 1}})
+    msg = str(e.value)
+    assert f"unknown key 'zero_optimization.{missing}'" in msg and f"DeepSpeed {deepspeed.__version__}" in msg
+    assert "\n" not in msg and "install the DeepSpeed release that has it" in msg
+
+
+def test_zero_nested_keys_and_values_checked_by_deepspeeds_schema():
+    with pytest.raises(
+        ConfigError, match=r"unknown key 'zero_optimization.offload_param.devise'.*did you mean 'device'"
+    ):
+        resolve({"zero_optimization": {"stage": 3, "offload_param": {"devise": "cpu"}}})
+    with pytest.raises(ConfigError, match=r"zero_optimization.offload_param.device = 'gpu': .*fix the value") as e:
+        resolve({"zero_optimization": {"stage": 3, "offload_param": {"device": "gpu"}}})
+    assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match=r"zero_optimization.stage3_max_live_parameters = 'many'"):
+        resolve({"zero_optimization": {"stage": 3, "stage3_max_live_parameters": "many"}})
+    with pytest.raises(ConfigError, match=r"unknown key 'compile.deepcompil'.*did you mean 'deepcompile'"):
+        resolve({"zero_optimization": {"stage": 3}, "compile": {"deepcompil": True}})
+    ok = resolve({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}})  # valid ones pass
+    assert ok["zero_optimization"]["offload_param"] == {"device": "cpu"}
+
+
+def test_deepcompile_refused_off_cuda_and_with_pairs_deepspeed_refuses():
+    z3 = {"stage": 3}
+    with pytest.raises(ConfigError, match="compile.deepcompile needs a CUDA device.*accelerator is cpu"):
+        resolve({"zero_optimization": z3, "compile": {"deepcompile": True}}, device="cpu")
+    assert resolve({"zero_optimization": z3, "compile": {"deepcompile": True}}, device="cuda")["compile"]
+    opt_cpu = {"stage": 3, "offload_optimizer": {"device": "cpu"}}
+    with pytest.raises(ConfigError, match=r"compile.offload_opt_states with zero_optimization.offload_optimizer"):
+        resolve(
+            {"zero_optimization": opt_cpu, "compile": {"deepcompile": True, "offload_opt_states": True}}, device="cuda"
+        )
+    both_cpu = opt_cpu | {"offload_param": {"device": "cpu"}}
+    with pytest.raises(ConfigError, match=r"compile.offload_opt_states with compile.offload_parameters"):
+        resolve(
+            {
+                "zero_optimization": z3
+                | {"offload_param": {"device": "cpu"}}
+                | {"offload_optimizer": {"device": "none"}},
+                "compile": {"deepcompile": True, "offload_opt_states": True, "offload_parameters": True},
+            },
+            device="cuda",
+        )
+    from deepspeed.compile.config import CompileConfig
+
+    # DeepSpeed 0.19.2 has no activation offload pass: there the key itself is the error
+    expect = (
+        "offload_activation with compile.offload_parameters"
+        if "offload_activation" in CompileConfig.model_fields
+        else "unknown key 'compile.offload_activation'"
+    )
+    with pytest.raises(ConfigError, match=expect):
+        resolve(
+            {"zero_optimization": both_cpu, "compile": {"deepcompile": True, "offload_activation": True}}, device="cuda"
+        )

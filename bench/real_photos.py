@@ -1,0 +1,291 @@
+"""Training input on real photographs: samples per CPU-second, and CPU cores per GPU needed.
+
+Builds img2dataset-style webdataset shards (``KEY.jpg`` + ``KEY.txt``) from the colour photographs
+that ship inside scikit-image (``skimage/data/*.png|jpg``: astronaut, chelsea, coffee, rocket, ...;
+found with ``importlib.util.find_spec``, so only the files are needed, not skimage's imports). Each
+sample is a random crop (30-100 % of the area), a random flip and a random scale so the shorter side
+is 256-512 px, stored as JPEG quality 90-95: images differ, and sizes match LAION/DataComp shards.
+
+Then times, alternated over rounds (min / median / max), the training input in one process
+(``--workers 0``: the DataLoader runs in this process, so ``process_time`` is the input's CPU):
+* ``pil``: dsclip's input before issue #28 (``--data-decode pil``: PIL decode, RGB copy, PIL
+  RandomResizedCrop, float32 normalise in the worker);
+* ``cpu``: the cheaper CPU path (``--data-decode cpu``: PIL draft, crop before resize, uint8);
+* ``gpu-share``: what the GPU path leaves on the CPU: tar read, shuffle, tokenisation, the image
+  header and the crop draw, handing encoded bytes over. No GPU here: the decode that nvJPEG would do
+  is timed separately (``decode_jpeg`` on CPU tensors, batched, standing in for nvJPEG) and is NOT
+  counted in this row;
+* ``openclip``: OpenCLIP's ``get_wds_dataset`` with ``image_transform(is_train=True)`` (if installed).
+
+    PYTHONPATH=$PWD:$PWD/.cache/skimage OMP_NUM_THREADS=1 python bench/real_photos.py --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import io
+import math
+import os
+import random
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+from statistics import median
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+# One-H200 bf16 rates, samples/s per GPU: ViT-B-32 ~5,000 (~6,000 with --torchcompile) as issue #28
+# quotes them; ViT-L-14 675 (results/gpu-h200_h200_2026-12-01.md, gpu_bench.py); ViT-H-14 not measured:
+# ViT-L-14's rate scaled by the image tower's FLOPs (~81 vs ~167 GFLOPs per image), an estimate.
+H200_RATES = {"ViT-B-32": (5000, 6000), "ViT-L-14": (675, None), "ViT-H-14 (est.)": (330, None)}
+PHOTOS = (
+    "astronaut",
+    "chelsea",
+    "coffee",
+    "rocket",
+    "motorcycle_left",
+    "motorcycle_right",
+    "hubble_deep_field",
+    "retina",
+    "ihc",
+)
+WORDS = "a photo of the small large red blue green dog cat house tree car on in with at beach city".split()
+
+
+def photo_files() -> list[Path]:
+    spec = importlib.util.find_spec("skimage")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit(
+            "bench/real_photos.py needs scikit-image's bundled photos: "
+            "pip install --no-deps --target .cache/skimage scikit-image and add .cache/skimage to PYTHONPATH"
+        )
+    d = Path(list(spec.submodule_search_locations)[0]) / "data"
+    files = [f for n in PHOTOS for f in d.glob(n + ".*") if f.suffix in (".png", ".jpg")]
+    if not files:
+        raise SystemExit(f"no photographs found in {d}")
+    return files
+
+
+def make_sample(src, rng: random.Random) -> bytes:
+    from PIL import Image
+
+    W, H = src.size
+    a = rng.uniform(0.3, 1.0)
+    w, h = max(64, int(W * math.sqrt(a))), max(64, int(H * math.sqrt(a)))
+    x, y = rng.randint(0, W - w), rng.randint(0, H - h)
+    img = src.crop((x, y, x + w, y + h))
+    if rng.random() < 0.5:
+        img = img.transpose(Image.FLIP_LEFT_RIGHT)
+    short = rng.randint(256, 512)
+    s = short / min(w, h)
+    img = img.resize((max(1, round(w * s)), max(1, round(h * s))), Image.BICUBIC)
+    buf = io.BytesIO()
+    img.save(buf, format="JPEG", quality=rng.randint(90, 95))
+    return buf.getvalue()
+
+
+def make_shards(root: Path, n: int, per_shard: int) -> tuple[str, list[int]]:
+    from PIL import Image
+
+    srcs = [Image.open(f).convert("RGB") for f in photo_files()]
+    rng = random.Random(0)
+    sizes, k, shards = [], 0, math.ceil(n / per_shard)
+    for s in range(shards):
+        with tarfile.open(root / f"{s:05d}.tar", "w") as tar:
+            for _ in range(min(per_shard, n - k)):
+                jpg = make_sample(srcs[k % len(srcs)], rng)
+                sizes.append(len(jpg))
+                for ext, data in (("jpg", jpg), ("txt", " ".join(rng.choice(WORDS) for _ in range(12)).encode())):
+                    info = tarfile.TarInfo(f"{k:09d}.{ext}")
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+                k += 1
+    return str(root / f"{{00000..{shards - 1:05d}}}.tar"), sizes
+
+
+class HeaderOnly:
+    """The GPU path's worker share of the image work: read the header, draw the crop (the same
+    draws as the CPU path's ``crop_params``), hand the bytes on. Returns a 1-byte stand-in tensor so
+    dsclip's batching runs unchanged; the bytes themselves are kept so they are not optimised away."""
+
+    takes_bytes = True
+
+    def __call__(self, data: bytes) -> torch.Tensor:
+        from PIL import Image
+
+        from dsclip.data.fast_transforms import DEFAULT_RATIO, DEFAULT_SCALE, crop_params
+
+        W, H = Image.open(io.BytesIO(data)).size
+        crop_params(W, H, DEFAULT_SCALE, DEFAULT_RATIO)
+        return torch.frombuffer(bytearray(data[:1]), dtype=torch.uint8).view(1, 1, 1).expand(3, 1, 1)
+
+
+def run_dsclip(pattern: str, n: int, batch: int, tok, mode: str) -> float:
+    from dsclip.data import DataConfig, build_train_data
+    from dsclip.data import webdataset as wds_mod
+
+    cfg = DataConfig(train_data=pattern, train_num_samples=n, workers=0, shuffle_buffer=500)
+    cfg.data_decode = "cpu" if mode == "gpu-share" else mode
+    orig = wds_mod.train_transform
+    if mode == "gpu-share":
+        wds_mod.train_transform = lambda *a, **k: HeaderOnly()
+    try:
+        td = build_train_data(cfg, tokenizer=tok, image_size=224, batch_size=batch, rank=0, world_size=1, seed=0)
+    finally:
+        wds_mod.train_transform = orig
+    try:
+        it = td.batches(0)
+        next(it)  # shuffle-buffer fill is not steady state
+        c0, m = time.process_time(), 0
+        for images, _ in it:
+            m += images.shape[0]
+        return m / max(time.process_time() - c0, 1e-9)
+    finally:
+        td.close()
+
+
+def run_openclip(pattern: str, n: int, batch: int) -> float:
+    from types import SimpleNamespace
+
+    import open_clip
+
+    if importlib.util.find_spec("pandas") is None:  # open_clip_train.data imports it for its CSV dataset only
+        import types
+
+        sys.modules["pandas"] = types.ModuleType("pandas")
+    from open_clip_train.data import get_wds_dataset
+
+    args = SimpleNamespace(
+        train_data=pattern, train_num_samples=n, dataset_resampled=False, seed=0, batch_size=batch,
+        workers=0, world_size=1, train_data_upsampling_factors=None, distributed=False, val_data=None,
+    )  # fmt: skip
+    pre = open_clip.image_transform(224, is_train=True)
+    tok = open_clip.get_tokenizer("ViT-B-32")
+    di = get_wds_dataset(args, pre, True, epoch=0, tokenizer=tok)
+    it = iter(di.dataloader)
+    next(it)
+    c0, m = time.process_time(), 0
+    for images, _ in it:
+        m += images.shape[0]
+    return m / max(time.process_time() - c0, 1e-9)
+
+
+def nvjpeg_standin(pattern_root: Path, batch: int) -> float:
+    """Samples per CPU-second of batched ``torchvision.io.decode_jpeg`` on CPU tensors plus the
+    device-side crop/resize on CPU: what nvJPEG and the GPU transform take OFF the CPU."""
+    from torchvision.io import decode_jpeg
+    from torchvision.transforms.v2 import functional as F
+
+    from dsclip.data.fast_transforms import DEFAULT_RATIO, DEFAULT_SCALE, crop_params
+
+    datas = []
+    with tarfile.open(sorted(pattern_root.glob("*.tar"))[0]) as tar:
+        for m in tar.getmembers():
+            if m.name.endswith(".jpg"):
+                datas.append(torch.frombuffer(bytearray(tar.extractfile(m).read()), dtype=torch.uint8))
+    datas = datas[: batch * 2]
+    c0 = time.process_time()
+    imgs = decode_jpeg(datas)
+    for x in imgs:
+        i, j, h, w = crop_params(x.shape[2], x.shape[1], DEFAULT_SCALE, DEFAULT_RATIO)
+        F.resized_crop(x, i, j, h, w, [224, 224], antialias=True)
+    return len(datas) / max(time.process_time() - c0, 1e-9)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--samples", type=int, default=640, help="Samples per measurement.")
+    p.add_argument("--per-shard", type=int, default=160)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--out", default=None, help="Write the markdown report here.")
+    a = p.parse_args(argv)
+    torch.set_num_threads(1)
+    from dsclip.data.demo import ensure_demo_tokenizer
+    from dsclip.data.tokenizer import SentencePieceTokenizer
+
+    have_oc = importlib.util.find_spec("open_clip_train") is not None
+    modes = ["pil", "cpu", "gpu-share"] + (["openclip"] if have_oc else [])
+    res: dict[str, list[float]] = {m: [] for m in modes + ["nvjpeg-standin"]}
+    oc_error = "open_clip_train is not installed"
+    with tempfile.TemporaryDirectory() as tmp:
+        tok = SentencePieceTokenizer(ensure_demo_tokenizer(Path(tmp) / "tok"), 77)
+        shard_dir = Path(tmp) / "shards"
+        shard_dir.mkdir()
+        pattern, sizes = make_shards(shard_dir, a.samples, a.per_shard)
+        print(f"{len(sizes)} samples, JPEG {np.mean(sizes) / 1e3:.0f} KB mean "
+              f"({min(sizes) / 1e3:.0f}-{max(sizes) / 1e3:.0f} KB)", flush=True)  # fmt: skip
+        for r in range(a.rounds):  # alternated: load changes on a shared machine hit every mode alike
+            for m in list(modes) if r % 2 == 0 else list(modes)[::-1]:
+                try:
+                    v = run_openclip(pattern, a.samples, a.batch_size) if m == "openclip" else run_dsclip(
+                        pattern, a.samples, a.batch_size, tok, m)  # fmt: skip
+                except Exception as e:  # open_clip_train's webdataset glue vs the installed webdataset
+                    if m != "openclip":
+                        raise
+                    print(f"OpenCLIP get_wds_dataset not measured: {e.__class__.__name__}: {e}", flush=True)
+                    oc_error = f"{e.__class__.__name__}: {e}"
+                    modes.remove(m)
+                    del res[m]
+                    have_oc = False
+                    continue
+                res[m].append(v)
+                print(f"round {r} {m}: {v:.0f} samples per CPU-second", flush=True)
+            res["nvjpeg-standin"].append(nvjpeg_standin(shard_dir, a.batch_size))
+    med = {m: median(v) for m, v in res.items()}
+    oc_note = [] if have_oc else ["", f"OpenCLIP's `get_wds_dataset` not measured: {oc_error}."]
+    names = {
+        "pil": "dsclip before #28 (`--data-decode pil`)",
+        "cpu": "dsclip CPU path (`--data-decode cpu`)",
+        "gpu-share": "dsclip GPU path, CPU share (decode not counted: nvJPEG's)",
+        "openclip": "OpenCLIP `get_wds_dataset`",
+        "nvjpeg-standin": "stand-in: batched `decode_jpeg` + resized_crop on CPU (what nvJPEG takes off the CPU)",
+    }
+    lines = [
+        "## Input on real photographs (bench/real_photos.py)",
+        "",
+        f"{len(sizes)} samples from scikit-image's bundled photos (random crop/flip, shorter side 256-512 px, "
+        f"JPEG q90-95, {np.mean(sizes) / 1e3:.0f} KB mean), batch {a.batch_size}, 224 px, one process "
+        f"(`--workers 0`), `OMP_NUM_THREADS=1`, {a.rounds} alternated rounds, on a shared "
+        f"{os.cpu_count()}-core machine (load {os.getloadavg()[0]:.1f} at the end). Samples per CPU-second "
+        "(what one dedicated worker core sustains):",
+        "",
+        "| input | min | median | max | vs before |",
+        "|---|---|---|---|---|",
+    ]
+    for m in res:
+        v = res[m]
+        lines.append(f"| {names[m]} | {min(v):.0f} | {med[m]:.0f} | {max(v):.0f} | {med[m] / med['pil']:.2f}x |")
+    if have_oc:
+        lines += ["", f"CPU path vs OpenCLIP: {med['cpu'] / med['openclip']:.2f}x."]
+    lines += oc_note
+    lines += [
+        "",
+        "CPU cores per GPU needed (one-H200 bf16 rates: ViT-B-32 as issue #28 quotes, ViT-L-14 from "
+        "results/gpu-h200_h200_2026-12-01.md, ViT-H-14 estimated from FLOPs; rate / samples per CPU-second):",
+        "",
+    ]
+    cols = [m for m in ("pil", "cpu", "gpu-share", "openclip") if m in med]
+    lines.append("| model | samples/s per GPU | " + " | ".join(cols) + " |")
+    lines.append("|---|---|" + "---|" * len(cols))
+    for model, (rate, compiled) in H200_RATES.items():
+        for rr, tag in ((rate, ""), (compiled, " (--torchcompile)")):
+            if rr:
+                lines.append(f"| {model}{tag} | {rr} | " + " | ".join(f"{rr / med[m]:.1f}" for m in cols) + " |")
+    lines += ["", "    PYTHONPATH=$PWD:$PWD/.cache/skimage OMP_NUM_THREADS=1 python bench/real_photos.py "
+              f"--samples {a.samples} --rounds {a.rounds}"]  # fmt: skip
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if a.out:
+        Path(a.out).write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,222 @@
+"""ZeRO-3's host time per step against ZeRO-2's, and what each of DeepSpeed's own knobs buys (issue #29).
+
+Host-side cost only, as the brief asks of CPU measurements: a thin model with the real model's tensor count
+(ViT-H-14's 32 + 24 blocks or ViT-bigG-14's 48 + 32, width 32, so the arithmetic is negligible and a step is
+the engine's per-tensor bookkeeping, the part a GPU waits for). One process builds one engine per variant
+(ZeRO-2, the shipped ZeRO-3 JSON, the stock ZeRO-3 JSON, and single-knob changes of it) and steps them in
+turn, the order rotated every step; CPU seconds per step (``time.process_time``), median over the steps,
+split into the engine's phases by timing ``engine.forward`` / ``engine.backward`` / ``engine.step`` (what is
+left, "other", is mostly ZeRO-3's partitioned-gradient reduction when the coalesced backward ends).
+
+The thin model's matrices are 32 × 32 (1 k elements) where ViT-H's are 1280 × 1280: every ZeRO-3 variant
+below therefore gets ``stage3_param_persistence_threshold: 256``, so that matrices are gathered and vectors
+(biases, norms) stay resident, as the shipped 1e5 threshold does for the real model ("persist-all" instead
+keeps everything resident: ZeRO-3's bookkeeping without any gather).
+
+    PYTHONPATH=$PWD OMP_NUM_THREADS=1 .venv/bin/python bench/zero3_host.py --depth H --steps 4
+    PYTHONPATH=$PWD OMP_NUM_THREADS=1 .venv/bin/python bench/zero3_host.py --depth H --gradcache   # item 4
+    PYTHONPATH=$PWD OMP_NUM_THREADS=1 .venv/bin/python bench/zero3_host.py --depth H --profile zero3
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import vs_openclip as V  # noqa: E402
+
+DEPTHS = {"H": "ViT-H-14", "bigG": "ViT-bigG-14"}
+THIN_PERSIST = {"stage3_param_persistence_threshold": 256}
+NO_LEAF = {"leaf_module": {"classes": []}}
+# name → (DeepSpeed JSON, zero_optimization overrides). "zero3" is the shipped JSON (leaf modules on).
+VARIANTS = {
+    "zero2": ("zero2_{p}", {}),
+    "zero3": ("zero3_{p}", THIN_PERSIST),
+    "zero3 no-leaf (stock)": ("zero3_{p}", THIN_PERSIST | NO_LEAF),
+    "zero3 persist-all": ("zero3_{p}", NO_LEAF | {"stage3_param_persistence_threshold": 10**9}),
+    "zero3 prefetch 0": ("zero3_{p}", THIN_PERSIST | {"stage3_prefetch_bucket_size": 0}),
+    "zero3 linear-off": ("zero3_{p}", THIN_PERSIST | {"memory_efficient_linear": False}),
+    "zero3 allreduce-fetch": ("zero3_{p}", THIN_PERSIST | {"stage3_use_all_reduce_for_fetch_params": True}),
+    "zero3 live 1e8": ("zero3_{p}", THIN_PERSIST | {"stage3_max_live_parameters": 10**8}),
+    "zero3 no-leaf linear-off": ("zero3_{p}", THIN_PERSIST | NO_LEAF | {"memory_efficient_linear": False}),
+}
+PHASES = ("forward", "backward", "step")
+
+
+def thin_config(depth: str) -> dict:
+    from dsclip.model import get_model_config
+
+    cfg = get_model_config(DEPTHS[depth])
+    cfg["embed_dim"] = 32
+    cfg["vision_cfg"].update(width=32, head_width=16, image_size=28)
+    cfg["text_cfg"].update(width=32, heads=2, context_length=16, vocab_size=1000)
+    return cfg
+
+
+class PhaseClock:
+    """CPU seconds spent inside ``engine.forward`` / ``backward`` / ``step`` (instance attributes wrap them)."""
+
+    def __init__(self, engine):
+        self.spent = dict.fromkeys(PHASES, 0.0)
+        for name in PHASES:
+            setattr(engine, name, self._timed(name, getattr(engine, name)))
+
+    def _timed(self, name, fn):
+        def wrapper(*args, **kwargs):
+            c0 = time.process_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.spent[name] += time.process_time() - c0
+
+        return wrapper
+
+    def take(self) -> dict:
+        out, self.spent = self.spent, dict.fromkeys(PHASES, 0.0)
+        return out
+
+
+def _trainer(rank, world, precision, batch, k, cfg, json_name, zero):
+    import torch
+
+    from dsclip.engine.build import autocast_dtype
+    from dsclip.losses import build_loss
+    from dsclip.train.gradcache import GradCacheStep
+    from dsclip.train.loop import step_seed
+
+    extra = {"deepspeed_config": f"ds_configs/{json_name}.json"}
+    engine, bundle, _ = V.dsclip_engine(precision, batch, k, cfg, world, extra, {"zero_optimization": zero})
+    step_fn = GradCacheStep(engine, build_loss("infonce"), compute_dtype=autocast_dtype(bundle), accum_freq=k)
+    clock = PhaseClock(engine)
+    engine.train()
+
+    def run(chunk, n):
+        torch.manual_seed(step_seed(0, n, rank))
+        step_fn(chunk, grad_norm=False)  # between logged steps, as most are
+
+    return run, clock
+
+
+def _rank(rank, world, a, plan):
+    """plan: name → (json, zero overrides, micro-batch, K). Returns name → list of per-step phase dicts."""
+    V.one_thread()
+    cfg = thin_config(a.depth)
+    p = a.precision
+    runs = {n: _trainer(rank, world, p, b, k, cfg, j.format(p=p), z) for n, (j, z, b, k) in plan.items()}
+    rows = max(b * k for _, _, b, k in plan.values())
+    data = {}
+    for b, k in {(b, k) for _, _, b, k in plan.values()}:
+        whole = V.synthetic_batches(2, rows, cfg, seed=1 + rank)  # the same rows for every split of the batch
+        data[b, k] = [[(img[i * b : (i + 1) * b], txt[i * b : (i + 1) * b]) for i in range(k)] for img, txt in whole]
+    for n, (run, clock) in runs.items():  # warm-up: optimizer states, allocator, ZeRO-3's trace
+        _, _, b, k = plan[n]
+        for s in range(2):
+            run(data[b, k][s], s)
+        clock.take()
+    if a.profile:
+        run, clock = runs[a.profile]
+        _, _, b, k = plan[a.profile]
+        prof = cProfile.Profile(time.process_time)
+        prof.enable()
+        for s in range(a.steps):
+            run(data[b, k][s % 2], 2 + s)
+        prof.disable()
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(a.lines)
+        return out.getvalue()
+    times = {n: [] for n in runs}
+    names = list(runs)
+    for s in range(a.steps):
+        for n in names[s % len(names) :] + names[: s % len(names)]:
+            run, clock = runs[n]
+            _, _, b, k = plan[n]
+            c0 = time.process_time()
+            run(data[b, k][s % 2], 2 + s)
+            total = time.process_time() - c0
+            phases = clock.take()
+            times[n].append(phases | {"other": total - sum(phases.values()), "total": total})
+    return times
+
+
+def _plan(a) -> dict:
+    if a.gradcache:
+        # Item 4: the gradient cache's two passes (K = 2) against one forward + backward of the same rows.
+        b = a.batch
+        return {
+            "zero2 K=1": ("zero2_{p}", {}, 2 * b, 1),
+            "zero2 K=2": ("zero2_{p}", {}, b, 2),
+            "zero3 K=1": ("zero3_{p}", THIN_PERSIST, 2 * b, 1),
+            "zero3 K=2": ("zero3_{p}", THIN_PERSIST, b, 2),
+        }
+    chosen = a.variants.split(",") if a.variants else list(VARIANTS)
+    if a.profile:
+        chosen = [a.profile]
+    unknown = [v for v in chosen if v not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"unknown variant(s) {unknown}; choose from {list(VARIANTS)}")
+    return {n: (*VARIANTS[n], a.batch, a.k) for n in chosen}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--depth", choices=DEPTHS, default="H", help="the real model whose blocks the thin one has")
+    ap.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
+    ap.add_argument("--world", type=int, default=1)
+    ap.add_argument("--batch", type=int, default=4, help="micro-batch per rank")
+    ap.add_argument("--k", type=int, default=1, help="micro-batches per step (the gradient cache)")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--variants", default="", help=f"comma list of {list(VARIANTS)} (default: all)")
+    ap.add_argument("--gradcache", action="store_true", help="K = 2 against K = 1 on the same rows (item 4)")
+    ap.add_argument("--profile", default="", help="cProfile one variant instead of timing them")
+    ap.add_argument("--lines", type=int, default=40)
+    a = ap.parse_args(argv)
+    from tests.distutil import run_world
+
+    plan = _plan(a)
+    ranks = run_world(_rank, a.world, a, plan, timeout=7200)
+    if a.profile:
+        print(ranks[0])
+        return 0
+    cfg = thin_config(a.depth)
+    n_tensors = sum(1 for _ in _count_tensors(cfg))
+    print(
+        f"thin {DEPTHS[a.depth]} ({n_tensors} tensors, width 32), {a.precision}, world {a.world}, "
+        f"{a.steps} steps each after 2 untimed, CPU ms per step (slowest rank, median over steps)\n"
+    )
+    first = next(iter(plan))
+    print(
+        "| variant | micro-batch × K | total | forward | backward | step | other | µs / tensor | "
+        f"vs {first} |\n|---|---|---:|---:|---:|---:|---:|---:|---:|"
+    )
+    per_step = {n: [{k: max(r[n][s][k] for r in ranks) for k in ranks[0][n][s]} for s in range(a.steps)] for n in plan}
+    base = [s["total"] for s in per_step[first]]
+    for n, steps in per_step.items():
+        med = {k: 1e3 * statistics.median(s[k] for s in steps) for k in steps[0]}
+        ratio = statistics.median(s["total"] / b for s, b in zip(steps, base))
+        _, _, b, k = plan[n]
+        cells = " | ".join(f"{med[p]:.1f}" for p in (*PHASES, "other"))
+        print(
+            f"| {n} | {b} × {k} | {med['total']:.1f} | {cells} | {1e3 * med['total'] / n_tensors:.0f} | {ratio:.2f} |"
+        )
+    return 0
+
+
+def _count_tensors(cfg):
+    import torch
+
+    from dsclip.model import create_model
+
+    with torch.device("meta"):
+        yield from create_model(cfg).parameters()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
