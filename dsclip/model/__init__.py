@@ -26,6 +26,7 @@ from .openclip import (
     from_openclip_state_dict,
     load_openclip_checkpoint,
     openclip_model_config,
+    to_openclip_name,
     to_openclip_state_dict,
 )
 from .weights import load_model, save_model
@@ -46,5 +47,6 @@ __all__ = [
     "openclip_model_config",
     "resolve_model_config",
     "save_model",
+    "to_openclip_name",
     "to_openclip_state_dict",
 ]
