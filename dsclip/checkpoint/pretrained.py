@@ -34,7 +34,7 @@ from dsclip.model import (
     StateDictMismatchError,
     to_openclip_name,
 )
-from dsclip.model.openclip import expected_shapes, unwrap_state_dict
+from dsclip.model.openclip import expected_shapes, is_openclip_state_dict, unwrap_state_dict
 
 WEIGHT_CANDIDATES = (
     "model.safetensors",
@@ -82,7 +82,7 @@ class WeightSource:
     resample: dict  # names whose tensors may be resampled to the model's grid (set by load_pretrained_into)
 
     def is_openclip(self) -> bool:
-        return "visual.conv1.weight" in self.shapes or "visual.class_embedding" in self.shapes
+        return is_openclip_state_dict(self.shapes)  # by key names only (OpenCLIP's ViT or a timm trunk)
 
 
 def _strip(key: str) -> str:

@@ -3,9 +3,10 @@ OpenCLIP's ``CustomTextCLIP`` layout. The independent reference is OpenCLIP itse
 ``open_clip`` and by dsclip, OpenCLIP's weights loaded into dsclip, both run in float64.
 
 Tolerance: the image towers run the same timm modules in the same order (a linear projection is x @ W
-against F.linear: rounding only), so they agree to 1e-12 in float64; the text towers differ in kernels only (OpenCLIP's nn.MultiheadAttention against timm's fused SDPA), so they agree
-to float64 rounding over a few layers: 1e-10 is ~1e5 ulps of values of order 1, far below any wiring error
-(a wrong mask, pool or projection moves outputs by order 1e-2 or more).
+against F.linear: rounding only), so they agree to 1e-12 in float64. The text towers differ in kernels only
+(OpenCLIP's nn.MultiheadAttention against timm's fused SDPA), so they agree to float64 rounding over a few
+layers: 1e-10 is ~1e5 ulps of values of order 1, far below any wiring error (a wrong mask, pool or
+projection moves outputs by order 1e-2 or more).
 """
 
 from __future__ import annotations
