@@ -273,7 +273,8 @@ def _photo_shards(root, n_shards=2, per_shard=10):
         with tarfile.open(root / f"p-{k}.tar", "w") as tar:
             for _ in range(per_shard):
                 fmt, mode = ("PNG", "RGB") if i % 7 == 3 else ("JPEG", "CMYK" if i == 5 else "RGB")
-                _add(tar, f"{i:06d}.{'png' if fmt == 'PNG' else 'jpg'}", _photo(40 + i % 8, 40, seed=i, fmt=fmt, mode=mode))
+                data = _photo(40 + i % 8, 40, seed=i, fmt=fmt, mode=mode)
+                _add(tar, f"{i:06d}.{'png' if fmt == 'PNG' else 'jpg'}", data)
                 _add(tar, f"{i:06d}.txt", f"sample {i}".encode())
                 i += 1
     return str(root / f"p-{{0..{n_shards - 1}}}.tar")
@@ -332,8 +333,8 @@ def test_gpu_path_resumed_after_a_kill_sees_the_same_crops(tmp_path, workers):
 def test_fallback_is_one_notice_and_a_counter_in_the_step_lines(tmp_path, capsys):
     """Non-JPEG shards on the GPU path: one line in the log saying the images took the CPU and how many,
     then the count in each step line (cpu_decoded_images), and not as bad samples."""
-    from dsclip.train.metrics import MetricsLogger
     from dsclip.train.gradcache import StepResult
+    from dsclip.train.metrics import MetricsLogger
 
     result = StepResult(loss=1.0, logit_scale=1.0, logit_bias=None, grad_norm=None, applied=True)
     m = MetricsLogger(tmp_path, rank=0, world_size=1, every_n_steps=1, report_to="", samples_per_step=8,
