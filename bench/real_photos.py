@@ -11,10 +11,11 @@ Then times, alternated over rounds (min / median / max), the training input in o
 * ``pil``: dsclip's input before issue #28 (``--data-decode pil``: PIL decode, RGB copy, PIL
   RandomResizedCrop, float32 normalise in the worker);
 * ``cpu``: the cheaper CPU path (``--data-decode cpu``: PIL draft, crop before resize, uint8);
-* ``gpu-share``: what the GPU path leaves on the CPU: tar read, shuffle, tokenisation, the image
-  header and the crop draw, handing encoded bytes over. No GPU here: the decode that nvJPEG would do
-  is timed separately (``decode_jpeg`` on CPU tensors, batched, standing in for nvJPEG) and is NOT
-  counted in this row;
+* ``gpu-share``: what the GPU path (``--data-decode gpu``) leaves on the CPU: its real worker side
+  (tar read, shuffle, tokenisation, the image header and the crop draw, the CPU fallback for images
+  nvJPEG does not take, the encoded batch). No GPU here: the training-process side
+  (dsclip.data.gpu_decode.decode_batch) is timed apart on the same batches, run on CPU -- decode on
+  CPU standing in for nvJPEG -- and is NOT counted in this row;
 * ``openclip``: OpenCLIP's ``get_wds_dataset`` with ``image_transform(is_train=True)`` (if installed).
 
     PYTHONPATH=$PWD:$PWD/.cache/skimage OMP_NUM_THREADS=1 python bench/real_photos.py --rounds 3
@@ -109,42 +110,24 @@ def make_shards(root: Path, n: int, per_shard: int) -> tuple[str, list[int]]:
     return str(root / f"{{00000..{shards - 1:05d}}}.tar"), sizes
 
 
-class HeaderOnly:
-    """The GPU path's worker share of the image work: read the header, draw the crop (the same
-    draws as the CPU path's ``crop_params``), hand the bytes on. Returns a 1-byte stand-in tensor so
-    dsclip's batching runs unchanged; the bytes themselves are kept so they are not optimised away."""
-
-    takes_bytes = True
-
-    def __call__(self, data: bytes) -> torch.Tensor:
-        from PIL import Image
-
-        from dsclip.data.fast_transforms import DEFAULT_RATIO, DEFAULT_SCALE, crop_params
-
-        W, H = Image.open(io.BytesIO(data)).size
-        crop_params(W, H, DEFAULT_SCALE, DEFAULT_RATIO)
-        return torch.frombuffer(bytearray(data[:1]), dtype=torch.uint8).view(1, 1, 1).expand(3, 1, 1)
-
-
-def run_dsclip(pattern: str, n: int, batch: int, tok, mode: str) -> float:
+def run_dsclip(pattern: str, n: int, batch: int, tok, mode: str, keep: list | None = None) -> float:
+    """Samples per CPU-second of dsclip's input in ``mode`` (``--data-decode``; ``gpu-share``: the GPU
+    path's worker side only, its batches appended to ``keep`` for :func:`device_side_on_cpu`)."""
     from dsclip.data import DataConfig, build_train_data
-    from dsclip.data import webdataset as wds_mod
 
     cfg = DataConfig(train_data=pattern, train_num_samples=n, workers=0, shuffle_buffer=500)
-    cfg.data_decode = "cpu" if mode == "gpu-share" else mode
-    orig = wds_mod.train_transform
+    cfg.data_decode = "gpu" if mode == "gpu-share" else mode  # gpu: no CUDA asked for by build_train_data
+    td = build_train_data(cfg, tokenizer=tok, image_size=224, batch_size=batch, rank=0, world_size=1, seed=0)
     if mode == "gpu-share":
-        wds_mod.train_transform = lambda *a, **k: HeaderOnly()
-    try:
-        td = build_train_data(cfg, tokenizer=tok, image_size=224, batch_size=batch, rank=0, world_size=1, seed=0)
-    finally:
-        wds_mod.train_transform = orig
+        td.device_prep = None  # the training process's decode is timed apart: it is nvJPEG's on a GPU
     try:
         it = td.batches(0)
         next(it)  # shuffle-buffer fill is not steady state
         c0, m = time.process_time(), 0
-        for images, _ in it:
-            m += images.shape[0]
+        for images, tokens in it:
+            m += len(images)
+            if keep is not None:
+                keep.append((images, tokens))
         return m / max(time.process_time() - c0, 1e-9)
     finally:
         td.close()
@@ -176,26 +159,17 @@ def run_openclip(pattern: str, n: int, batch: int) -> float:
     return m / max(time.process_time() - c0, 1e-9)
 
 
-def nvjpeg_standin(pattern_root: Path, batch: int) -> float:
-    """Samples per CPU-second of batched ``torchvision.io.decode_jpeg`` on CPU tensors plus the
-    device-side crop/resize on CPU: what nvJPEG and the GPU transform take OFF the CPU."""
-    from torchvision.io import decode_jpeg
-    from torchvision.transforms.v2 import functional as F
+def device_side_on_cpu(batches: list) -> float:
+    """Samples per CPU-second of the GPU path's training-process side (dsclip.data.gpu_decode.decode_batch:
+    batched ``decode_jpeg``, per-sample crop + bicubic resize) run on CPU: decode on CPU standing in for
+    nvJPEG. On a GPU this work leaves the CPU; here it says what nvJPEG and the GPU transform take off it."""
+    from dsclip.data.gpu_decode import decode_batch
 
-    from dsclip.data.fast_transforms import DEFAULT_RATIO, DEFAULT_SCALE, crop_params
-
-    datas = []
-    with tarfile.open(sorted(pattern_root.glob("*.tar"))[0]) as tar:
-        for m in tar.getmembers():
-            if m.name.endswith(".jpg"):
-                datas.append(torch.frombuffer(bytearray(tar.extractfile(m).read()), dtype=torch.uint8))
-    datas = datas[: batch * 2]
-    c0 = time.process_time()
-    imgs = decode_jpeg(datas)
-    for x in imgs:
-        i, j, h, w = crop_params(x.shape[2], x.shape[1], DEFAULT_SCALE, DEFAULT_RATIO)
-        F.resized_crop(x, i, j, h, w, [224, 224], antialias=True)
-    return len(datas) / max(time.process_time() - c0, 1e-9)
+    c0, m = time.process_time(), 0
+    for encoded, tokens in batches:
+        decode_batch(encoded, tokens, (224, 224), "cpu")
+        m += len(encoded)
+    return m / max(time.process_time() - c0, 1e-9)
 
 
 def main(argv=None) -> int:
@@ -223,9 +197,10 @@ def main(argv=None) -> int:
               f"({min(sizes) / 1e3:.0f}-{max(sizes) / 1e3:.0f} KB)", flush=True)  # fmt: skip
         for r in range(a.rounds):  # alternated: load changes on a shared machine hit every mode alike
             for m in list(modes) if r % 2 == 0 else list(modes)[::-1]:
+                keep = [] if m == "gpu-share" else None
                 try:
                     v = run_openclip(pattern, a.samples, a.batch_size) if m == "openclip" else run_dsclip(
-                        pattern, a.samples, a.batch_size, tok, m)  # fmt: skip
+                        pattern, a.samples, a.batch_size, tok, m, keep)  # fmt: skip
                 except Exception as e:  # open_clip_train's webdataset glue vs the installed webdataset
                     if m != "openclip":
                         raise
@@ -237,15 +212,18 @@ def main(argv=None) -> int:
                     continue
                 res[m].append(v)
                 print(f"round {r} {m}: {v:.0f} samples per CPU-second", flush=True)
-            res["nvjpeg-standin"].append(nvjpeg_standin(shard_dir, a.batch_size))
+                if keep:
+                    res["nvjpeg-standin"].append(device_side_on_cpu(keep))
+                    print(f"round {r} device side on CPU: {res['nvjpeg-standin'][-1]:.0f}", flush=True)
     med = {m: median(v) for m, v in res.items()}
     oc_note = [] if have_oc else ["", f"OpenCLIP's `get_wds_dataset` not measured: {oc_error}."]
     names = {
         "pil": "dsclip before #28 (`--data-decode pil`)",
         "cpu": "dsclip CPU path (`--data-decode cpu`)",
-        "gpu-share": "dsclip GPU path, CPU share (decode not counted: nvJPEG's)",
+        "gpu-share": "dsclip GPU path (`--data-decode gpu`), worker side: what stays on the CPU",
         "openclip": "OpenCLIP `get_wds_dataset`",
-        "nvjpeg-standin": "stand-in: batched `decode_jpeg` + resized_crop on CPU (what nvJPEG takes off the CPU)",
+        "nvjpeg-standin": "GPU path, training-process side run on CPU (decode on CPU standing in for nvJPEG; "
+        "on a GPU this leaves the CPU)",
     }
     lines = [
         "## Input on real photographs (bench/real_photos.py)",
