@@ -16,9 +16,12 @@ Then times, alternated over rounds (min / median / max), the training input in o
   nvJPEG does not take, the encoded batch). No GPU here: the training-process side
   (dsclip.data.gpu_decode.decode_batch) is timed apart on the same batches, run on CPU -- decode on
   CPU standing in for nvJPEG -- and is NOT counted in this row;
+* ``cpu@pre`` / ``gpu-share@pre``: the same two on the same samples written pre-resized by
+  ``dsclip data write --resize N --quality Q`` (``--pre-resize`` / ``--pre-quality``), with the bytes
+  per sample that saves;
 * ``openclip``: OpenCLIP's ``get_wds_dataset`` with ``image_transform(is_train=True)`` (if installed).
 
-    PYTHONPATH=$PWD:$PWD/.cache/skimage OMP_NUM_THREADS=1 python bench/real_photos.py --rounds 3
+    PYTHONPATH=$PWD:$PWD/.cache/skimage OMP_NUM_THREADS=1 python bench/real_photos.py --samples 384 --rounds 3
 """
 
 from __future__ import annotations
@@ -110,6 +113,29 @@ def make_shards(root: Path, n: int, per_shard: int) -> tuple[str, list[int]]:
     return str(root / f"{{00000..{shards - 1:05d}}}.tar"), sizes
 
 
+def pre_resized_shards(src_dir: Path, root: Path, short: int, quality: int) -> tuple[str, list[int]]:
+    """The same samples written by ``dsclip data write --resize SHORT --quality Q`` (write_shards):
+    shorter side ``short``, re-encoded as JPEG of ``quality``, as img2dataset's keep_ratio resize."""
+    from dsclip.data.tools import write_shards
+
+    files = root / "files"
+    files.mkdir(parents=True)
+    samples = []
+    for tar_path in sorted(src_dir.glob("*.tar")):
+        with tarfile.open(tar_path) as tar:
+            members = {m.name: tar.extractfile(m).read() for m in tar.getmembers()}
+        for name, data in sorted(members.items()):
+            if name.endswith(".jpg"):
+                (files / name).write_bytes(data)
+                samples.append((str(files / name), members[name[:-4] + ".txt"].decode()))
+    r = write_shards(samples, root / "shards", shard_size=160, resize=short, quality=quality, progress=False)
+    sizes = []
+    for tar_path in sorted((root / "shards").glob("shard-*.tar")):
+        with tarfile.open(tar_path) as tar:
+            sizes += [m.size for m in tar.getmembers() if m.name.endswith(".jpg")]
+    return str(root / "shards" / f"shard-{{00000..{r['shards'] - 1:05d}}}.tar"), sizes
+
+
 def run_dsclip(pattern: str, n: int, batch: int, tok, mode: str, keep: list | None = None) -> float:
     """Samples per CPU-second of dsclip's input in ``mode`` (``--data-decode``; ``gpu-share``: the GPU
     path's worker side only, its batches appended to ``keep`` for :func:`device_side_on_cpu`)."""
@@ -179,6 +205,9 @@ def main(argv=None) -> int:
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out", default=None, help="Write the markdown report here.")
+    p.add_argument("--pre-resize", type=int, default=256, help="Also time shards written pre-resized to this "
+                   "shorter side (dsclip data write --resize); 0: skip.")  # fmt: skip
+    p.add_argument("--pre-quality", type=int, default=90, help="Their JPEG quality (dsclip data write --quality).")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     from dsclip.data.demo import ensure_demo_tokenizer
@@ -195,12 +224,19 @@ def main(argv=None) -> int:
         pattern, sizes = make_shards(shard_dir, a.samples, a.per_shard)
         print(f"{len(sizes)} samples, JPEG {np.mean(sizes) / 1e3:.0f} KB mean "
               f"({min(sizes) / 1e3:.0f}-{max(sizes) / 1e3:.0f} KB)", flush=True)  # fmt: skip
+        patterns = {m: pattern for m in modes}
+        if a.pre_resize:
+            pre_pattern, pre_sizes = pre_resized_shards(shard_dir, Path(tmp) / "pre", a.pre_resize, a.pre_quality)
+            for m in ("cpu", "gpu-share"):
+                modes.append(f"{m}@pre")
+                patterns[f"{m}@pre"] = pre_pattern
+                res[f"{m}@pre"] = []
         for r in range(a.rounds):  # alternated: load changes on a shared machine hit every mode alike
             for m in list(modes) if r % 2 == 0 else list(modes)[::-1]:
                 keep = [] if m == "gpu-share" else None
                 try:
                     v = run_openclip(pattern, a.samples, a.batch_size) if m == "openclip" else run_dsclip(
-                        pattern, a.samples, a.batch_size, tok, m, keep)  # fmt: skip
+                        patterns[m], a.samples, a.batch_size, tok, m.split("@")[0], keep)  # fmt: skip
                 except Exception as e:  # open_clip_train's webdataset glue vs the installed webdataset
                     if m != "openclip":
                         raise
@@ -222,6 +258,8 @@ def main(argv=None) -> int:
         "cpu": "dsclip CPU path (`--data-decode cpu`)",
         "gpu-share": "dsclip GPU path (`--data-decode gpu`), worker side: what stays on the CPU",
         "openclip": "OpenCLIP `get_wds_dataset`",
+        "cpu@pre": f"dsclip CPU path on shards pre-resized to {a.pre_resize} px q{a.pre_quality}",
+        "gpu-share@pre": f"dsclip GPU path, worker side, on shards pre-resized to {a.pre_resize} px q{a.pre_quality}",
         "nvjpeg-standin": "GPU path, training-process side run on CPU (decode on CPU standing in for nvJPEG; "
         "on a GPU this leaves the CPU)",
     }
@@ -242,6 +280,15 @@ def main(argv=None) -> int:
         lines.append(f"| {names[m]} | {min(v):.0f} | {med[m]:.0f} | {max(v):.0f} | {med[m] / med['pil']:.2f}x |")
     if have_oc:
         lines += ["", f"CPU path vs OpenCLIP: {med['cpu'] / med['openclip']:.2f}x."]
+    if a.pre_resize:
+        kb, pre_kb = np.mean(sizes) / 1e3, np.mean(pre_sizes) / 1e3
+        lines += [
+            "",
+            f"Pre-resized shards (`dsclip data write --resize {a.pre_resize} --quality {a.pre_quality}`) save "
+            f"{kb - pre_kb:.0f} KB per sample ({kb:.0f} -> {pre_kb:.0f} KB, {100 * (1 - pre_kb / kb):.0f}% of the "
+            f"bytes read and shipped) and make the CPU path {med['cpu@pre'] / med['cpu']:.2f}x and the GPU path's "
+            f"worker side {med['gpu-share@pre'] / med['gpu-share']:.2f}x as fast per CPU-second.",
+        ]
     lines += oc_note
     lines += [
         "",
@@ -257,7 +304,8 @@ def main(argv=None) -> int:
             if rr:
                 lines.append(f"| {model}{tag} | {rr} | " + " | ".join(f"{rr / med[m]:.1f}" for m in cols) + " |")
     lines += ["", "    PYTHONPATH=$PWD:$PWD/.cache/skimage OMP_NUM_THREADS=1 python bench/real_photos.py "
-              f"--samples {a.samples} --rounds {a.rounds}"]  # fmt: skip
+              f"--samples {a.samples} --rounds {a.rounds} --pre-resize {a.pre_resize} "
+              f"--pre-quality {a.pre_quality}"]  # fmt: skip
     text = "\n".join(lines) + "\n"
     print(text)
     if a.out:
