@@ -67,6 +67,11 @@ class SideStream:
         device = torch.device(device)
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
+    def bind_thread(self) -> None:
+        """In the read-ahead thread: CUDA's current device is per thread, and a new one starts on 0."""
+        if self.stream is not None:
+            torch.cuda.set_device(self.stream.device)
+
     def context(self):
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -82,26 +83,46 @@ class TrainData:
                 yield images, tokens
             return
         # uint8 or encoded batches are prepared on the device one batch ahead, on a side stream, so
-        # batch n+1's copy (and decode, on the GPU path) runs while the step trains on batch n
+        # batch n+1's copy (and decode, on the GPU path) runs while the step trains on batch n. On CUDA
+        # the read-ahead runs in a thread: its host work (reading the loader, nvJPEG's host side, one
+        # resize call per sample) then overlaps the step, which waits on the GPU with the GIL released.
         side = SideStream(prep.device)
-        ahead = None  # (raw item, prepared batch, stream position after it)
+        pool = None
+        if side.stream is not None:
+            pool = ThreadPoolExecutor(1, thread_name_prefix="dsclip-prep", initializer=side.bind_thread)
+
+        def start(n: int) -> Future:  # -> (raw item, prepared batch, stream position after it)
+            if pool is not None:
+                return pool.submit(self._read_prepared, n, want, prep, side)
+            done: Future = Future()
+            done.set_result(self._read_prepared(n, want, prep, side))
+            return done
+
+        ahead: Future | None = None
         try:
             for n in range(want):
                 if ahead is None:
-                    ahead = self._read_prepared(n, want, prep, side)
-                (raw, (images, tokens, counts), _), ahead = ahead, None
+                    ahead = start(n)
+                (raw, (images, tokens, counts), _), ahead = ahead.result(), None
                 side.hand_over(images)  # before n+1 is queued: the step waits for n only
                 if n + 1 < want:
-                    ahead = self._read_prepared(n + 1, want, prep, side)
+                    ahead = start(n + 1)
                 self._stats.update(raw[2] or {})  # counted when the batch is handed out, not when read
                 self._stats.update(counts)
                 yield images, tokens
         finally:
-            if ahead is not None and ahead[2] == (self._stream, self._pos):
-                # the consumer stopped early (epoch end with accum_freq, a stop): the read-ahead batch
-                # goes back unread, so the stream's position stays the consumer's
-                self._unread.append(ahead[0])
-                self._retreat()
+            if ahead is not None:
+                try:
+                    got = ahead.result()
+                except Exception:  # the consumer is leaving anyway; a failed read-ahead reopens later
+                    got = None
+                if got is not None and got[2] == (self._stream, self._pos):
+                    # the consumer stopped early (epoch end with accum_freq, a stop): the read-ahead
+                    # batch goes back unread, so the stream's position stays the consumer's
+                    self._unread.append(got[0])
+                    self._retreat()
+            if pool is not None:
+                pool.shutdown(wait=True)
 
     def _read(self, n: int, want: int):
         item = self._unread.pop() if self._unread else next(self._stream, None)

@@ -8,6 +8,7 @@ ask for CUDA (``DataConfig.check`` does, for the command line) and the device is
 
 import io
 import tarfile
+import threading
 
 import numpy as np
 import pytest
@@ -190,12 +191,13 @@ class _FakeStream:
 
 
 def test_prefetch_with_a_mocked_cuda_stream_keeps_order_and_content(tmp_path, monkeypatch):
-    """The CUDA stream API is mocked (torch.cuda.Stream / stream / current_stream and
+    """The CUDA API is mocked (torch.cuda.Stream / stream / current_stream / set_device and
     Tensor.record_stream record what they are asked); the batches are the GPU path's, made on CPU.
-    Batch n+1 is prepared inside the side stream's context after batch n was handed over (the step's
-    stream waits for the side stream, the images are recorded on the step's stream) and before the
-    consumer gets batch n; the batches equal, in order, those of a run without the stream; stopping
-    early gives the read-ahead batch back, so the next read continues at the consumer's position."""
+    With a (mocked) CUDA stream the read-ahead runs in its own thread: batch n+1 is prepared there,
+    inside the side stream's context, after batch n was handed over (the step's stream waits for the
+    side stream, the images are recorded on the step's stream). The batches equal, in order, those of
+    a run without the stream; stopping early gives the read-ahead batch back, so the next read
+    continues at the consumer's position."""
     pattern = make_shards(tmp_path / "d", 2, 12)  # jpg, png and webp: encoded and worker-decoded rows
 
     def build():
@@ -208,7 +210,7 @@ def test_prefetch_with_a_mocked_cuda_stream_keeps_order_and_content(tmp_path, mo
     plain.close()
     assert len(ref) == 6
 
-    events = []
+    events, threads, devices = [], set(), []
     main = _FakeStream(events=events, name="main")
 
     class _Ctx:
@@ -216,6 +218,7 @@ def test_prefetch_with_a_mocked_cuda_stream_keeps_order_and_content(tmp_path, mo
             self.s = s
 
         def __enter__(self):
+            threads.add(threading.current_thread().name)
             events.append(("enter", self.s.name))
 
         def __exit__(self, *exc):
@@ -224,6 +227,7 @@ def test_prefetch_with_a_mocked_cuda_stream_keeps_order_and_content(tmp_path, mo
     monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: _FakeStream(device, events))
     monkeypatch.setattr(torch.cuda, "stream", _Ctx)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: main)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: devices.append(str(d)))
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, s: events.append(("record", s.name, t.shape[0])))
     monkeypatch.setattr(loader_mod, "SideStream", lambda device: SideStream("cuda"))  # a "CUDA" device
 
@@ -236,13 +240,15 @@ def test_prefetch_with_a_mocked_cuda_stream_keeps_order_and_content(tmp_path, mo
             if n == 2:
                 break  # stop early: batch 3 was read ahead
         assert _same(got, ref[:3])
-        cycle = [("wait", "main", "side"), ("record", "main", 4), ("enter", "side"), ("exit", "side")]
-        assert events[:2] == [("enter", "side"), ("exit", "side")]  # batch 0 prepared on the side stream
-        assert events[2:7] == [*cycle, ("got", 0)]  # handed over, then batch 1 queued, then the step gets 0
-        assert events[7:12] == [*cycle, ("got", 1)]
+        assert threads == {"dsclip-prep_0"} and devices == ["cuda"]  # not the consumer's thread; bound to its GPU
+        prepared, handed = [("enter", "side"), ("exit", "side")], [("wait", "main", "side"), ("record", "main", 4)]
+        # the read-ahead thread and the consumer interleave only where the order does not matter
+        assert [e for e in events if e[0] != "got"] == prepared + (handed + prepared) * 3
+        for n in range(3):  # batch n reaches the consumer after it was handed over
+            assert events.index(("got", n)) > [i for i, e in enumerate(events) if e[0] == "record"][n]
         rest = [(i.clone(), t.clone()) for i, t in td.batches(0, 3)]  # continues where the consumer stopped
         assert _same(rest, ref[3:])
-        assert events[-2:] == [("wait", "main", "side"), ("record", "main", 4)]  # the last batch: nothing ahead
+        assert events[-2:] == handed  # the last batch: nothing read ahead
     finally:
         td.close()
 
