@@ -351,3 +351,18 @@ def test_fallback_is_one_notice_and_a_counter_in_the_step_lines(tmp_path, capsys
     out = capsys.readouterr().out
     assert out.count("note: ") == 1 and "note: 3 images so far on rank 0 are not JPEGs nvJPEG decodes" in out
     assert "cpu_decoded_images 11" in out and "bad_samples" not in out
+
+
+def test_auto_is_the_gpu_path_only_where_cuda_is_present(monkeypatch):
+    """``--data-decode auto``: the CPU path on this machine; with CUDA reported present (mocked) the GPU
+    path; ``--aug-cfg`` that needs PIL keeps the PIL transform on either."""
+    from dsclip.data.webdataset import train_transform
+
+    cfg = DataConfig(train_data="x.tar")
+    assert type(train_transform(cfg, 224)) is FastTrainTransform
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    t = train_transform(DataConfig(train_data="x.tar", aug_cfg={"scale": (0.5, 1.0)}), 224)
+    assert isinstance(t, gd.EncodedTrainTransform) and t.scale == (0.5, 1.0) and t.size == (224, 224)
+    assert not getattr(train_transform(DataConfig(train_data="x.tar", aug_cfg={"use_timm": True}), 224),
+                       "takes_bytes", False)  # fmt: skip
+    assert type(train_transform(DataConfig(train_data="x.tar", data_decode="cpu"), 224)) is FastTrainTransform
