@@ -35,16 +35,36 @@ from pathlib import Path
 
 import torch
 
+ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(ROOT))
+if (ROOT / ".cache" / "skimage").is_dir():  # scikit-image's photos installed as real_photos.py says
+    sys.path.insert(0, str(ROOT / ".cache" / "skimage"))
 import real_photos as RP  # noqa: E402
+
+
+def _sources():
+    """scikit-image's photographs; without them (a bare device machine), generated stand-ins, said so."""
+    from PIL import Image
+
+    try:
+        return [Image.open(f).convert("RGB") for f in RP.photo_files()], "scikit-image photos"
+    except SystemExit:
+        import numpy as np
+
+        out = []
+        for k in range(9):  # smooth gradients, waves and noise: compresses like a photo more than noise does
+            rng = np.random.default_rng(k)
+            y, x = np.mgrid[0:512, 0:768].astype(np.float32)
+            img = np.stack([255 * x / 767, 255 * y / 511, 128 + 90 * np.sin(x / (9 + k) + y / 23)], -1)
+            img += rng.normal(0, 6, img.shape)
+            out.append(Image.fromarray(img.clip(0, 255).astype(np.uint8)))
+        return out, "generated stand-ins (scikit-image's photos not found)"
 
 
 def _one_shard(job):
     root, s, count, start = job
-    from PIL import Image
-
-    srcs = [Image.open(f).convert("RGB") for f in RP.photo_files()]
+    srcs, _ = _sources()
     rng = random.Random(1000 + s)
     with tarfile.open(Path(root) / f"{s:05d}.tar", "w") as tar:
         for k in range(start, start + count):
@@ -149,9 +169,11 @@ def main(argv=None) -> int:
         root.mkdir()
         t0 = time.time()
         pattern = make_shards(root, a.samples, a.per_shard, max(1, min(8, os.cpu_count() or 1)))
+        res["images_from"] = _sources()[1]
         datas = jpegs(root)
         res["jpeg_kb_mean"] = sum(len(d) for d in datas) / len(datas) / 1e3
-        print(f"{len(datas)} JPEGs ({res['jpeg_kb_mean']:.0f} KB mean) in {time.time() - t0:.0f} s", flush=True)
+        print(f"{len(datas)} JPEGs from {res['images_from']} ({res['jpeg_kb_mean']:.0f} KB mean) in "
+              f"{time.time() - t0:.0f} s", flush=True)  # fmt: skip
         res.update(decode_rates(datas, min(a.batch_size, len(datas)), device, a.reps))
         print(json.dumps(res), flush=True)
         epochs = math.ceil(a.steps * a.batch_size / a.samples)
@@ -175,7 +197,8 @@ def main(argv=None) -> int:
     print(f"| input | samples/s |\n|---|---|\n| real-photo shards, --data-decode {'gpu' if cuda else 'cpu'}, "
           f"{a.workers} workers | {rate_real:.0f} |\n| synthetic in-memory | {rate_syn:.0f} |\n"
           f"real / synthetic: {res['real_vs_synthetic']:.2f} (target >= 0.90)")  # fmt: skip
-    print(f"nvJPEG alone: {res['decode_images_per_s']:.0f} images/s; decode + crop + resize: "
+    print(f"{'nvJPEG' if cuda else 'decode_jpeg on CPU (a --check run)'} alone: {res['decode_images_per_s']:.0f} "
+          f"images/s; decode + crop + resize: "
           f"{res['decode_crop_resize_images_per_s']:.0f} images/s ({res['training_process_host_ms_per_batch']:.1f} "
           f"ms of training-process CPU per batch of {a.batch_size})")  # fmt: skip
     print(json.dumps(res))
