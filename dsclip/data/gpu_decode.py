@@ -23,7 +23,6 @@ rest of it is trained on.
 from __future__ import annotations
 
 import io
-import warnings
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,12 +31,9 @@ from typing import NamedTuple
 import numpy as np
 import torch
 from PIL import Image
-from torchvision.io import ImageReadMode, decode_jpeg
-from torchvision.transforms import InterpolationMode
-from torchvision.transforms.v2 import functional as TF
 
 from .device_transform import normalize_on_device
-from .fast_transforms import DEFAULT_RATIO, DEFAULT_SCALE, FastTrainTransform, crop_params
+from .fast_transforms import DEFAULT_RATIO, DEFAULT_SCALE, FastTrainTransform, crop_params, crop_resize, decode_jpeg_rgb
 
 CPU_DECODED = "cpu_decoded_image"  # decoded on CPU instead of nvJPEG (trained on: not a bad sample)
 CORRUPT = "corrupt_image"  # the worker path's reason for an image that does not decode
@@ -133,9 +129,7 @@ class EncodedBatch:
 
 # -- training-process side ---------------------------------------------------------------------------
 def _decode(data: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    with warnings.catch_warnings():  # torchvision 0.29 deprecates its image IO for torchcodec, once per call
-        warnings.filterwarnings("ignore", category=DeprecationWarning, module="torchvision")
-        return decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
+    return decode_jpeg_rgb(data, device)
 
 
 def decode_jpegs(data: list[torch.Tensor], device: torch.device | str) -> tuple[list[torch.Tensor | None], Counter]:
@@ -168,14 +162,6 @@ def decode_jpegs(data: list[torch.Tensor], device: torch.device | str) -> tuple[
             counts[CORRUPT] += 1
         out.append(img)
     return out, counts
-
-
-def crop_resize(image: torch.Tensor, box: Sequence[int], size: Sequence[int]) -> torch.Tensor:
-    """uint8 (3, h, w) -> uint8 (3, *size): the crop ``box`` = (top, left, height, width), resized as
-    OpenCLIP's RandomResizedCrop resizes (bicubic with antialiasing, PIL's filter) on whatever device
-    the image is. torchvision computes uint8 bicubic in float and rounds back to uint8."""
-    top, left, h, w = (int(v) for v in box)
-    return TF.resized_crop(image, top, left, h, w, list(size), InterpolationMode.BICUBIC, antialias=True)
 
 
 def decode_batch(
