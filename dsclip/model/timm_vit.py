@@ -56,8 +56,8 @@ def timm_vit_spec(name: str, pool: str, proj: str = "none") -> dict[str, Any]:
             m.reset_classifier(0, global_pool=pool)
     if type(m) is not VisionTransformer:
         raise ValueError(
-            f"vision_cfg.timm_model_name={name!r} is a timm {type(m).__name__}: dsclip builds timm "
-            "VisionTransformer towers only (e.g. the SigLIP ViTs)"
+            f"vision tower timm:{name} (a timm {type(m).__name__}; dsclip builds timm VisionTransformer towers, "
+            "e.g. the SigLIP ViTs)"
         )
     blk = m.blocks[0]
     act = blk.mlp.act

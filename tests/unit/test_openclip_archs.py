@@ -53,8 +53,8 @@ def test_a_name_only_in_openclips_registry_resolves_from_it(name):
 @pytest.mark.parametrize(
     "name, expect",
     [
-        ("MobileCLIP-S1", "vision_cfg.timm_model_name='fastvit_mci1' is a timm FastVit: dsclip builds timm "
-                          "VisionTransformer towers only"),
+        ("MobileCLIP-S1", "vision tower timm:fastvit_mci1 (a timm FastVit; dsclip builds timm VisionTransformer "
+                          "towers, e.g. the SigLIP ViTs)"),
         ("ViT-SO400M-16-SigLIP-i18n-256", "text_cfg.proj_type='none'"),
         ("RN50", "a ResNet vision tower"),
         ("coca_ViT-B-32", "a multimodal text decoder (CoCa)"),
