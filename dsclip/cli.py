@@ -23,6 +23,7 @@ commands:
   data        write webdataset shards / inspect them
   tokenizer   train a sentencepiece tokenizer
   plan        memory and throughput planner for large models
+  launch      run a launcher so stop signals reach every rank: dsclip launch -- deepspeed ... --module dsclip train
 """
 
 # command -> (module, function taking argv)
@@ -33,6 +34,7 @@ COMMANDS = {
     "data": ("dsclip.data.cli", "main_data"),
     "tokenizer": ("dsclip.data.cli", "main_tokenizer"),
     "plan": ("dsclip.plan_cli", "main_plan"),
+    "launch": ("dsclip.launch.supervise", "main"),
 }
 
 
@@ -104,6 +106,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dsclip: unknown command '{command}'\n{USAGE}", file=sys.stderr)
         return 2
     module, fn = COMMANDS[command]
+    if command != "train":
+        # under `dsclip launch` SIGTERM/SIGUSR1 arrive blocked (dsclip.launch.supervise); `train` unblocks them
+        # once its stop handler is in place, every other command takes them the ordinary way
+        from dsclip.launch.supervise import release_stop_signals
+
+        release_stop_signals()
     try:
         return int(getattr(importlib.import_module(module), fn)(rest) or 0)
     except _user_errors() as e:
