@@ -677,8 +677,8 @@ def install_preemption_handler(signals=PREEMPT_SIGNALS) -> None:
     for s in signals:
         signal.signal(s, handler)
     # `dsclip launch` starts the launcher with them blocked (its own SIGTERM handler would end the ranks
-    # early), and the mask is inherited: unblock them now that they are handled. One that came during
-    # start-up was held pending and is handled here. A rank whose supervisor dies stops as on SIGTERM.
+    # early), and the mask is inherited: dsclip.cli unblocks them at start, this covers other callers.
+    # A rank whose supervisor dies stops as on SIGTERM.
     supervise.release_stop_signals()
     supervise.watch_supervisor()
 

@@ -12,9 +12,10 @@ What the wrapper does (Linux):
   re-parented to it, and it waits for them too.
 - It starts the launcher with SIGTERM and SIGUSR1 *blocked*. Ignoring is not enough: ``launch.py``
   installs its own SIGTERM handler, which replaces SIG_IGN but not a blocked mask. The mask is inherited
-  down to the ranks; dsclip's ranks unblock both when they install their stop handlers
-  (:func:`dsclip.engine.world.install_preemption_handler`, any other ``dsclip`` command in
-  :func:`dsclip.cli.main`), so a signal that came during start-up waits for the handler instead of being lost.
+  down to the ranks; every ``dsclip`` command unblocks both first thing (:func:`dsclip.cli.main`), so a
+  rank still starting up dies of them as without the supervisor, and ``train`` handles them from
+  :func:`dsclip.engine.world.install_preemption_handler` on. Ranks that are not dsclip keep them blocked:
+  the supervisor is for dsclip ranks.
 - On SIGTERM/SIGUSR1 it forwards the signal to every rank among its descendants: the topmost process of a
   branch whose environment has its own ``RANK`` and ``LOCAL_RANK`` (a rank's data-loader workers share
   the rank's values; the launchers have none). Ranks that appear later get the signals they missed.
