@@ -47,6 +47,10 @@ import time
 ENV = "DSCLIP_SUPERVISOR"
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
+HELP = """Runs LAUNCHER (deepspeed, on this machine) with SIGTERM and SIGUSR1 blocked, forwards each of them
+that this process gets to every rank below it, and exits when the launcher and all ranks have, with the
+launcher's exit code (143 after SIGTERM, 85 after SIGUSR1). Ranks whose supervisor is killed stop as on
+SIGTERM. Only local ranks are reached (docs/clusters.md, "Stop signals and the DeepSpeed launcher")."""
 POLL_S = 0.2
 LEFTOVER_S = 10.0  # how long to wait for non-rank descendants (a stuck ssh, say) once launcher and ranks are gone
 USAGE = "usage: dsclip launch -- LAUNCHER [ARGS...]  (dsclip launch -- deepspeed --num_gpus 8 --module dsclip ...)"
@@ -236,7 +240,7 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["--"]:
         argv = argv[1:]
     if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE + "\n\n" + __doc__.split("\n\n", 1)[0].split(": ", 1)[1])
+        print(USAGE + "\n\n" + HELP)
         return 0 if argv else 2
     return Supervisor(argv).run()
 
