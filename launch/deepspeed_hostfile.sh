@@ -7,6 +7,9 @@
 #   in the hostfile (0 = the first host, which also is MASTER_ADDR)
 #       NODE_RANK=0 HOSTFILE=launch/hostfile launch/deepspeed_hostfile.sh ...   # on the 1st host
 #       NODE_RANK=1 HOSTFILE=launch/hostfile launch/deepspeed_hostfile.sh ...   # on the 2nd host
+#   The per-node form runs the launcher under `dsclip launch`: SIGTERM/SIGUSR1 to this script reach
+#   the node's ranks (save; exit 143/85) and it exits after them. The pdsh form does not forward
+#   stop signals to remote ranks (docs/clusters.md, "Stop signals and the DeepSpeed launcher").
 #
 # Every variable below can be set in the environment; trailing arguments go to `dsclip train`
 # (e.g. --epochs 3 --batch-size 256 --resume latest). Options for the DeepSpeed launcher itself
