@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from ..launch.supervise import worker_ignores_stop_signals
 from .tokenizer import TRUNCATED, tokenize_counting
 
 log = logging.getLogger(__name__)
@@ -216,6 +217,7 @@ class MapStyleTrainData(TrainData):
             num_workers=workers,
             collate_fn=TokenizingCollate(tokenizer),
             pin_memory=pin_memory,
+            worker_init_fn=worker_ignores_stop_signals,  # a group SIGTERM must not kill them under the rank
             **kw,
         )
 

@@ -268,6 +268,16 @@ def supervisor_alive(value: str) -> bool | None:
     return st is not None and st[0] != "Z" and st[2] == start
 
 
+def worker_ignores_stop_signals(worker_id: int = 0) -> None:
+    """A DataLoader ``worker_init_fn``: a rank's data workers ignore SIGTERM/SIGUSR1. A signal to the whole
+    process group (``kill -TERM -PGID``, SLURM signalling every process of a step) reaches them too, and
+    torch's worker handler dies of it: the rank's next batch then raised "DataLoader worker exited
+    unexpectedly" and the run crashed unsaved (seen here, 2 ranks, --workers 1). The rank stops its workers
+    when it exits, and torch's workers end by themselves when their rank dies."""
+    for s in STOP_SIGNALS:
+        signal.signal(s, signal.SIG_IGN)
+
+
 def release_stop_signals() -> None:
     """Unblock SIGTERM/SIGUSR1, blocked by the supervisor for its launcher (inherited by the ranks)."""
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)

@@ -166,7 +166,8 @@ def test_sigterm_to_the_launcher_alone_saves_on_every_rank_and_resumes(tmp_path,
 
 
 def test_sigterm_to_the_process_group_ends_after_the_save(tmp_path, launches):
-    run = Launch(tmp_path, "group", LONG)
+    # a data worker per rank: in the group too, and torch's workers die of SIGTERM (the rank then crashed unsaved)
+    run = Launch(tmp_path, "group", [*LONG, "--workers", "1"])
     launches.append(run)
     run.start(start_new_session=True)  # its own group, so that the whole group can be signalled (not pytest)
     run.wait_for_steps()
