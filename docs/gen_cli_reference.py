@@ -23,6 +23,7 @@ COMMANDS = [
     (("data", "inspect"), "count samples and broken samples in shards"),
     (("tokenizer", "train"), "train a sentencepiece tokenizer"),
     (("plan",), "memory and throughput planner"),
+    (("launch",), "run a launcher so that stop signals reach every rank"),
 ]
 OUT = Path(__file__).resolve().parent / "cli-reference.md"
 

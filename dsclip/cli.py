@@ -23,6 +23,7 @@ commands:
   data        write webdataset shards / inspect them
   tokenizer   train a sentencepiece tokenizer
   plan        memory and throughput planner for large models
+  launch      run a launcher so stop signals reach every rank: dsclip launch -- deepspeed ... --module dsclip train
 """
 
 # command -> (module, function taking argv)
@@ -33,6 +34,7 @@ COMMANDS = {
     "data": ("dsclip.data.cli", "main_data"),
     "tokenizer": ("dsclip.data.cli", "main_tokenizer"),
     "plan": ("dsclip.plan_cli", "main_plan"),
+    "launch": ("dsclip.launch.supervise", "main"),
 }
 
 
@@ -91,7 +93,8 @@ def venv_ninja_first(env=None) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    venv_ninja_first()  # before anything can load DeepSpeed (and JIT-build an op)
+    if argv[:1] != ["launch"]:  # `dsclip launch` finds its launcher on the user's PATH; its ranks do this
+        venv_ninja_first()  # before anything can load DeepSpeed (and JIT-build an op)
     # The deepspeed launcher puts --local_rank=N first when it runs `python -m dsclip`: drop it here.
     argv = [a for a in argv if not a.startswith("--local_rank=") and not a.startswith("--local-rank=")]
     if argv[:1] == ["--"]:  # `torchrun -m dsclip -- train ...` (docs/clusters.md): where argparse keeps the `--`
@@ -104,6 +107,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dsclip: unknown command '{command}'\n{USAGE}", file=sys.stderr)
         return 2
     module, fn = COMMANDS[command]
+    # Under `dsclip launch` SIGTERM/SIGUSR1 arrive blocked (dsclip.launch.supervise blocks them in the launcher,
+    # the mask is inherited): take them the ordinary way again, so that a rank still starting up (stuck in
+    # the rendezvous, say) dies of them as it would without the supervisor; `train` then handles them.
+    from dsclip.launch.supervise import release_stop_signals
+
+    release_stop_signals()
     try:
         return int(getattr(importlib.import_module(module), fn)(rest) or 0)
     except _user_errors() as e:

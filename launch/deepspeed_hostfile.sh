@@ -7,6 +7,9 @@
 #   in the hostfile (0 = the first host, which also is MASTER_ADDR)
 #       NODE_RANK=0 HOSTFILE=launch/hostfile launch/deepspeed_hostfile.sh ...   # on the 1st host
 #       NODE_RANK=1 HOSTFILE=launch/hostfile launch/deepspeed_hostfile.sh ...   # on the 2nd host
+#   The per-node form runs the launcher under `dsclip launch`: SIGTERM/SIGUSR1 to this script reach
+#   the node's ranks (save; exit 143/85) and it exits after them. The pdsh form does not forward
+#   stop signals to remote ranks (docs/clusters.md, "Stop signals and the DeepSpeed launcher").
 #
 # Every variable below can be set in the environment; trailing arguments go to `dsclip train`
 # (e.g. --epochs 3 --batch-size 256 --resume latest). Options for the DeepSpeed launcher itself
@@ -102,14 +105,14 @@ if [[ -z $NODE_RANK ]]; then
   exit
 fi
 
-# Per-node form. SLURM delivers signals to every process of a task (srun forwarding, scancel
-# --signal, --signal=USR1@T): the ranks handle SIGUSR1 (checkpoint, exit 85, requeue), but
-# DeepSpeed's launcher processes do not and would die of it. An ignored signal stays ignored across
-# exec, so they inherit SIG_IGN; the ranks install their own handler.
-# SIGTERM likewise: DeepSpeed's runner would die of it at once and the step would take the ranks
-# with it before they saved (launch.py, which handles TERM itself, gives them 30 s).
-trap '' USR1 TERM
+# Per-node form, under `dsclip launch` (dsclip/launch/supervise.py). SLURM delivers signals to every
+# process of a task (srun forwarding, scancel, --signal=USR1@T). DeepSpeed's launchers would die of
+# SIGUSR1 (runner.py and launch.py have no handler), and on SIGTERM runner.py dies at once while
+# launch.py SIGTERMs the ranks, SIGKILLs them 30 s later and exits 1. The supervisor runs them with
+# both signals blocked, forwards each to the ranks (save; exit 85 or 143), and exits only after the
+# ranks have, with their code: the job step ends when the save has.
 # launch.py renumbers the node's GPUs 0..N-1 in CUDA_VISIBLE_DEVICES; the ranks map the ids back
 # onto the ones SLURM (or whoever set CUDA_VISIBLE_DEVICES for this node) gave us.
 [[ -n ${CUDA_VISIBLE_DEVICES:-} ]] && export DSCLIP_NODE_GPUS=$CUDA_VISIBLE_DEVICES
-exec deepspeed "${ds_args[@]}" ${launcher_args[@]+"${launcher_args[@]}"} --module "$MODULE" "${train_args[@]}" "$@"
+exec python -m dsclip launch -- \
+  deepspeed "${ds_args[@]}" ${launcher_args[@]+"${launcher_args[@]}"} --module "$MODULE" "${train_args[@]}" "$@"

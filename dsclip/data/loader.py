@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from ..launch.supervise import worker_ignores_stop_signals
 from .device_transform import SideStream
 from .tokenizer import TRUNCATED, tokenize_counting
 
@@ -277,6 +278,7 @@ class MapStyleTrainData(TrainData):
             num_workers=workers,
             collate_fn=TokenizingCollate(tokenizer),
             pin_memory=pin_memory,
+            worker_init_fn=worker_ignores_stop_signals,  # a group SIGTERM must not kill them under the rank
             **kw,
         )
 

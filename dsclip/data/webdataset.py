@@ -34,6 +34,7 @@ from collections.abc import Iterator
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from ..launch.supervise import worker_ignores_stop_signals
 from .device_transform import DevicePrep
 from .fast_transforms import fast_train_transform
 from .gpu_decode import CPU_DECODED, EncodedTrainTransform, GpuDecodePrep, cpu_decoded_count
@@ -286,6 +287,8 @@ def build_wds_train_data(data_cfg, *, tokenizer, image_size, batch_size, rank, w
         image_limits=data_cfg.image_limits(),
     )
     kw = dict(persistent_workers=True, prefetch_factor=2) if workers > 0 else {}
+    # the workers ignore stop signals: one sent to the whole process group must not kill them under the rank
+    kw["worker_init_fn"] = worker_ignores_stop_signals
     loader = DataLoader(ds, batch_size=None, num_workers=workers, pin_memory=torch.cuda.is_available(), **kw)
     data = WdsTrainData(ds, loader, steps * batch_size * world_size)
     mean = per_channel(data_cfg.image_mean, OPENAI_DATASET_MEAN)

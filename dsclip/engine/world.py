@@ -55,6 +55,7 @@ from dsclip.dist import initialized, rank_world
 from dsclip.engine.patches.log_filter import install_log_filter
 from dsclip.engine.patches.shm_op import shm_op_for_world
 from dsclip.engine.patches.shm_workspace import release_shm_workspace
+from dsclip.launch import supervise
 
 # Exit code of a run that stopped early on request (preemption signal) after saving a checkpoint:
 # the launch scripts requeue the job when they see it. 0 = finished, anything else = failure.
@@ -675,6 +676,11 @@ def install_preemption_handler(signals=PREEMPT_SIGNALS) -> None:
 
     for s in signals:
         signal.signal(s, handler)
+    # `dsclip launch` starts the launcher with them blocked (its own SIGTERM handler would end the ranks
+    # early), and the mask is inherited: dsclip.cli unblocks them at start, this covers other callers.
+    # A rank whose supervisor dies stops as on SIGTERM.
+    supervise.release_stop_signals()
+    supervise.watch_supervisor()
 
 
 def local_stop_flags() -> tuple[float, float]:

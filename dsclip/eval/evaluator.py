@@ -26,6 +26,7 @@ from dsclip.dist import rank_world
 
 from ..data.demo import DemoDataset, demo_zeroshot_classes, demo_zeroshot_templates
 from ..data.transforms import image_transform
+from ..launch.supervise import worker_ignores_stop_signals
 from .datasets import ClassFolderDataset, ImageNetV2Dataset, load_retrieval_set
 from .retrieval import retrieval_metrics
 from .templates import load_templates
@@ -91,6 +92,7 @@ def eval_loader(dataset: Dataset, *, batch_size: int = 256, workers: int = 0, pe
         num_workers=workers,
         collate_fn=_stack_first,
         persistent_workers=persistent and workers > 0,
+        worker_init_fn=worker_ignores_stop_signals,  # the rank, not a group SIGTERM, ends them
     )
 
 

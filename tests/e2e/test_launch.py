@@ -574,3 +574,48 @@ def test_per_node_more_ranks_than_slurm_gpus_is_one_line_before_launching(cluste
     assert rc == 2, out[-3000:]
     assert "GPUS_PER_NODE=3 but SLURM gave each node 2 GPUs; set GPUS_PER_NODE=2" in out
     assert "[dsclip] rank" not in out
+
+
+def test_per_node_sbatch_sigterm_ends_the_step_after_the_save(cluster_env, tmp_path, runs):
+    """`scancel --signal=TERM` under train_per_node.sbatch: SIGTERM to every process of the job step (supervisor,
+    DeepSpeed's runner and launch.py, ranks: what a preemption or a plain scancel delivers to the step). The
+    ranks save, each node's `dsclip launch` exits 143 only after its ranks have, and only then the step ends.
+    Without the supervisor launch.py ended the step with 1 (and SIGKILLs ranks still saving after 30 s).
+    (A plain scancel also SIGKILLs the job KillWait seconds later, 5 s on the test cluster: too short for
+    an ordering on a loaded machine; docs/clusters.md says what KillWait means for big saves.)"""
+    run = Run(cluster_env, tmp_path, "pernode-term", LONG_STANDIN if STANDIN else LONG)
+    run.env["GPUS_PER_NODE"] = "1"
+    runs.append(run)
+    proc = sbatch(run, "launch/slurm/train_per_node.sbatch", ["--ntasks-per-node=1"], wait=False)
+    try:
+        deadline = time.monotonic() + 180
+        job = None
+        while job is None or len(run.metrics()) < 2:
+            assert proc.poll() is None, slurm_output(run)[-4000:]
+            assert time.monotonic() < deadline, slurm_output(run)[-4000:]
+            if job is None:
+                q = subprocess.run(
+                    ["squeue", "-h", "-n", f"t-{run.name}", "-o", "%i"], env=run.env, capture_output=True, text=True
+                )
+                job = q.stdout.split()[0] if q.stdout.split() else None
+            time.sleep(0.2)
+        subprocess.run(["scancel", "--signal=TERM", job], env=run.env, check=True)
+        rc = proc.wait(timeout=120)
+        time.sleep(1)  # the batch script's last lines
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = slurm_output(run)
+    lines = out.splitlines()
+    saved = [i for i, ln in enumerate(lines) if re.search(r"checkpoint saved at step \d+; exiting with 143", ln)]
+    supervisors = [
+        i for i, ln in enumerate(lines) if "[dsclip launch" in ln and "launcher and ranks exited; exit 143" in ln
+    ]
+    ended = [i for i, ln in enumerate(lines) if "[train_per_node.sbatch" in ln and "srun exited" in ln]
+    assert rc == 143 and ended and lines[ended[-1]].endswith("srun exited 143"), out[-4000:]
+    # in order: rank 0 saved, then each node's supervisor saw its ranks gone, then the step ended
+    assert saved and len(supervisors) == 2 and saved[0] < min(supervisors) and max(supervisors) < ended[-1], out[-4000:]
+    assert "requeueing" not in out, out[-4000:]
+    step = int(re.search(r"checkpoint saved at step (\d+)", lines[saved[0]]).group(1))
+    assert (run.dir / "checkpoints" / "latest").read_text().strip() == f"step_{step:09d}"
+    assert not run.rank_pids(None), "ranks outlived the job"

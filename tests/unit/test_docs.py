@@ -74,6 +74,9 @@ def dsclip_call(line: str) -> tuple[tuple[str, ...], list[str]] | None:
             rest = tokens[i + 1 :]
             if rest[0] == "--":  # `torchrun -m dsclip -- train ...` (docs/clusters.md, torchrun)
                 rest = rest[1:]
+            if rest[0] == "launch":  # `dsclip launch -- deepspeed ... --module dsclip train ...`: the inner call
+                inner = rest[2:] if rest[1:2] == ["--"] else rest[1:]
+                return dsclip_call(shlex.join(inner)) or (("launch",), [])
             for words in sorted(COMMAND_WORDS, key=len, reverse=True):
                 if tuple(rest[: len(words)]) == words:
                     return words, rest[len(words) :]
@@ -96,6 +99,8 @@ def all_calls() -> list[tuple[str, tuple[str, ...], list[str]]]:
                 call = dsclip_call(line)
                 if call:
                     out.append((f"{path.relative_to(ROOT)}:{lineno}", *call))
+                if call and call[0] != ("launch",) and "dsclip launch" in line:  # the wrapper, and what it runs
+                    out.append((f"{path.relative_to(ROOT)}:{lineno}", ("launch",), []))
     return out
 
 

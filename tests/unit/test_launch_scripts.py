@@ -18,12 +18,16 @@ SCRIPT = REPO / "launch" / "deepspeed_hostfile.sh"
 FAKE = """#!/usr/bin/env python3
 import json, os, sys
 status = open("/proc/self/status").read()
-ignored = int(next(l for l in status.splitlines() if l.startswith("SigIgn:")).split()[1], 16)
+mask = lambda key: int(next(l for l in status.splitlines() if l.startswith(key)).split()[1], 16)
 env_file = os.environ.get("DS_ENV_FILE")
 json.dump({
     "argv": sys.argv[1:],
     "node_gpus": os.environ.get("DSCLIP_NODE_GPUS"),
-    "ignored": ignored,
+    "ignored": mask("SigIgn:"),
+    "blocked": mask("SigBlk:"),
+    "supervisor": os.environ.get("DSCLIP_SUPERVISOR"),
+    "ppid": os.getppid(),
+    "parent": open(f"/proc/{os.getppid()}/cmdline").read().split("\\0"),
     "env_file": open(env_file).read() if env_file else None,
 }, open(os.environ["FAKE_OUT"], "w"))
 """
@@ -99,5 +103,9 @@ def test_per_node_mode_keeps_slurm_gpus_and_shields_the_launcher_from_signals(fa
     r, out = fake(NODE_RANK="1", CUDA_VISIBLE_DEVICES="6,7")
     assert r.returncode == 0, r.stderr
     assert "--no_ssh" in out["argv"] and out["node_gpus"] == "6,7"
-    for sig in (signal.SIGUSR1, signal.SIGTERM):  # the ranks handle them; the launcher must not die of them
-        assert out["ignored"] & (1 << (sig - 1)), sig
+    # under the supervisor (dsclip launch), which forwards them to the ranks and waits for them: the launcher
+    # has them blocked (launch.py's own SIGTERM handler would replace SIG_IGN and end the ranks early)
+    assert out["parent"][1:5] == ["-m", "dsclip", "launch", "--"], out["parent"]
+    assert out["supervisor"].split(":")[0] == str(out["ppid"])  # the ranks watch it (their stop if it dies)
+    for sig in (signal.SIGUSR1, signal.SIGTERM):
+        assert out["blocked"] & (1 << (sig - 1)), sig

@@ -1,0 +1,1 @@
+"""Process supervision around a launcher (``dsclip launch``): see :mod:`dsclip.launch.supervise`."""
