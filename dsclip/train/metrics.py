@@ -15,14 +15,18 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-import torch.distributed as dist
 from tqdm import tqdm
 
 from dsclip.config_base import ConfigError, opt
-from dsclip.data.tokenizer import TRUNCATED
 from dsclip.dist import initialized
+
+# torch (and the tokenizer module, which loads it) are imported where used: LogArgs is a run-config section,
+# and the run config's parser (`dsclip train --help`, the checks before the process group) runs without
+# torch (issue #33).
+if TYPE_CHECKING:
+    import torch
 from dsclip.train.progress import epoch_progress, eta_seconds, timing_text
 
 REPORTERS = ("tensorboard", "wandb", "all")  # all: tensorboard and wandb, as OpenCLIP
@@ -87,6 +91,8 @@ class LogArgs:
 
 def data_counters(stats: dict[str, int]) -> dict[str, int]:
     """This rank's cumulative data counters as logged: skipped samples, and captions cut by the context."""
+    from dsclip.data.tokenizer import TRUNCATED
+
     return {
         "bad_samples": sum(v for k, v in stats.items() if k != TRUNCATED),
         "truncated_captions": stats.get(TRUNCATED, 0),
@@ -94,6 +100,8 @@ def data_counters(stats: dict[str, int]) -> dict[str, int]:
 
 
 def peak_memory_gb(device: torch.device) -> float:
+    import torch
+
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     # ru_maxrss is KiB on Linux: the process's peak resident set.
@@ -103,6 +111,9 @@ def peak_memory_gb(device: torch.device) -> float:
 def peak_memory_per_rank_gb(device: torch.device, world_size: int) -> list[float]:
     """Every rank's peak memory (collective when ``world_size`` > 1): rank 0's alone hides the rank that
     runs out first, and the planner's prediction (``dsclip plan``) is per rank."""
+    import torch
+    import torch.distributed as dist
+
     mine = torch.tensor([peak_memory_gb(device)], dtype=torch.float64, device=device)
     if world_size == 1 or not initialized():  # (tests build a logger for world 2 without a process group)
         return mine.tolist()

@@ -11,7 +11,6 @@ real data uses OpenCLIP's own tokenizer (``open_clip:MODEL``), as an OpenCLIP us
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import os
 from pathlib import Path
@@ -41,11 +40,14 @@ def check(cfg: RunConfig, *, rank: int = 0) -> RunConfig:
     """Raise ConfigError/FileNotFoundError for what is already known to fail; return ``cfg`` with the
     tokenizer default decided."""
     _check_model(cfg)
-    _check_precision(cfg)
     _check_resume(cfg)
     _check_deepspeed(cfg, rank=rank)
     kind = _check_data(cfg)
-    return _default_tokenizer(cfg, kind, rank=rank)
+    cfg = _default_tokenizer(cfg, kind, rank=rank)
+    # last: DeepSpeed's own schema (ds_schema) imports deepspeed's pydantic config models, the one check
+    # here that loads DeepSpeed; still before the process group, the rank line and any model
+    _check_ds_config(cfg)
+    return cfg
 
 
 def _check_model(cfg: RunConfig) -> None:
@@ -70,16 +72,18 @@ def _check_model(cfg: RunConfig) -> None:
         raise ConfigError(f"--model {m.model}: {e}") from None
 
 
-def _check_precision(cfg: RunConfig) -> None:
+def _check_ds_config(cfg: RunConfig) -> None:
     import torch
 
-    from dsclip.engine.ds_config import _fill_precision, load_ds_json
+    from dsclip.engine.ds_config import load_ds_json, resolve_ds_config
 
     # The accelerator DeepSpeed will pick is CUDA exactly when torch sees a GPU (this project runs on
-    # CUDA or CPU); the same precision rules as the engine's, applied to a copy of the JSON.
+    # CUDA or CPU). The engine's own rules, applied to the JSON before the world exists: structure, the
+    # installed DeepSpeed's schema, --device, precision against the accelerator, the optimizer block.
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    ds = copy.deepcopy(load_ds_json(cfg.train.deepspeed_config))
-    _fill_precision(ds, cfg.train, str(cfg.train.deepspeed_config), device_type)
+    resolve_ds_config(
+        load_ds_json(cfg.train.deepspeed_config), cfg.train, cfg.optim, world_size=None, device_type=device_type
+    )
 
 
 def _check_deepspeed(cfg: RunConfig, *, rank: int) -> None:
