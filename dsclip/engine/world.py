@@ -328,7 +328,7 @@ def remap_launcher_devices(env=None) -> None:
     if not node or ids is None:
         return
     node_gpus = tuple(x.strip() for x in node.split(","))
-    if node_gpus == ids:
+    if node_gpus == ids or _translated(env, node_gpus, ids):
         return
     try:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(node_gpus[int(i)] for i in ids)
@@ -339,6 +339,18 @@ def remap_launcher_devices(env=None) -> None:
             "or request more GPUs (--gpus-per-node)"
         ) from None
     env["DSCLIP_LAUNCHER_GPU_IDS"] = ",".join(ids)
+
+
+def _translated(env, node_gpus: tuple[str, ...], ids: tuple[str, ...]) -> bool:
+    # Called twice per rank (train/preflight.py before its CUDA query, then init_distributed): the second call
+    # finds CUDA_VISIBLE_DEVICES already equal to the translation of the launcher ids it recorded.
+    launcher = env.get("DSCLIP_LAUNCHER_GPU_IDS")
+    if not launcher:
+        return False
+    try:
+        return ids == tuple(node_gpus[int(i)] for i in launcher.split(","))
+    except (ValueError, IndexError):
+        return False
 
 
 def resolve_device(info: WorldInfo, env=None, *, cuda_count: int | None = None) -> DeviceBinding:

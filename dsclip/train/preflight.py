@@ -76,6 +76,11 @@ def _check_ds_config(cfg: RunConfig) -> None:
     import torch
 
     from dsclip.engine.ds_config import load_ds_json, resolve_ds_config
+    from dsclip.engine.world import remap_launcher_devices
+
+    # CUDA reads CUDA_VISIBLE_DEVICES once, at the first query below (and DeepSpeed's accelerator detection):
+    # the per-node launcher's GPU ids are translated first, as init_distributed does (it is idempotent).
+    remap_launcher_devices()
 
     # The accelerator DeepSpeed will pick is CUDA exactly when torch sees a GPU (this project runs on
     # CUDA or CPU). The engine's own rules, applied to the JSON before the world exists: structure, the
