@@ -54,9 +54,11 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 def main_train(argv: list[str]) -> int:
     # lazy, like COMMANDS: each command loads only its own stack (torch, deepspeed) when it runs
+    from dsclip import console
     from dsclip.config import parse_run_config
     from dsclip.train import preflight
 
+    console.begin()  # this run's lines before its log file exists are kept for it (dsclip.console)
     cfg = parse_run_config(argv)
     # before the process group and before DeepSpeed loads: a misconfigured run fails in seconds
     cfg = preflight.check(cfg, rank=int(os.environ.get("RANK", "0")))
@@ -64,7 +66,9 @@ def main_train(argv: list[str]) -> int:
 
     summary = train(cfg)
     if summary.get("zeroshot") and int(os.environ.get("RANK", "0")) == 0:
-        print("final: " + json.dumps({"step": summary["step"], "zeroshot": summary["zeroshot"]}), flush=True)
+        from dsclip.console import say  # into RUN/out.log too
+
+        say("final: " + json.dumps({"step": summary["step"], "zeroshot": summary["zeroshot"]}))
     return int(summary.get("exit_code", 0))
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from dsclip.config_base import ConfigError, opt
+from dsclip.console import say
 from dsclip.engine.ds_schema import check_zero_and_compile
 from dsclip.engine.optim_config import OptimArgs, timm_optimizer_info
 
@@ -324,7 +325,7 @@ def resolve_ds_config(
     if device_type == "cpu" and ac.get("cpu_checkpointing") and world_size is not None:
         # Activations already live in host memory; DeepSpeed 0.19's offload path then hands the
         # recomputation an empty tensor ("expected input with shape [*, W], but got input of size[]").
-        print(f"dsclip: {where}: activation_checkpointing.cpu_checkpointing ignored on a CPU device", flush=True)
+        say(f"dsclip: {where}: activation_checkpointing.cpu_checkpointing ignored on a CPU device")
         ac["cpu_checkpointing"] = False
 
     ds.setdefault("steps_per_print", 10**9)  # dsclip prints its own, honest, line

@@ -51,6 +51,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from dsclip.console import say
 from dsclip.dist import initialized, rank_world
 from dsclip.engine.patches.log_filter import install_log_filter
 from dsclip.engine.patches.shm_op import shm_op_for_world
@@ -472,8 +473,7 @@ def format_cpus(cpus: list[int]) -> str:
 def _line(msg: str) -> None:
     """One stderr line in one write: the ranks of a node share a pipe, and under ``python -u`` print()
     writes the text and its newline separately, so two ranks' lines would interleave."""
-    sys.stderr.write(msg + "\n")
-    sys.stderr.flush()
+    say(msg, stream=sys.stderr)  # into RUN/out.log too, once it exists (dsclip.console)
 
 
 def check_workers(workers: int, rank: int | None = None) -> str | None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import logging
 import resource
 import sys
 import time
@@ -20,6 +19,7 @@ from typing import TYPE_CHECKING
 from tqdm import tqdm
 
 from dsclip.config_base import ConfigError, opt
+from dsclip.console import LOGGER, say
 from dsclip.dist import initialized
 
 # torch (and the tokenizer module, which loads it) are imported where used: LogArgs is a run-config section,
@@ -31,8 +31,7 @@ from dsclip.train.progress import epoch_progress, eta_seconds, timing_text
 
 REPORTERS = ("tensorboard", "wandb", "all")  # all: tensorboard and wandb, as OpenCLIP
 
-# Console lines also go to the run's log file (train/runlog.py); propagate=False keeps a root console
-# handler from printing them twice.
+# Console lines also go to the run's log file (dsclip.console, train/runlog.py).
 # TensorBoard/wandb names of the scalars OpenCLIP also logs (open_clip_train/train.py), so existing
 # dashboards keep working; metrics.jsonl keeps dsclip's own keys.
 OPENCLIP_TAGS = {
@@ -44,8 +43,7 @@ OPENCLIP_TAGS = {
 }
 NOT_SCALARS = ("step", "time", "eta_s")  # metrics.jsonl only: the x axis, the wall clock, a forecast
 
-log = logging.getLogger("dsclip.console")
-log.propagate = False
+log = LOGGER
 
 # share of captions cut by the context length above which the run warns (once): a cut caption
 # loses its last words, which in short captions often carry the label
@@ -124,9 +122,8 @@ def peak_memory_per_rank_gb(device: torch.device, world_size: int) -> list[float
 
 def console(line: str) -> None:
     """A console line of rank 0 (the caller checks the rank) that also goes into RUN/out.log: the log file
-    holds what the console showed, the run header included."""
-    log.info(line)
-    print(line, flush=True)
+    holds what the console showed, the run header included (dsclip.console)."""
+    say(line)
 
 
 class MetricsLogger:

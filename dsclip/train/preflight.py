@@ -17,6 +17,7 @@ from pathlib import Path
 
 from dsclip.config import RunConfig
 from dsclip.config_base import ConfigError
+from dsclip.console import say
 
 # Models that may train on the built-in demo set without --train-data: the demo model, and the tiny
 # test model the test recipes use. Any other model without data is a mistake, not a wish for shapes.
@@ -106,7 +107,7 @@ def _check_deepspeed(cfg: RunConfig, *, rank: int) -> None:
         raise refusal(cfg.train.accum_freq)
     line = outside_tested_range()
     if line is not None and rank == 0:
-        print(line, flush=True)
+        say(line)
 
 
 def _check_resume(cfg: RunConfig) -> None:
@@ -162,7 +163,7 @@ def _default_tokenizer(cfg: RunConfig, kind: str, *, rank: int) -> RunConfig:
     if openclip_architecture(cfg.model.model):
         tok = f"open_clip:{cfg.model.model}"
         if rank == 0:
-            print(f"dsclip: no --tokenizer: using OpenCLIP's tokenizer for {cfg.model.model} ({tok})", flush=True)
+            say(f"dsclip: no --tokenizer: using OpenCLIP's tokenizer for {cfg.model.model} ({tok})")
         return dataclasses.replace(cfg, data=dataclasses.replace(d, tokenizer=tok))
     raise ConfigError(
         f"--model {cfg.model.model} has no default tokenizer: pass --tokenizer path/to/spm.model (a sentencepiece "
