@@ -40,11 +40,12 @@ def openclip_architecture(model: str) -> bool:
 def check(cfg: RunConfig, *, rank: int = 0) -> RunConfig:
     """Raise ConfigError/FileNotFoundError for what is already known to fail; return ``cfg`` with the
     tokenizer default decided."""
+    # cheapest first: these read files and the run config only (no torch)
     _check_model(cfg)
     _check_resume(cfg)
-    _check_deepspeed(cfg, rank=rank)
     kind = _check_data(cfg)
     cfg = _default_tokenizer(cfg, kind, rank=rank)
+    _check_deepspeed(cfg, rank=rank)  # dsclip.engine.patches: loads torch
     # last: DeepSpeed's own schema (ds_schema) imports deepspeed's pydantic config models, the one check
     # here that loads DeepSpeed; still before the process group, the rank line and any model
     _check_ds_config(cfg)
