@@ -10,6 +10,10 @@
 #      and with none (--engine-patches none: DeepSpeed's own paths; issue #31's goal: default >= 1.15x).
 #   3. bench/gpu_bench.py --trainers dsclip_zero2_k2,dsclip_zero3_k2,dsclip_zero3_noleaf_k2: ZeRO-3 (shipped
 #      leaf blocks, and stock) against ZeRO-2 at ViT-L-14 and ViT-H-14, bf16, gradient cache K = 2 (issue #29).
+#   4. input (~2 min, not in the default set: the four above already fill ~10 min): bench/gpu_input.py, the GPU
+#      input path (issue #28): nvJPEG images/s alone, and `dsclip train --model ViT-B-32` from real-photo shards
+#      with --data-decode gpu and 8 workers against synthetic in-memory batches. Needs scikit-image's photos
+#      (its wheel in .whl/). Run it alone or in place of a stage: STAGES="input" bash bench/gpu_h200.sh
 
 # (Measured once and not repeated each lease: bench/utilisation.py --device cuda, the GEMM rate at the ViT
 # block shapes; bench/gpu_bench.py's loss-memory rows, --loss-sizes 32768,65536,131072.)
@@ -35,13 +39,16 @@ export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.cache/torch_extensions
   "$PY" -c "import torch, deepspeed, open_clip, timm; print('torch', torch.__version__, 'deepspeed', deepspeed.__version__, 'open_clip', open_clip.__version__, 'timm', timm.__version__, 'cuda', torch.cuda.is_available())"
 } 2>&1 | tee "$OUT/env.txt"
 
+# the stages to run (names below); the default set stays under ~10 min
+STAGES=${STAGES:-"fp16_zero2_launcher bf16_zero2_gradcache gpu_bench zero3"}
 stage() {  # stage NAME SECONDS CMD...: run with a time limit, log to $OUT/NAME.log, keep going on failure
   local name=$1 limit=$2; shift 2
+  case " $STAGES " in *" $name "*) ;; *) return 0 ;; esac
   local t0=$SECONDS
   timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
   local rc=$?
   echo "== $name: rc $rc, $((SECONDS - t0)) s" | tee -a "$OUT/summary.txt"
-  grep -E "^dsclip:|^step |zeroshot|^final|Error|error:|^\| |TFLOP|OOM|samples/s, |^== " "$OUT/$name.log" \
+  grep -E "^dsclip:|^step |zeroshot|^final|Error|error:|^\| |TFLOP|OOM|samples/s, |^== |^nvJPEG|^real / " "$OUT/$name.log" \
     | grep -v "^\[" | tail -n 30 | tee -a "$OUT/summary.txt"
 }
 
@@ -59,5 +66,7 @@ stage gpu_bench 290 "$PY" bench/gpu_bench.py --models ViT-B-32=512,ViT-L-14=128 
 # 2026-11-30 / 12-01 leases, results/gpu-h200_h200_*.md, and are left out to keep this script under 10 min.)
 stage zero3 240 "$PY" bench/gpu_bench.py --models ViT-L-14=128,ViT-H-14=64 --rounds 1 --steps 6 \
   --trainers dsclip_zero2_k2,dsclip_zero3_k2,dsclip_zero3_noleaf_k2 --assume-fits --loss-sizes ""
+# the GPU input path (issue #28): nvJPEG alone; real-photo shards with --data-decode gpu vs synthetic batches
+stage input 170 "$PY" bench/gpu_input.py --workers 8 --steps 96 --out "$OUT/input.json"
 rm -rf "$OUT/runs"  # checkpoints stay on the machine; the logs above hold the numbers
 echo "results: $OUT/summary.txt"

@@ -11,13 +11,17 @@ Then times, alternated over rounds (min / median / max), the training input in o
 * ``pil``: dsclip's input before issue #28 (``--data-decode pil``: PIL decode, RGB copy, PIL
   RandomResizedCrop, float32 normalise in the worker);
 * ``cpu``: the cheaper CPU path (``--data-decode cpu``: PIL draft, crop before resize, uint8);
-* ``gpu-share``: what the GPU path leaves on the CPU: tar read, shuffle, tokenisation, the image
-  header and the crop draw, handing encoded bytes over. No GPU here: the decode that nvJPEG would do
-  is timed separately (``decode_jpeg`` on CPU tensors, batched, standing in for nvJPEG) and is NOT
-  counted in this row;
+* ``gpu-share``: what the GPU path (``--data-decode gpu``) leaves on the CPU: its real worker side
+  (tar read, shuffle, tokenisation, the image header and the crop draw, the CPU fallback for images
+  nvJPEG does not take, the encoded batch). No GPU here: the training-process side
+  (dsclip.data.gpu_decode.decode_batch) is timed apart on the same batches, run on CPU -- decode on
+  CPU standing in for nvJPEG -- and is NOT counted in this row;
+* ``cpu@pre`` / ``gpu-share@pre``: the same two on the same samples written pre-resized by
+  ``dsclip data write --resize N --quality Q`` (``--pre-resize`` / ``--pre-quality``), with the bytes
+  per sample that saves;
 * ``openclip``: OpenCLIP's ``get_wds_dataset`` with ``image_transform(is_train=True)`` (if installed).
 
-    PYTHONPATH=$PWD:$PWD/.cache/skimage OMP_NUM_THREADS=1 python bench/real_photos.py --rounds 3
+    PYTHONPATH=$PWD:$PWD/.cache/skimage OMP_NUM_THREADS=1 python bench/real_photos.py --samples 384 --rounds 3
 """
 
 from __future__ import annotations
@@ -109,42 +113,47 @@ def make_shards(root: Path, n: int, per_shard: int) -> tuple[str, list[int]]:
     return str(root / f"{{00000..{shards - 1:05d}}}.tar"), sizes
 
 
-class HeaderOnly:
-    """The GPU path's worker share of the image work: read the header, draw the crop (the same
-    draws as the CPU path's ``crop_params``), hand the bytes on. Returns a 1-byte stand-in tensor so
-    dsclip's batching runs unchanged; the bytes themselves are kept so they are not optimised away."""
+def pre_resized_shards(src_dir: Path, root: Path, short: int, quality: int) -> tuple[str, list[int]]:
+    """The same samples written by ``dsclip data write --resize SHORT --quality Q`` (write_shards):
+    shorter side ``short``, re-encoded as JPEG of ``quality``, as img2dataset's keep_ratio resize."""
+    from dsclip.data.tools import write_shards
 
-    takes_bytes = True
+    files = root / "files"
+    files.mkdir(parents=True)
+    samples = []
+    for tar_path in sorted(src_dir.glob("*.tar")):
+        with tarfile.open(tar_path) as tar:
+            members = {m.name: tar.extractfile(m).read() for m in tar.getmembers()}
+        for name, data in sorted(members.items()):
+            if name.endswith(".jpg"):
+                (files / name).write_bytes(data)
+                samples.append((str(files / name), members[name[:-4] + ".txt"].decode()))
+    r = write_shards(samples, root / "shards", shard_size=160, resize=short, quality=quality, progress=False)
+    sizes = []
+    for tar_path in sorted((root / "shards").glob("shard-*.tar")):
+        with tarfile.open(tar_path) as tar:
+            sizes += [m.size for m in tar.getmembers() if m.name.endswith(".jpg")]
+    return str(root / "shards" / f"shard-{{00000..{r['shards'] - 1:05d}}}.tar"), sizes
 
-    def __call__(self, data: bytes) -> torch.Tensor:
-        from PIL import Image
 
-        from dsclip.data.fast_transforms import DEFAULT_RATIO, DEFAULT_SCALE, crop_params
-
-        W, H = Image.open(io.BytesIO(data)).size
-        crop_params(W, H, DEFAULT_SCALE, DEFAULT_RATIO)
-        return torch.frombuffer(bytearray(data[:1]), dtype=torch.uint8).view(1, 1, 1).expand(3, 1, 1)
-
-
-def run_dsclip(pattern: str, n: int, batch: int, tok, mode: str) -> float:
+def run_dsclip(pattern: str, n: int, batch: int, tok, mode: str, keep: list | None = None) -> float:
+    """Samples per CPU-second of dsclip's input in ``mode`` (``--data-decode``; ``gpu-share``: the GPU
+    path's worker side only, its batches appended to ``keep`` for :func:`device_side_on_cpu`)."""
     from dsclip.data import DataConfig, build_train_data
-    from dsclip.data import webdataset as wds_mod
 
     cfg = DataConfig(train_data=pattern, train_num_samples=n, workers=0, shuffle_buffer=500)
-    cfg.data_decode = "cpu" if mode == "gpu-share" else mode
-    orig = wds_mod.train_transform
+    cfg.data_decode = "gpu" if mode == "gpu-share" else mode  # gpu: no CUDA asked for by build_train_data
+    td = build_train_data(cfg, tokenizer=tok, image_size=224, batch_size=batch, rank=0, world_size=1, seed=0)
     if mode == "gpu-share":
-        wds_mod.train_transform = lambda *a, **k: HeaderOnly()
-    try:
-        td = build_train_data(cfg, tokenizer=tok, image_size=224, batch_size=batch, rank=0, world_size=1, seed=0)
-    finally:
-        wds_mod.train_transform = orig
+        td.device_prep = None  # the training process's decode is timed apart: it is nvJPEG's on a GPU
     try:
         it = td.batches(0)
         next(it)  # shuffle-buffer fill is not steady state
         c0, m = time.process_time(), 0
-        for images, _ in it:
-            m += images.shape[0]
+        for images, tokens in it:
+            m += len(images)
+            if keep is not None:
+                keep.append((images, tokens))
         return m / max(time.process_time() - c0, 1e-9)
     finally:
         td.close()
@@ -176,26 +185,17 @@ def run_openclip(pattern: str, n: int, batch: int) -> float:
     return m / max(time.process_time() - c0, 1e-9)
 
 
-def nvjpeg_standin(pattern_root: Path, batch: int) -> float:
-    """Samples per CPU-second of batched ``torchvision.io.decode_jpeg`` on CPU tensors plus the
-    device-side crop/resize on CPU: what nvJPEG and the GPU transform take OFF the CPU."""
-    from torchvision.io import decode_jpeg
-    from torchvision.transforms.v2 import functional as F
+def device_side_on_cpu(batches: list) -> float:
+    """Samples per CPU-second of the GPU path's training-process side (dsclip.data.gpu_decode.decode_batch:
+    batched ``decode_jpeg``, per-sample crop + bicubic resize) run on CPU: decode on CPU standing in for
+    nvJPEG. On a GPU this work leaves the CPU; here it says what nvJPEG and the GPU transform take off it."""
+    from dsclip.data.gpu_decode import decode_batch
 
-    from dsclip.data.fast_transforms import DEFAULT_RATIO, DEFAULT_SCALE, crop_params
-
-    datas = []
-    with tarfile.open(sorted(pattern_root.glob("*.tar"))[0]) as tar:
-        for m in tar.getmembers():
-            if m.name.endswith(".jpg"):
-                datas.append(torch.frombuffer(bytearray(tar.extractfile(m).read()), dtype=torch.uint8))
-    datas = datas[: batch * 2]
-    c0 = time.process_time()
-    imgs = decode_jpeg(datas)
-    for x in imgs:
-        i, j, h, w = crop_params(x.shape[2], x.shape[1], DEFAULT_SCALE, DEFAULT_RATIO)
-        F.resized_crop(x, i, j, h, w, [224, 224], antialias=True)
-    return len(datas) / max(time.process_time() - c0, 1e-9)
+    c0, m = time.process_time(), 0
+    for encoded, tokens in batches:
+        decode_batch(encoded, tokens, (224, 224), "cpu")
+        m += len(encoded)
+    return m / max(time.process_time() - c0, 1e-9)
 
 
 def main(argv=None) -> int:
@@ -205,6 +205,9 @@ def main(argv=None) -> int:
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out", default=None, help="Write the markdown report here.")
+    p.add_argument("--pre-resize", type=int, default=256, help="Also time shards written pre-resized to this "
+                   "shorter side (dsclip data write --resize); 0: skip.")  # fmt: skip
+    p.add_argument("--pre-quality", type=int, default=90, help="Their JPEG quality (dsclip data write --quality).")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     from dsclip.data.demo import ensure_demo_tokenizer
@@ -221,11 +224,19 @@ def main(argv=None) -> int:
         pattern, sizes = make_shards(shard_dir, a.samples, a.per_shard)
         print(f"{len(sizes)} samples, JPEG {np.mean(sizes) / 1e3:.0f} KB mean "
               f"({min(sizes) / 1e3:.0f}-{max(sizes) / 1e3:.0f} KB)", flush=True)  # fmt: skip
+        patterns = {m: pattern for m in modes}
+        if a.pre_resize:
+            pre_pattern, pre_sizes = pre_resized_shards(shard_dir, Path(tmp) / "pre", a.pre_resize, a.pre_quality)
+            for m in ("cpu", "gpu-share"):
+                modes.append(f"{m}@pre")
+                patterns[f"{m}@pre"] = pre_pattern
+                res[f"{m}@pre"] = []
         for r in range(a.rounds):  # alternated: load changes on a shared machine hit every mode alike
             for m in list(modes) if r % 2 == 0 else list(modes)[::-1]:
+                keep = [] if m == "gpu-share" else None
                 try:
                     v = run_openclip(pattern, a.samples, a.batch_size) if m == "openclip" else run_dsclip(
-                        pattern, a.samples, a.batch_size, tok, m)  # fmt: skip
+                        patterns[m], a.samples, a.batch_size, tok, m.split("@")[0], keep)  # fmt: skip
                 except Exception as e:  # open_clip_train's webdataset glue vs the installed webdataset
                     if m != "openclip":
                         raise
@@ -237,15 +248,20 @@ def main(argv=None) -> int:
                     continue
                 res[m].append(v)
                 print(f"round {r} {m}: {v:.0f} samples per CPU-second", flush=True)
-            res["nvjpeg-standin"].append(nvjpeg_standin(shard_dir, a.batch_size))
+                if keep:
+                    res["nvjpeg-standin"].append(device_side_on_cpu(keep))
+                    print(f"round {r} device side on CPU: {res['nvjpeg-standin'][-1]:.0f}", flush=True)
     med = {m: median(v) for m, v in res.items()}
     oc_note = [] if have_oc else ["", f"OpenCLIP's `get_wds_dataset` not measured: {oc_error}."]
     names = {
         "pil": "dsclip before #28 (`--data-decode pil`)",
         "cpu": "dsclip CPU path (`--data-decode cpu`)",
-        "gpu-share": "dsclip GPU path, CPU share (decode not counted: nvJPEG's)",
+        "gpu-share": "dsclip GPU path (`--data-decode gpu`), worker side: what stays on the CPU",
         "openclip": "OpenCLIP `get_wds_dataset`",
-        "nvjpeg-standin": "stand-in: batched `decode_jpeg` + resized_crop on CPU (what nvJPEG takes off the CPU)",
+        "cpu@pre": f"dsclip CPU path on shards pre-resized to {a.pre_resize} px q{a.pre_quality}",
+        "gpu-share@pre": f"dsclip GPU path, worker side, on shards pre-resized to {a.pre_resize} px q{a.pre_quality}",
+        "nvjpeg-standin": "GPU path, training-process side run on CPU (decode on CPU standing in for nvJPEG; "
+        "on a GPU this leaves the CPU)",
     }
     lines = [
         "## Input on real photographs (bench/real_photos.py)",
@@ -264,6 +280,15 @@ def main(argv=None) -> int:
         lines.append(f"| {names[m]} | {min(v):.0f} | {med[m]:.0f} | {max(v):.0f} | {med[m] / med['pil']:.2f}x |")
     if have_oc:
         lines += ["", f"CPU path vs OpenCLIP: {med['cpu'] / med['openclip']:.2f}x."]
+    if a.pre_resize:
+        kb, pre_kb = np.mean(sizes) / 1e3, np.mean(pre_sizes) / 1e3
+        lines += [
+            "",
+            f"Pre-resized shards (`dsclip data write --resize {a.pre_resize} --quality {a.pre_quality}`) save "
+            f"{kb - pre_kb:.0f} KB per sample ({kb:.0f} -> {pre_kb:.0f} KB, {100 * (1 - pre_kb / kb):.0f}% of the "
+            f"bytes read and shipped) and make the CPU path {med['cpu@pre'] / med['cpu']:.2f}x and the GPU path's "
+            f"worker side {med['gpu-share@pre'] / med['gpu-share']:.2f}x as fast per CPU-second.",
+        ]
     lines += oc_note
     lines += [
         "",
@@ -279,7 +304,8 @@ def main(argv=None) -> int:
             if rr:
                 lines.append(f"| {model}{tag} | {rr} | " + " | ".join(f"{rr / med[m]:.1f}" for m in cols) + " |")
     lines += ["", "    PYTHONPATH=$PWD:$PWD/.cache/skimage OMP_NUM_THREADS=1 python bench/real_photos.py "
-              f"--samples {a.samples} --rounds {a.rounds}"]  # fmt: skip
+              f"--samples {a.samples} --rounds {a.rounds} --pre-resize {a.pre_resize} "
+              f"--pre-quality {a.pre_quality}"]  # fmt: skip
     text = "\n".join(lines) + "\n"
     print(text)
     if a.out:

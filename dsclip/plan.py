@@ -2,7 +2,7 @@
 
     dsclip plan --model ViT-bigG-14 --gpus 256 --gpu-memory 80 --batch-size 64 --accum-freq 2 | --max-batch \
         [--zero 2|3] [--precision bf16] [--grad-checkpointing] [--force-patch-dropout 0.5] \
-        [--loss infonce|infonce_local|infonce_tiled|siglip] [--mfu 0.4] [--peak-tflops 790]
+        [--loss infonce|infonce_local|infonce_tiled|siglip] [--mfu MEASURED] [--peak-tflops 790]
 
 The command line (dsclip/plan_cli.py) takes dsclip train's flag names with their meanings. The Python
 API below counts in global rows: ``make_plan(batch_size=...)`` is the global contrastive batch and
@@ -42,6 +42,7 @@ from dsclip.losses.config import LOSS_FLAGS, TRAIN_TILE_SIZE
 from dsclip.losses.config import LOSS_NAMES as LOSS_MODES
 from dsclip.model import get_model_config, resolve_model_config
 from dsclip.model.lock import LockConfig, check_lock_config
+from dsclip.plan_efficiency import MEASURED, plan_mfu
 
 GiB = 2**30
 ROOT = Path(__file__).resolve().parents[1]
@@ -360,6 +361,7 @@ class Plan:
     device: str = "cuda"
     host_inputs_gb: float = 0.0  # per GPU: the step's images + tokens the gradient cache holds on the host
     host_memory_gb: float = 0.0  # per node, the budget those inputs were checked against
+    mfu_source: str = ""  # where plan.mfu comes from (dsclip.plan_efficiency): measured, nearest, given
 
 
 def shipped_ds_config(zero: int, precision: str) -> tuple[str, dict]:
@@ -392,7 +394,7 @@ def _check_plan_args(loss, zero, precision, gpus, batch_size, gpu_memory_gb, pat
         )
     if not 0.0 <= patch_dropout < 1.0:
         raise ConfigError(f"--patch-dropout must be in [0, 1), got {patch_dropout}")
-    if not 0 < mfu <= 1:
+    if mfu is not None and not 0 < mfu <= 1:
         raise ConfigError(f"--mfu must be in (0, 1], got {mfu}")
 
 
@@ -407,7 +409,7 @@ def make_plan(
     grad_checkpointing: bool = False,
     patch_dropout: float = 0.0,
     loss: str = "infonce",
-    mfu: float = 0.4,
+    mfu: float | None = None,
     peak_tflops: float = 790.0,
     tile: int = TRAIN_TILE_SIZE,
     gpus_per_node: int = 8,
@@ -586,9 +588,20 @@ def _plan_cpu_memory(
     return losses
 
 
+def _measured_gflops() -> dict[str, float]:
+    # forward GFLOPs per sample of each architecture with a measured MFU, counted as plans count them
+    return {m.model: forward_flops(load_arch(m.model, count_params=False))["total"] / 1e9 for m in MEASURED}
+
+
 def _plan_speed(plan: Plan, arch: Arch, keep_last_graph: bool) -> None:
-    local, mfu = plan.local_batch, plan.mfu
     fwd = forward_flops(arch)
+    if plan.mfu is None:  # measured where dsclip has a measurement (dsclip.plan_efficiency), said where from
+        plan.mfu, plan.mfu_source = plan_mfu(
+            plan.model, plan.zero, plan.precision, fwd["total"] / 1e9, _measured_gflops()
+        )
+    elif not plan.mfu_source:
+        plan.mfu_source = "given (--mfu)"
+    local, mfu = plan.local_batch, plan.mfu
     plan.forward_gflops_per_sample = {k: round(v / 1e9, 2) for k, v in fwd.items()}
     lf = loss_flops(plan.loss, local, plan.batch_size, arch.embed_dim) / local
     model_flops = 3 * fwd["total"] + lf  # forward + backward (2x), the MFU convention
@@ -793,6 +806,7 @@ def format_plan(p: Plan) -> str:
         f"{p.samples_per_s_per_gpu:.1f} samples/s/GPU, "
         f"{p.samples_per_s_per_gpu * p.gpus:.0f} samples/s total "
         f"(hardware utilisation incl. recompute {p.hfu:.2f})",
+        f"MFU {p.mfu:g}: {p.mfu_source}",
     ]
     lines += [f"note: {n}" for n in p.notes]
     lines += ["", "recommended:", "  " + p.command]

@@ -110,7 +110,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="plan-only: the loss (the printed command carries dsclip train's flags for it)",
     )
     p.add_argument("--loss-tile-size", type=int, default=TRAIN_TILE_SIZE, help="tile edge of the tiled losses")
-    p.add_argument("--mfu", type=float, default=0.4, help="plan-only: model-FLOPs utilisation (3x fwd FLOPs / peak)")
+    p.add_argument(
+        "--mfu",
+        type=float,
+        default=None,
+        help="plan-only: model-FLOPs utilisation (3x fwd FLOPs / peak) to predict step times with; default: "
+        "the one measured on an H200 for this model (or the nearest measured one), printed with its source",
+    )
     p.add_argument("--peak-tflops", type=float, default=790.0, help="plan-only: dense bf16 peak per GPU (H200: 790)")
     p.add_argument("--gpus-per-node", type=int, default=8, help="plan-only: GPUs per node (sbatch --gpus-per-node)")
     p.add_argument("--reserve", type=float, default=2.0, help="plan-only: GiB kept for the CUDA context")

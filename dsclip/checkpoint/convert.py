@@ -61,8 +61,14 @@ from dsclip.checkpoint.ds_checkpoint import (
 from dsclip.checkpoint.layout import RUN_CONFIG_FILE
 from dsclip.config_base import ConfigError
 from dsclip.data.transforms import openclip_preprocess_cfg
-from dsclip.model import create_model, get_model_config, to_openclip_state_dict
-from dsclip.model.openclip import check_state_dict, expected_shapes, openclip_model_config
+from dsclip.model import create_model, get_model_config
+from dsclip.model.openclip import (
+    check_state_dict,
+    expected_shapes,
+    openclip_model_config,
+    to_openclip_name,
+    to_openclip_tensor,
+)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 assert sorted(DTYPES) == list(DTYPE_NAMES)  # the flag's choices, spelled in convert_cli without torch
@@ -198,10 +204,9 @@ def _cast(t: LazyTensor, dtype: torch.dtype) -> LazyTensor:
     return LazyTensor(t.shape, dtype, lambda: t.load().to(dtype))
 
 
-def _to_openclip(name: str, t: LazyTensor) -> tuple[str, LazyTensor]:
-
-    ((oc_name, oc_meta),) = to_openclip_state_dict({name: torch.empty(t.shape, dtype=t.dtype, device="meta")}).items()
-    return oc_name, LazyTensor(oc_meta.shape, t.dtype, lambda: to_openclip_state_dict({name: t.load()})[oc_name])
+def _to_openclip(name: str, t: LazyTensor, cfg: dict) -> tuple[str, LazyTensor]:
+    oc_name, oc_shape = to_openclip_name(name, t.shape, cfg)  # the layout (timm tower, custom text) is cfg's
+    return oc_name, LazyTensor(oc_shape, t.dtype, lambda: to_openclip_tensor(name, t.load(), cfg)[1])
 
 
 # --- the conversion ----------------------------------------------------------------------------------
@@ -277,7 +282,7 @@ def convert_checkpoint(
         if pre := run_preprocess_cfg(ckpt_dir.parent):  # dsclip eval evaluates with the run's preprocessing
             config["preprocess_cfg"] = pre
     else:
-        write_safetensors_streaming(weights, [_to_openclip(k, t) for k, t in items], {"format": "pt"})
+        write_safetensors_streaming(weights, [_to_openclip(k, t, cfg) for k, t in items], {"format": "pt"})
         config_file = weights.parent / "open_clip_config.json"
         config = openclip_model_config(cfg, run_preprocess_cfg(ckpt_dir.parent))
     _copy_tokenizer(ckpt_dir, weights.parent)

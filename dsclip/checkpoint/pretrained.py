@@ -32,9 +32,9 @@ from dsclip.config_base import ConfigError
 from dsclip.dist import rank_world
 from dsclip.model import (
     StateDictMismatchError,
-    to_openclip_state_dict,
+    to_openclip_name,
 )
-from dsclip.model.openclip import expected_shapes, unwrap_state_dict
+from dsclip.model.openclip import expected_shapes, is_openclip_state_dict, unwrap_state_dict
 
 WEIGHT_CANDIDATES = (
     "model.safetensors",
@@ -82,7 +82,7 @@ class WeightSource:
     resample: dict  # names whose tensors may be resampled to the model's grid (set by load_pretrained_into)
 
     def is_openclip(self) -> bool:
-        return "visual.conv1.weight" in self.shapes or "visual.class_embedding" in self.shapes
+        return is_openclip_state_dict(self.shapes)  # by key names only (OpenCLIP's ViT or a timm trunk)
 
 
 def _strip(key: str) -> str:
@@ -116,8 +116,7 @@ def plan_pretrained(source: WeightSource, model_config: dict, model_name: str | 
     plan, want_shapes = {}, {}  # dsclip name -> source name / source-layout shape
     for name, shape in expected.items():
         if source.is_openclip():
-            ((oc_name, oc_meta),) = to_openclip_state_dict({name: torch.empty(shape, device="meta")}).items()
-            plan[name], want_shapes[name] = oc_name, oc_meta.shape
+            plan[name], want_shapes[name] = to_openclip_name(name, shape, model_config)
         else:
             plan[name], want_shapes[name] = name, shape
     have = {k: tuple(v) for k, v in source.shapes.items()}

@@ -52,7 +52,9 @@ class DataConfig:
         metadata={
             "help": "Where training images are decoded and augmented: cpu = workers decode (JPEG at a reduced "
             "DCT scale, crop before resize) and ship uint8, normalised on the device; pil = the float PIL "
-            "path of OpenCLIP; gpu = nvJPEG on the device (needs CUDA); auto = gpu where CUDA is present.",
+            "path of OpenCLIP; gpu = workers ship the encoded JPEG and its crop box, the batch is decoded (nvJPEG), "
+            "cropped and normalised on the device (needs CUDA; PNG/WebP/CMYK are decoded by the workers and counted); "
+            "auto = gpu where CUDA is present, else cpu. Webdataset input (CSV and demo keep their own).",
             "choices": ("auto", "cpu", "gpu", "pil"),
         },
     )

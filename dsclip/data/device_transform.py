@@ -8,6 +8,7 @@ run here, on the device the step runs on.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
@@ -46,3 +47,38 @@ class DevicePrep:
         if images.dtype != torch.uint8:
             return images
         return normalize_on_device(images, self.mean, self.std, self.dtype, self.device)
+
+    def prepare(self, images, tokens):
+        """-> (images, tokens, counts): the interface TrainData calls (the GPU path's prep also counts)."""
+        return self(images), tokens, {}
+
+
+class SideStream:
+    """The CUDA stream the next batch is prepared on while the current step runs (TrainData reads one
+    batch ahead). On a CPU device there is no stream: the context is a null one and the hand-over a
+    no-op, so the same TrainData code runs in CI.
+
+    ``hand_over`` makes the step's (current) stream wait for what was queued on this stream so far and
+    marks the tensors as used by the current stream (``record_stream``), so the caching allocator does
+    not hand their memory to the side stream's next batch while the step still reads them. TrainData
+    hands batch n over *before* it queues batch n+1 here, so the step never waits for n+1's decode."""
+
+    def __init__(self, device: torch.device | str):
+        device = torch.device(device)
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def bind_thread(self) -> None:
+        """In the read-ahead thread: CUDA's current device is per thread, and a new one starts on 0."""
+        if self.stream is not None:
+            torch.cuda.set_device(self.stream.device)
+
+    def context(self):
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+
+    def hand_over(self, images: torch.Tensor) -> None:
+        """``images``: the prepared batch, on the device (tokens stay on the host: the step moves them)."""
+        if self.stream is None:
+            return
+        current = torch.cuda.current_stream(self.stream.device)
+        current.wait_stream(self.stream)
+        images.record_stream(current)

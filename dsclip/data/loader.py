@@ -14,11 +14,13 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from .device_transform import SideStream
 from .tokenizer import TRUNCATED, tokenize_counting
 
 log = logging.getLogger(__name__)
@@ -52,13 +54,15 @@ class TrainData:
     # A requested position at most this many batches ahead of the open stream is reached by reading
     # (the loop leaves steps_per_epoch % accum_freq batches of an epoch unused); further: reopen.
     max_skip = 16
-    # uint8 inputs: a DevicePrep (dsclip.data.device_transform) run in the training process; None: floats
+    # uint8 inputs: a DevicePrep (dsclip.data.device_transform), encoded ones a GpuDecodePrep
+    # (dsclip.data.gpu_decode), run in the training process; None: floats
     device_prep = None
 
     def __init__(self) -> None:
         self._stats: Counter = Counter()
         self._stream: Iterator | None = None
         self._pos: tuple[int, int] | None = None  # (epoch, step) of the stream's next batch
+        self._unread: list = []  # raw items read ahead and given back: read before the stream
 
     def batches(self, epoch: int, start_step: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         if not 0 <= start_step <= self.steps_per_epoch:
@@ -70,41 +74,97 @@ class TrainData:
         if want == 0:
             return
         self._seek(epoch, start_step)
-        for n in range(want):
-            item = next(self._stream, None)
-            if item is None:  # would desynchronize ranks: fail loudly instead
-                self._stream = self._pos = None
-                raise RuntimeError(f"data produced {n} batches, expected {want}")
-            self._advance()
-            images, tokens, stats = item
-            if stats:
-                self._stats.update(stats)
-            if self.device_prep is not None:  # uint8 from the workers -> normalised floats, on the device
-                images = self.device_prep(images)
-            yield images, tokens
+        prep = self.device_prep
+        if prep is None:  # float batches: the step moves them
+            for n in range(want):
+                images, tokens, stats = self._read(n, want)
+                if stats:
+                    self._stats.update(stats)
+                yield images, tokens
+            return
+        # uint8 or encoded batches are prepared on the device one batch ahead, on a side stream, so
+        # batch n+1's copy (and decode, on the GPU path) runs while the step trains on batch n. On CUDA
+        # the read-ahead runs in a thread: its host work (reading the loader, nvJPEG's host side, one
+        # resize call per sample) then overlaps the step, which waits on the GPU with the GIL released.
+        side = SideStream(prep.device)
+        pool = None
+        if side.stream is not None:
+            pool = ThreadPoolExecutor(1, thread_name_prefix="dsclip-prep", initializer=side.bind_thread)
+
+        def start(n: int) -> Future:  # -> (raw item, prepared batch, stream position after it)
+            if pool is not None:
+                return pool.submit(self._read_prepared, n, want, prep, side)
+            done: Future = Future()
+            done.set_result(self._read_prepared(n, want, prep, side))
+            return done
+
+        ahead: Future | None = None
+        try:
+            for n in range(want):
+                if ahead is None:
+                    ahead = start(n)
+                (raw, (images, tokens, counts), _), ahead = ahead.result(), None
+                side.hand_over(images)  # before n+1 is queued: the step waits for n only
+                if n + 1 < want:
+                    ahead = start(n + 1)
+                self._stats.update(raw[2] or {})  # counted when the batch is handed out, not when read
+                self._stats.update(counts)
+                yield images, tokens
+        finally:
+            if ahead is not None:
+                try:
+                    got = ahead.result()
+                except Exception:  # the consumer is leaving anyway; a failed read-ahead reopens later
+                    got = None
+                if got is not None and got[2] == (self._stream, self._pos):
+                    # the consumer stopped early (epoch end with accum_freq, a stop): the read-ahead
+                    # batch goes back unread, so the stream's position stays the consumer's
+                    self._unread.append(got[0])
+                    self._retreat()
+            if pool is not None:
+                pool.shutdown(wait=True)
+
+    def _read(self, n: int, want: int):
+        item = self._unread.pop() if self._unread else next(self._stream, None)
+        if item is None:  # would desynchronize ranks: fail loudly instead
+            self._stream = self._pos = None
+            raise RuntimeError(f"data produced {n} batches, expected {want}")
+        self._advance()
+        return item
+
+    def _read_prepared(self, n: int, want: int, prep, side):
+        raw = self._read(n, want)
+        with side.context():
+            ready = prep.prepare(raw[0], raw[1])  # -> (images, tokens, counts)
+        return raw, ready, (self._stream, self._pos)
 
     def _advance(self) -> None:
         e, s = self._pos
         self._pos = (e + 1, 0) if s + 1 == self.steps_per_epoch else (e, s + 1)
+
+    def _retreat(self) -> None:
+        e, s = self._pos
+        self._pos = (e - 1, self.steps_per_epoch - 1) if s == 0 else (e, s - 1)
 
     def _seek(self, epoch: int, start_step: int) -> None:
         if self._pos is not None:
             ahead = (epoch - self._pos[0]) * self.steps_per_epoch + start_step - self._pos[1]
             if 0 <= ahead <= self.max_skip:
                 for _ in range(ahead):  # read and drop: cheaper than restarting the workers cold
-                    if next(self._stream, None) is None:
+                    if (self._unread.pop() if self._unread else next(self._stream, None)) is None:
                         break
                     self._advance()
                 else:
                     return
         self._stream, self._pos = self._open(epoch, start_step), (epoch, start_step)
+        self._unread = []
 
     def _open(self, epoch: int, start_step: int) -> Iterator:
         raise NotImplementedError
 
     def set_device(self, device, dtype=torch.float32) -> None:
-        """Where (and in which dtype) uint8 batches are normalised: the step's device. Float inputs
-        ignore it (the step moves them)."""
+        """Where (and in which dtype) uint8 batches are normalised, and encoded ones decoded: the step's
+        device. Float inputs ignore it (the step moves them)."""
         if self.device_prep is not None:
             self.device_prep.device, self.device_prep.dtype = device, dtype
 
@@ -114,6 +174,7 @@ class TrainData:
 
     def close(self) -> None:
         self._stream = self._pos = None
+        self._unread = []
 
 
 class EpochBatchSampler(Sampler):

@@ -91,8 +91,9 @@ def _csv_samples(path: Path, img_key: str, caption_key: str, sep: str) -> list[t
 
 
 # ----------------------------------------------------------------------------------------------- write
-def _encode(path: str, resize: int | None, verify: bool) -> tuple[bytes, str]:
-    """(bytes, ext) for an image file; re-encoded as JPEG when resizing."""
+def _encode(path: str, resize: int | None, verify: bool, quality: int = 95) -> tuple[bytes, str]:
+    """(bytes, ext) for an image file; re-encoded as an RGB JPEG of ``quality`` when resizing (or when
+    its format has no shard extension)."""
     with open(path, "rb") as f:
         data = f.read()
     ext = _EXT_FOR_SUFFIX.get(Path(path).suffix.lower())
@@ -103,7 +104,7 @@ def _encode(path: str, resize: int | None, verify: bool) -> tuple[bytes, str]:
             if scale < 1:
                 img = img.resize((round(img.width * scale), round(img.height * scale)), Image.BICUBIC)
         buf = io.BytesIO()
-        img.save(buf, format="JPEG", quality=95)
+        img.save(buf, format="JPEG", quality=quality)
         return buf.getvalue(), "jpg"
     if verify:
         decode_image(data)
@@ -124,6 +125,7 @@ def write_shards(
     max_shard_bytes: int | None = None,
     prefix: str = "shard",
     resize: int | None = None,
+    quality: int = 95,
     verify: bool = True,
     progress: bool | None = None,
 ) -> dict:
@@ -136,8 +138,11 @@ def write_shards(
         "max_shard_bytes": max_shard_bytes,
         "prefix": prefix,
         "resize": resize,
+        **({"quality": quality} if quality != 95 else {}),  # the default unrecorded: earlier runs still resume
         "num_inputs": len(samples),
     }
+    if not 1 <= quality <= 100:
+        raise DataToolError(f"--quality {quality}: JPEG quality is 1..100 (img2dataset's encode_quality; 95 default)")
     state = _progress_state(out, manifest_path, options)
     if manifest_path.is_file() and state["next_row"] >= len(samples):
         log.info("%s: already complete (%d shards)", out, len(state["sizes"]))
@@ -167,7 +172,7 @@ def write_shards(
         with tarfile.open(tmp, "w", format=tarfile.USTAR_FORMAT) as tar:
             while row < len(samples) and count < shard_size and not (max_shard_bytes and nbytes >= max_shard_bytes):
                 path, caption = samples[row]
-                written = _add_sample(tar, f"{row:09d}", path, caption, resize, verify, skipped)
+                written = _add_sample(tar, f"{row:09d}", path, caption, resize, verify, skipped, quality)
                 row += 1
                 bar.update(1)
                 if written is not None:
@@ -203,14 +208,16 @@ def _summary(state: dict, skipped: dict) -> dict:
     return {"shards": len(state["sizes"]), "samples": sum(state["sizes"].values()), "skipped": sum(skipped.values())}
 
 
-def _add_sample(tar, key: str, path: str, caption: str, resize, verify: bool, skipped: Counter) -> int | None:
+def _add_sample(
+    tar, key: str, path: str, caption: str, resize, verify: bool, skipped: Counter, quality: int = 95
+) -> int | None:
     """Add one sample's image, caption and metadata to ``tar``; bytes written, or None (counted in ``skipped``)."""
     if not caption.strip():
         skipped["missing_caption"] += 1
         log.warning("skipping %s: empty caption", path)
         return None
     try:
-        data, ext = _encode(path, resize, verify)
+        data, ext = _encode(path, resize, verify, quality)
     except OSError as e:
         skipped["unreadable_image"] += 1
         log.warning("skipping %s: %s", path, e)
@@ -298,7 +305,16 @@ def _write_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-shards", type=int, help="Split evenly into this many shards (sets --shard-size).")
     p.add_argument("--max-shard-bytes", type=float, help="Also start a new shard past this many bytes (e.g. 1e9).")
     p.add_argument("--prefix", default="shard", help="Shard file name prefix.")
-    p.add_argument("--resize", type=int, help="Downscale the shorter side to this (re-encodes as JPEG q95).")
+    p.add_argument(
+        "--resize",
+        type=int,
+        help="Store shards pre-resized: downscale the shorter side to this many pixels and re-encode as an RGB "
+        "JPEG of --quality, as img2dataset's resize_mode=keep_ratio (e.g. 256 for 224 px training: smaller shards, "
+        "cheaper decode; RGB JPEGs are what nvJPEG takes on --data-decode gpu).",
+    )
+    p.add_argument(
+        "--quality", type=int, default=95, help="JPEG quality of re-encoded images (img2dataset's encode_quality)."
+    )
     p.add_argument("--no-verify", action="store_true", help="Do not decode images to check them.")
     return p
 
@@ -355,6 +371,7 @@ def main_data(argv: list[str]) -> int:
             max_shard_bytes=int(a.max_shard_bytes) if a.max_shard_bytes else None,
             prefix=a.prefix,
             resize=a.resize,
+            quality=a.quality,
             verify=not a.no_verify,
         )
         print(

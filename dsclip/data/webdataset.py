@@ -36,6 +36,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from .device_transform import DevicePrep
 from .fast_transforms import fast_train_transform
+from .gpu_decode import CPU_DECODED, EncodedTrainTransform, GpuDecodePrep, cpu_decoded_count
 from .loader import TrainData, mix_seed, shutdown_loader
 from .shards import (
     NO_LIMITS,
@@ -115,6 +116,7 @@ class WdsBatches(IterableDataset):
         self.weights = [w for urls, w in sources for _ in urls]
         self.tokenizer, self.transform = tokenizer, transform
         self._takes_bytes = getattr(transform, "takes_bytes", False)
+        self._collate = getattr(transform, "collate", torch.stack)  # the GPU path ships encoded batches
         self.batch_size, self.rank, self.world_size, self.seed = batch_size, rank, world_size, seed
         self.num_slots = max(1, workers)
         self.steps_per_epoch, self.resampled, self.shuffle_buffer = steps_per_epoch, resampled, shuffle_buffer
@@ -175,6 +177,8 @@ class WdsBatches(IterableDataset):
                     problem = self.image_limits.check(data)  # the header only: before any pixel is decoded
                     if problem is None:
                         images.append(self.transform(data if self._takes_bytes else decode_image(data)))
+                        if cpu_decoded_count(images[-1]):  # the GPU path's worker decoded it: not for nvJPEG
+                            bad.counts[CPU_DECODED] += 1
                 except Exception as e:  # PIL raises many types for corrupt data
                     problem = "corrupt_image", f"{e.__class__.__name__}: {e}"
                 if problem is not None:
@@ -191,7 +195,7 @@ class WdsBatches(IterableDataset):
             images[j], captions[j] = images[k], captions[k]
         tokens, cut = tokenize_counting(self.tokenizer, captions)
         bad.counts[TRUNCATED] += cut  # counted, not warned per sample: the trainer warns once on the share
-        return torch.stack(images), tokens
+        return self._collate(images), tokens
 
     def _epoch_batches(self, epoch: int, slot: int, start: int, bad: BadData):
         """Logical slot ``slot``'s batches of ``epoch`` from step ``start`` on (steps slot, slot+W, ...)."""
@@ -284,19 +288,32 @@ def build_wds_train_data(data_cfg, *, tokenizer, image_size, batch_size, rank, w
     kw = dict(persistent_workers=True, prefetch_factor=2) if workers > 0 else {}
     loader = DataLoader(ds, batch_size=None, num_workers=workers, pin_memory=torch.cuda.is_available(), **kw)
     data = WdsTrainData(ds, loader, steps * batch_size * world_size)
-    if getattr(transform, "takes_bytes", False):  # uint8 batches: normalised in the training process
-        data.device_prep = DevicePrep(per_channel(data_cfg.image_mean, OPENAI_DATASET_MEAN),
-                                      per_channel(data_cfg.image_std, OPENAI_DATASET_STD))  # fmt: skip
+    mean = per_channel(data_cfg.image_mean, OPENAI_DATASET_MEAN)
+    std = per_channel(data_cfg.image_std, OPENAI_DATASET_STD)
+    if isinstance(transform, EncodedTrainTransform):  # encoded JPEGs: decoded and cropped on the device
+        data.device_prep = GpuDecodePrep(transform.size, mean, std)
+    elif getattr(transform, "takes_bytes", False):  # uint8 batches: normalised in the training process
+        data.device_prep = DevicePrep(mean, std)
     return data
 
 
-def train_transform(data_cfg, image_size):
-    """``--data-decode``: ``pil`` is the float PIL path (image_transform); ``cpu`` (and ``auto``/``gpu``
-    until the GPU path lands in this dataset) the uint8 fast path where the augmentation allows it."""
+def decode_mode(data_cfg) -> str:
+    """``--data-decode`` resolved: ``auto`` is ``gpu`` where CUDA is present, else ``cpu``."""
     mode = getattr(data_cfg, "data_decode", "pil")
+    if mode == "auto":
+        return "gpu" if torch.cuda.is_available() else "cpu"
+    return mode
+
+
+def train_transform(data_cfg, image_size):
+    """``--data-decode``: ``pil`` is the float PIL path (image_transform); ``cpu`` the uint8 fast path and
+    ``gpu`` the encoded-bytes path (dsclip.data.gpu_decode), where the augmentation allows them."""
+    mode = decode_mode(data_cfg)
     fast = fast_train_transform(image_size, data_cfg.aug_cfg) if mode != "pil" else None
     if fast is None:
         if mode != "pil":
             log.info("--aug-cfg needs the PIL transform (use_timm / color jitter / grayscale): --data-decode pil")
         return image_transform(image_size, is_train=True, **data_cfg.preprocess_args())
+    if mode == "gpu":
+        return EncodedTrainTransform(fast.size, fast.scale, fast.ratio)
     return fast

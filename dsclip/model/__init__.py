@@ -28,6 +28,7 @@ _LAZY = {
     "from_openclip_state_dict": "openclip",
     "load_openclip_checkpoint": "openclip",
     "openclip_model_config": "openclip",
+    "to_openclip_name": "openclip",
     "to_openclip_state_dict": "openclip",
     "load_model": "weights",
     "save_model": "weights",
@@ -61,5 +62,6 @@ __all__ = [
     "openclip_model_config",
     "resolve_model_config",
     "save_model",
+    "to_openclip_name",
     "to_openclip_state_dict",
 ]

@@ -32,8 +32,11 @@ def norm_layer(norm_kwargs: dict | None) -> Callable[..., nn.Module]:
     return partial(nn.LayerNorm, eps=(norm_kwargs or {}).get("eps", 1e-5))
 
 
-def act_layer(quick_gelu: bool) -> type[nn.Module]:
-    return QuickGELU if quick_gelu else nn.GELU
+def act_layer(quick_gelu: bool, act_kwargs: dict | None = None) -> Callable[..., nn.Module]:
+    # act_kwargs: OpenCLIP's text_cfg.act_kwargs, e.g. SigLIP 2's {"approximate": "tanh"} GELU
+    if quick_gelu:
+        return QuickGELU
+    return partial(nn.GELU, **act_kwargs) if act_kwargs else nn.GELU
 
 
 def make_blocks(
@@ -47,6 +50,7 @@ def make_blocks(
     dropout: float = 0.0,
     attn_dropout: float = 0.0,
     drop_path_rate: float = 0.0,
+    act_kwargs: dict | None = None,
 ) -> nn.Sequential:
     # Stochastic depth grows linearly with depth, as in timm's VisionTransformer.
     dpr = [drop_path_rate * i / max(layers - 1, 1) for i in range(layers)]
@@ -60,7 +64,7 @@ def make_blocks(
                 proj_bias=True,
                 init_values=ls_init_value,
                 norm_layer=norm_layer(norm_kwargs),
-                act_layer=act_layer(quick_gelu),
+                act_layer=act_layer(quick_gelu, act_kwargs),
                 proj_drop=dropout,
                 attn_drop=attn_dropout,
                 drop_path=dpr[i],

@@ -21,6 +21,7 @@ from torch import nn
 from .blocks import CheckpointFn, GatherFn, InitPlan, apply_init_plan
 from .config import init_logit_scale, resolve_model_config
 from .text import TextTower
+from .timm_vit import is_timm_tower, timm_vit_spec
 from .vision import VisionTower
 
 LOGIT_SCALE_MAX = math.log(100.0)
@@ -40,6 +41,11 @@ class CLIP(nn.Module):
         self.config = resolve_model_config(config)
         cfg = self.config
         vcfg, tcfg = cfg["vision_cfg"], cfg["text_cfg"]
+        timm_layout = (
+            timm_vit_spec(vcfg["timm_model_name"], vcfg["timm_pool"], vcfg["timm_proj"])
+            if is_timm_tower(vcfg)
+            else None
+        )
         self.visual = VisionTower(
             embed_dim=cfg["embed_dim"],
             image_size=vcfg["image_size"],
@@ -56,6 +62,8 @@ class CLIP(nn.Module):
             dropout=vcfg["dropout"],
             attn_dropout=vcfg["attn_dropout"],
             drop_path_rate=vcfg["drop_path_rate"],
+            timm_layout=timm_layout,
+            project=timm_layout is None or vcfg["timm_proj"] != "none",
         )
         self.text = TextTower(
             embed_dim=cfg["embed_dim"],
@@ -74,6 +82,9 @@ class CLIP(nn.Module):
             attn_dropout=tcfg["attn_dropout"],
             drop_path_rate=tcfg["drop_path_rate"],
             quick_gelu=cfg["quick_gelu"],
+            causal=not tcfg["no_causal_mask"],
+            proj_bias=tcfg["proj_bias"],
+            act_kwargs=tcfg["act_kwargs"],
         )
         self.logit_scale = nn.Parameter(torch.full((1,), init_logit_scale(cfg)))
         if cfg.get("init_logit_bias") is not None:

@@ -91,10 +91,10 @@ def _openclip_config(name: str, path: Path) -> dict:
         cfg = json.load(f)
     parts = unsupported_parts(cfg)
     if parts:
-        siglip = " (the SigLIP loss on a tower dsclip builds: --siglip --model ViT-B-16)" if "SigLIP" in name else ""
         raise UnsupportedModelError(
             f"--model {name}: OpenCLIP's architecture has what dsclip's towers do not build: {'; '.join(parts)}; "
-            f"dsclip trains OpenCLIP's ViT + text-transformer architectures, e.g. ViT-B-32, ViT-L-14-336{siglip}"
+            "dsclip trains OpenCLIP's ViT + text-transformer architectures and timm ViT towers, e.g. ViT-B-32, "
+            "ViT-L-14-336, ViT-B-16-SigLIP"
         )
     return cfg
 

@@ -10,6 +10,8 @@ groups = the last ``N`` of these stay trainable):
 
 - image: [patch embedding + class token + positions + ln_pre], block 0, ..., block L-2,
   [block L-1 + final norm], [proj]                                  (layers + 2 groups)
+  A timm image tower (SigLIP) the same way: [patch embedding + positions], blocks, [block L-1 + norm +
+  attention pool], and [proj] only where it has one (``timm_proj`` 'none': layers + 1 groups).
 - text:  [token + positional embedding], block 0, ..., block L-2,
   [block L-1 + ln_final], [text_projection]                          (layers + 2 groups)
 
@@ -74,12 +76,18 @@ class LockConfig:
 def image_groups(model: nn.Module) -> list[list]:
     v = model.visual
     blocks = list(v.blocks)
-    return [
-        [v.patch_embed, v.cls_token, v.pos_embed, v.norm_pre],
-        *[[b] for b in blocks[:-1]],
-        [blocks[-1], v.norm],
-        [v.proj],
-    ]
+    # a timm tower (SigLIP) has no class token / pre-norm, pools with attn_pool, and may have no projection
+    head = [x for x in (blocks[-1], v.norm, v.attn_pool, v.fc_norm) if x is not None]
+    groups = [[x for x in (v.patch_embed, v.cls_token, v.pos_embed, v.norm_pre) if x is not None]]
+    groups += [[b] for b in blocks[:-1]] + [head]
+    return groups + ([[v.proj]] if v.proj is not None else [])
+
+
+def image_group_count(model_config: dict) -> int:
+    """len(image_groups(model)) from the config alone: stem, blocks, head (+ the projection, if any)."""
+    vision = model_config["vision_cfg"]
+    no_proj = vision.get("timm_model_name") and vision.get("timm_proj") == "none"
+    return vision["layers"] + (1 if no_proj else 2)
 
 
 def text_groups(model: nn.Module) -> list[list]:
@@ -114,7 +122,7 @@ def _lock_tower(groups: list[list], unlocked: int) -> None:
 def check_lock_config(cfg: LockConfig, model_config: dict) -> None:
     """The checks that need only the architecture (before anything is built): group ranges, and that
     something is left to train."""
-    n_img = model_config["vision_cfg"]["layers"] + 2
+    n_img = image_group_count(model_config)
     n_txt = model_config["text_cfg"]["layers"] + 2
     if cfg.lock_image_unlocked_groups and not cfg.lock_image:
         raise LockError("--lock-image-unlocked-groups needs --lock-image")

@@ -47,6 +47,9 @@ BLOCK_MAP: list[tuple[str, str]] = [
     ("ls2.gamma", "ls_2.gamma"),
 ]
 
+TRANSPOSE: Reshape = (lambda v: v.t(), lambda v: v.t())  # (width, embed) parameter <-> nn.Linear weight
+
+# OpenCLIP's own ViT (``visual.*``) and text transformer (``CLIP``: at the top level).
 KEY_MAP: list[tuple[str, str, Reshape]] = [
     ("visual.patch_embed.proj.weight", "visual.conv1.weight", SAME),
     ("visual.cls_token", "visual.class_embedding", CLS),
@@ -64,7 +67,13 @@ KEY_MAP: list[tuple[str, str, Reshape]] = [
     ("logit_bias", "logit_bias", SCALAR),
 ]
 
-_GROUPS = {"i": r"(?P<i>\d+)", "p": r"(?P<p>weight|bias)"}
+# A timm image tower (OpenCLIP's TimmModel: timm's names under visual.trunk, projection in visual.head).
+TIMM_VISION_MAP: list[tuple[str, str, Reshape]] = [
+    ("visual.proj", "visual.head.proj.weight", TRANSPOSE),  # timm_proj 'linear' (bias-free)
+    ("visual.{rest}", "visual.trunk.{rest}", SAME),
+]
+
+_GROUPS = {"i": r"(?P<i>\d+)", "p": r"(?P<p>weight|bias)", "rest": r"(?P<rest>.+)"}
 
 
 def _compile(template: str) -> re.Pattern:
@@ -74,8 +83,29 @@ def _compile(template: str) -> re.Pattern:
     return re.compile(pattern)
 
 
-_TO_OC = [(_compile(d), o, reshape[0]) for d, o, reshape in KEY_MAP]
-_FROM_OC = [(_compile(o), d, reshape[1]) for d, o, reshape in KEY_MAP]
+def key_map(model_config: dict | None = None) -> list[tuple[str, str, Reshape]]:
+    """The rules for this architecture (None: OpenCLIP's ViT + ``CLIP`` text layout). A timm image
+    tower maps ``visual.X`` to ``visual.trunk.X``; ``custom_text`` (OpenCLIP's ``CustomTextCLIP``) keeps
+    the text tower under ``text.``; a text projection with bias (SigLIP) is an nn.Linear's weight and bias."""
+    if model_config is None:
+        return KEY_MAP
+    cfg = resolve_model_config(model_config)
+    vision = [r for r in KEY_MAP if r[0].startswith("visual.")]
+    if cfg["vision_cfg"].get("timm_model_name"):
+        vision = TIMM_VISION_MAP
+    prefix = "text." if cfg.get("custom_text") else ""
+    text = [(d, prefix + o, r) for d, o, r in KEY_MAP if d.startswith("text.") and d != "text.text_projection"]
+    if cfg["text_cfg"]["proj_bias"]:
+        text.append(("text.text_projection.{p}", prefix + "text_projection.{p}", SAME))
+    else:
+        text.append(("text.text_projection", prefix + "text_projection", SAME))
+    return [*vision, *text, *(r for r in KEY_MAP if r[0].startswith("logit_"))]
+
+
+def _rules(model_config: dict | None, to_openclip: bool):
+    if to_openclip:
+        return [(_compile(d), o, reshape[0]) for d, o, reshape in key_map(model_config)]
+    return [(_compile(o), d, reshape[1]) for d, o, reshape in key_map(model_config)]
 
 
 class StateDictMismatchError(ValueError):
@@ -152,17 +182,30 @@ def expected_shapes(model_config: dict) -> dict[str, torch.Size]:
 
 def _openclip_expected(model_config: dict) -> dict[str, torch.Size]:
     meta = {k: torch.empty(shape, device="meta") for k, shape in expected_shapes(model_config).items()}
-    return {k: v.shape for k, v in _convert(meta, _TO_OC, "dsclip -> OpenCLIP").items()}
+    return {k: v.shape for k, v in _convert(meta, _rules(model_config, True), "dsclip -> OpenCLIP").items()}
 
 
 def to_openclip_state_dict(sd: Mapping[str, torch.Tensor], model_config: dict | None = None) -> dict[str, torch.Tensor]:
     """dsclip state dict -> OpenCLIP native keys/shapes (``logit_scale``/``logit_bias`` 0-dim).
 
-    With ``model_config`` the input is first checked against the model that config builds."""
+    With ``model_config`` the input is first checked against the model that config builds; without one,
+    OpenCLIP's ViT + ``CLIP`` layout is assumed (a timm tower or custom text needs the config)."""
     sd = unwrap_state_dict(sd)
     if model_config is not None:
         check_state_dict(sd, expected_shapes(model_config), "dsclip state dict")
-    return _convert(sd, _TO_OC, "dsclip -> OpenCLIP")
+    return _convert(sd, _rules(model_config, True), "dsclip -> OpenCLIP")
+
+
+def to_openclip_tensor(name: str, value: torch.Tensor, model_config: dict | None) -> tuple[str, torch.Tensor]:
+    """One dsclip tensor -> (its OpenCLIP name, the tensor in OpenCLIP's shape); a meta tensor stays meta."""
+    ((oc_name, oc_value),) = _convert({name: value}, _rules(model_config, True), "dsclip -> OpenCLIP").items()
+    return oc_name, oc_value
+
+
+def to_openclip_name(name: str, shape: torch.Size | tuple, model_config: dict | None) -> tuple[str, torch.Size]:
+    """One dsclip tensor's OpenCLIP name and shape (nothing is materialised)."""
+    oc_name, oc_meta = to_openclip_tensor(name, torch.empty(shape, device="meta"), model_config)
+    return oc_name, oc_meta.shape
 
 
 def from_openclip_state_dict(sd: Mapping[str, torch.Tensor], model_config: dict) -> dict[str, torch.Tensor]:
@@ -173,12 +216,24 @@ def from_openclip_state_dict(sd: Mapping[str, torch.Tensor], model_config: dict)
     for key in ("logit_scale", "logit_bias"):  # OpenCLIP's nonscalar_logit_scale variant stores (1,)
         if key in sd and sd[key].numel() == 1:
             sd[key] = sd[key].reshape(())
+    if resolve_model_config(model_config).get("custom_text") and "token_embedding.weight" in sd:
+        sd = _to_custom_text(sd)
     check_state_dict(sd, _openclip_expected(model_config), "OpenCLIP state dict")
-    return _convert(sd, _FROM_OC, "OpenCLIP -> dsclip")
+    return _convert(sd, _rules(model_config, False), "OpenCLIP -> dsclip")
+
+
+_CLIP_TEXT_KEYS = ("token_embedding.", "positional_embedding", "transformer.", "ln_final.", "text_projection")
+
+
+def _to_custom_text(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    # OpenCLIP's convert_to_custom_text_state_dict: a CLIP-layout text tower loads into CustomTextCLIP
+    return {("text." + k if k.startswith(_CLIP_TEXT_KEYS) else k): v for k, v in sd.items()}
 
 
 def is_openclip_state_dict(sd: Mapping[str, torch.Tensor]) -> bool:
-    return "visual.conv1.weight" in sd or "visual.class_embedding" in sd
+    if "visual.conv1.weight" in sd or "visual.class_embedding" in sd:
+        return True
+    return any(k.startswith("visual.trunk.") for k in sd)  # a timm image tower (OpenCLIP's TimmModel)
 
 
 def openclip_model_config(model_config: dict, preprocess_cfg: dict | None = None) -> dict:

@@ -62,6 +62,9 @@ class TextTower(nn.Module):
         dropout: float = 0.0,
         attn_dropout: float = 0.0,
         drop_path_rate: float = 0.0,
+        causal: bool = True,
+        proj_bias: bool = False,
+        act_kwargs: dict | None = None,
     ):
         super().__init__()
         if pool_type not in POOL_TYPES:
@@ -74,6 +77,8 @@ class TextTower(nn.Module):
         self.pool_type = pool_type
         self.eos_id = eos_id
         self.pad_id = pad_id  # tokenizer metadata (causal attention never looks past EOS anyway)
+        # SigLIP: bidirectional attention over the padded sequence (OpenCLIP's no_causal_mask, no pad mask)
+        self.causal = causal
 
         self.token_embedding = nn.Embedding(vocab_size, width)
         self.positional_embedding = nn.Parameter(torch.empty(context_length, width))
@@ -88,9 +93,11 @@ class TextTower(nn.Module):
             dropout=dropout,
             attn_dropout=attn_dropout,
             drop_path_rate=drop_path_rate,
+            act_kwargs=act_kwargs,
         )
         self.ln_final = norm_layer(norm_kwargs)(width)
-        self.text_projection = nn.Parameter(torch.empty(width, embed_dim))
+        # OpenCLIP: a (width, embed) parameter used as x @ proj, or with proj_bias (SigLIP) an nn.Linear
+        self.text_projection = nn.Linear(width, embed_dim) if proj_bias else nn.Parameter(torch.empty(width, embed_dim))
         self.grad_checkpointing = False
         self.checkpoint_fn: CheckpointFn | None = None
         # Under ZeRO-3 zero.Init child layers are already partitioned here and get skipped;
@@ -105,9 +112,16 @@ class TextTower(nn.Module):
 
         def own():
             nn.init.normal_(self.positional_embedding, std=0.01)
-            nn.init.normal_(self.text_projection, std=self.width**-0.5)
+            if isinstance(self.text_projection, nn.Parameter):
+                nn.init.normal_(self.text_projection, std=self.width**-0.5)
+
+        def linear_proj():
+            nn.init.normal_(self.text_projection.weight, std=self.width**-0.5)
+            nn.init.zeros_(self.text_projection.bias)
 
         plan: InitPlan = [(self, own)]
+        if isinstance(self.text_projection, nn.Linear):
+            plan.append((self.text_projection, linear_proj))
         plan.append((self.token_embedding, lambda: nn.init.normal_(self.token_embedding.weight, std=0.02)))
         for blk in self.blocks:
             plan += block_init_plan(blk, attn_std=attn_std, proj_std=proj_std, fc_std=fc_std)
@@ -126,10 +140,12 @@ class TextTower(nn.Module):
         if seq_len > self.context_length:
             raise ValueError(f"text length {seq_len} exceeds context_length {self.context_length}")
         x = self.token_embedding(text) + self.positional_embedding[:seq_len]  # (B, L, W)
-        x = run_blocks(self.blocks, x, self.checkpoint_fn if self.grad_checkpointing else None, is_causal=True)
+        x = run_blocks(self.blocks, x, self.checkpoint_fn if self.grad_checkpointing else None, is_causal=self.causal)
         return self.ln_final(x)
 
     def forward(self, text: torch.Tensor) -> torch.Tensor:  # (B, L) long -> (B, D)
         x = self.forward_features(text)
         x = text_pool(x, text, self.pool_type, self.eos_id)  # (B, W)
+        if isinstance(self.text_projection, nn.Linear):
+            return self.text_projection(x)
         return x @ self.text_projection

@@ -61,25 +61,31 @@ class VisionTower(VisionTransformer):
         dropout: float = 0.0,
         attn_dropout: float = 0.0,
         drop_path_rate: float = 0.0,
+        timm_layout: dict | None = None,
+        project: bool = True,
     ):
+        # timm_layout (dsclip.model.timm_vit.timm_vit_spec): one of timm's own ViTs, e.g. SigLIP's (no class
+        # token, no pre-norm, a 'map' attention-pool head, timm's LayerNorm and init); None: OpenCLIP's ViT.
+        layout = timm_layout or {}
+        self.timm_layout = timm_layout
         super().__init__(
             img_size=image_size,
             patch_size=patch_size,
             num_classes=0,
-            global_pool="token",
             embed_dim=width,
             depth=layers,
             num_heads=width // head_width,
             mlp_ratio=mlp_ratio,
             qkv_bias=True,
             init_values=ls_init_value,
-            class_token=True,
-            pre_norm=True,  # adds norm_pre (OpenCLIP ln_pre) and drops the patch-embed bias
-            final_norm=True,
-            fc_norm=False,
+            class_token=layout.get("class_token", True),
+            pre_norm=layout.get("pre_norm", True),  # adds norm_pre (OpenCLIP ln_pre) and drops the patch-embed bias
+            final_norm=layout.get("final_norm", True),
+            fc_norm=layout.get("fc_norm", False),
+            global_pool=layout.get("global_pool", "token"),
             norm_layer=norm_layer(norm_kwargs),
-            act_layer=act_layer(quick_gelu),
-            weight_init="skip",  # OpenCLIP init below
+            act_layer=act_layer(quick_gelu) if timm_layout is None else timm_layout["act_layer"],
+            weight_init="skip",  # init below (OpenCLIP's, or timm's for a timm layout)
             proj_drop_rate=dropout,
             attn_drop_rate=attn_dropout,
             drop_path_rate=drop_path_rate,
@@ -89,7 +95,10 @@ class VisionTower(VisionTransformer):
         self.patch_drop = PatchDropout(
             patch_dropout, num_prefix_tokens=self.num_prefix_tokens, force=force_patch_dropout
         )
-        self.proj = nn.Parameter(torch.empty(width, embed_dim))
+        # OpenCLIP's visual.proj (or a timm tower's head.proj); absent for timm_proj 'none' (width = embed_dim)
+        if not project and width != embed_dim:
+            raise ValueError(f"a vision tower without projection needs width == embed_dim, got {width} vs {embed_dim}")
+        self.proj = nn.Parameter(torch.empty(width, embed_dim)) if project else None
         self.width = width
         self.output_dim = embed_dim
         self.checkpoint_fn: CheckpointFn | None = None
@@ -98,6 +107,43 @@ class VisionTower(VisionTransformer):
         self.init_skipped = apply_init_plan(self.init_plan())
 
     def init_plan(self) -> InitPlan:
+        return self._openclip_init_plan() if self.timm_layout is None else self._timm_init_plan()
+
+    def _timm_init_plan(self) -> InitPlan:
+        # timm's VisionTransformer.init_weights('') (what OpenCLIP's TimmModel gets): trunc-normal(.02)
+        # positions, normal(1e-6) class token, every Linear trunc-normal(.02) with zero bias, modules with
+        # their own init_weights (the attention pool's latent), torch defaults elsewhere (conv, LayerNorm).
+        from timm.layers import trunc_normal_
+
+        def own():
+            trunc_normal_(self.pos_embed, std=0.02)
+            if self.cls_token is not None:
+                nn.init.normal_(self.cls_token, std=1e-6)
+            if self.proj is not None:  # OpenCLIP's head.proj is an nn.Linear left at torch's default init
+                bound = self.width**-0.5
+                nn.init.uniform_(self.proj, -bound, bound)
+
+        def linear(layer: nn.Linear):
+            def fn():
+                trunc_normal_(layer.weight, std=0.02)
+                if layer.bias is not None:
+                    nn.init.zeros_(layer.bias)
+
+            return fn
+
+        plan: InitPlan = [(self, own)]
+        for module in self.modules():
+            if module is self or not list(module.parameters(recurse=False)):
+                continue
+            if isinstance(module, nn.Linear):
+                plan.append((module, linear(module)))
+            elif hasattr(module, "init_weights") and not isinstance(module, nn.Sequential):
+                plan.append((module, module.init_weights))
+            elif hasattr(module, "reset_parameters"):
+                plan.append((module, module.reset_parameters))
+        return plan
+
+    def _openclip_init_plan(self) -> InitPlan:
         # OpenCLIP's VisionTransformer: scale * randn for class/positional embeddings and proj; the blocks
         # keep nn.MultiheadAttention / nn.Linear defaults (OpenCLIP defines no vision block init).
         scale = self.width**-0.5
@@ -137,5 +183,6 @@ class VisionTower(VisionTransformer):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, 3, H, W) -> (B, D)
         x = self.forward_features(x)
-        x = self.pool(x)  # (B, W): class token
-        return x @ self.proj
+        x = self.pool(x)  # (B, W): class token (OpenCLIP's ViT), or timm's pool ('map': attention pool)
+        x = self.fc_norm(x)  # Identity unless the timm layout pools by average
+        return x if self.proj is None else x @ self.proj

@@ -88,12 +88,15 @@ class LogArgs:
 
 
 def data_counters(stats: dict[str, int]) -> dict[str, int]:
-    """This rank's cumulative data counters as logged: skipped samples, and captions cut by the context."""
+    """This rank's cumulative data counters as logged: skipped samples, captions cut by the context,
+    and (GPU input path) images decoded on the CPU instead of nvJPEG, which are trained on."""
+    from dsclip.data.gpu_decode import CPU_DECODED  # lazy: loads torch (LogArgs' parser does not)
     from dsclip.data.tokenizer import TRUNCATED
 
     return {
-        "bad_samples": sum(v for k, v in stats.items() if k != TRUNCATED),
+        "bad_samples": sum(v for k, v in stats.items() if k not in (TRUNCATED, CPU_DECODED)),
         "truncated_captions": stats.get(TRUNCATED, 0),
+        "cpu_decoded_images": stats.get(CPU_DECODED, 0),
     }
 
 
@@ -184,6 +187,7 @@ class MetricsLogger:
         self.timed_s = 0.0
         self.timed_steps = 0
         self.truncation_warned = False
+        self.cpu_decode_noted = False
         self.jsonl = None
         self.tb = None
         self.wandb = wandb  # train/wandb_sink.WandbSink on rank 0 with --report-to wandb
@@ -216,6 +220,13 @@ class MetricsLogger:
         self.steps_here += 1
         if extra and not self.truncation_warned:
             self._check_truncation(extra.get("truncated_captions", 0))
+        if extra and extra.get("cpu_decoded_images") and not self.cpu_decode_noted:
+            self.cpu_decode_noted = True
+            self.write_line(
+                f"note: {extra['cpu_decoded_images']} images so far on rank {self.rank} are not JPEGs nvJPEG decodes "
+                f"(PNG, WebP, CMYK, ...) or failed there: decoded on the CPU instead (cpu_decoded_images in the "
+                f"step lines); convert the shards to RGB JPEG to keep the workers' CPU free"
+            )
         self.window_data_wait += data_wait_s
         if result.applied:
             self.window_losses.append(result.loss)
@@ -286,7 +297,7 @@ class MetricsLogger:
             )
             if self.window_skipped:
                 line += f" | skipped {self.window_skipped}"
-            for k in ("bad_samples", "truncated_captions"):
+            for k in ("bad_samples", "truncated_captions", "cpu_decoded_images"):
                 if extra and extra.get(k):
                     line += f" | {k} {extra[k]}"
             self.write_line(line)

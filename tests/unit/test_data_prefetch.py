@@ -3,7 +3,10 @@
 For the demo, CSV and webdataset inputs: reading epochs back to back from one TrainData opens its
 stream once (the workers were already producing the next epoch's first batches while the previous
 one ended), and every batch equals the one a freshly built TrainData gives for that (epoch, step),
-which is what a resumed run reads.
+which is what a resumed run reads. ``webdataset-gpu`` is the GPU input path (``--data-decode gpu``:
+encoded JPEGs decoded and cropped in the training process, read one batch ahead) run on CPU, the
+device being CPU until ``set_device`` (build_train_data does not ask for CUDA): a fresh TrainData
+started mid-epoch -- a run resumed after a kill -- gets the very crops the first one got.
 """
 
 from __future__ import annotations
@@ -31,8 +34,9 @@ def _builder(kind, tmp_path, workers, demo_tok):
         cfg = DataConfig(train_data=_table(tmp_path, n=21, bad={4}), workers=workers)
         kw = dict(tokenizer=IdTokenizer(), image_size=16, batch_size=4)
     else:
-        pattern = make_shards(tmp_path / "d", 4, 10)
-        cfg = DataConfig(train_data=pattern, workers=workers, shuffle_buffer=8)
+        pattern = make_shards(tmp_path / "d", 4, 10)  # jpg, png and webp: the GPU path's both kinds of row
+        decode = "gpu" if kind == "webdataset-gpu" else "auto"  # auto: the CPU path on this machine
+        cfg = DataConfig(train_data=pattern, workers=workers, shuffle_buffer=8, data_decode=decode)
         kw = dict(tokenizer=IdTokenizer(), image_size=16, batch_size=7)
     return lambda: build_train_data(cfg, rank=0, world_size=1, seed=5, **kw)
 
@@ -51,7 +55,7 @@ def _same(a, b):
 
 
 @pytest.mark.parametrize("workers", [0, 2])
-@pytest.mark.parametrize("kind", ["demo", "csv", "webdataset"])
+@pytest.mark.parametrize("kind", ["demo", "csv", "webdataset", "webdataset-gpu"])
 def test_one_stream_across_epochs_same_batches(kind, workers, tmp_path, demo_tok):
     build = _builder(kind, tmp_path, workers, demo_tok)
     td = build()

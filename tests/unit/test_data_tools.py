@@ -1,6 +1,8 @@
+import io
 import json
 import tarfile
 
+import numpy as np
 import pytest
 
 from dsclip.data import tools
@@ -46,11 +48,11 @@ def test_write_resumes_after_interrupt(tmp_path, monkeypatch):
     real = tools._encode
     calls = {"n": 0}
 
-    def flaky(path, resize, verify):
+    def flaky(path, resize, verify, *quality):
         calls["n"] += 1
         if calls["n"] == 15:
             raise KeyboardInterrupt
-        return real(path, resize, verify)
+        return real(path, resize, verify, *quality)
 
     monkeypatch.setattr(tools, "_encode", flaky)
     with pytest.raises(KeyboardInterrupt):
@@ -91,6 +93,33 @@ def test_write_from_csv_resize_and_errors(tmp_path, capsys):
     assert main_data(["--images", str(tmp_path / "nope"), "--out", str(tmp_path / "x")]) == 2
     assert main_data(["inspect", str(tmp_path / "s" / "missing-{0..3}.tar")]) == 2
     assert "error" in capsys.readouterr().err
+
+
+def test_write_pre_resized_with_quality(tmp_path):
+    """--resize N --quality Q (img2dataset's keep_ratio resize and encode_quality): shorter side N, RGB
+    JPEGs (what nvJPEG takes), smaller at a lower quality; a quality outside 1..100 is refused."""
+    from PIL import Image
+
+    (tmp_path / "imgs").mkdir()
+    rng = np.random.default_rng(0)
+    samples = []
+    for i, mode in enumerate(("RGB", "CMYK", "L")):
+        path = tmp_path / "imgs" / f"{i}.png" if mode != "CMYK" else tmp_path / "imgs" / f"{i}.jpg"
+        Image.fromarray(rng.integers(0, 255, (120, 90 + 10 * i, 3), dtype=np.uint8)).convert(mode).save(path)
+        samples.append((str(path), f"caption {i}"))
+    sizes = {}
+    for q in (95, 60):
+        write_shards(samples, tmp_path / f"q{q}", resize=48, quality=q)
+        members = dict(_members(tmp_path / f"q{q}" / "shard-00000.tar"))
+        jpgs = [v for k, v in members.items() if k.endswith(".jpg")]
+        assert len(jpgs) == 3
+        for data in jpgs:
+            img = Image.open(io.BytesIO(data))
+            assert img.format == "JPEG" and img.mode == "RGB" and min(img.size) == 48
+        sizes[q] = sum(map(len, jpgs))
+    assert sizes[60] < 0.8 * sizes[95]
+    with pytest.raises(tools.DataToolError, match="quality is 1..100"):
+        write_shards(samples, tmp_path / "bad", resize=48, quality=0)
 
 
 def test_tokenizer_train_cli(tmp_path, capsys):

@@ -76,7 +76,7 @@ def test_crop_statistics_match_openclip():
 
 def test_no_draft_is_todays_pixels_and_draft_stays_close():
     data = _photo(400, 300)
-    fast, today = FastTrainTransform((64, 64), draft=False), image_transform(64, is_train=True)
+    fast, today = FastTrainTransform((64, 64), draft=False, tensor_decode=False), image_transform(64, is_train=True)
     for seed in range(5):
         torch.manual_seed(seed)
         x = normalize_on_device(fast(data)[None], OPENAI_DATASET_MEAN, OPENAI_DATASET_STD)[0]
@@ -94,6 +94,22 @@ def test_no_draft_is_todays_pixels_and_draft_stays_close():
         torch.manual_seed(seed)
         b = FastTrainTransform((224, 224), draft=False)(big).float()
         assert (a - b).abs().mean() < 3.0  # of 255: the same picture, not a shifted or different crop
+
+
+def test_tensor_decode_is_pils_crop_to_bicubic_rounding():
+    # torchvision's decode_jpeg (libjpeg-turbo, as PIL's) + torch's antialiased bicubic against PIL's decode +
+    # resize, same box (the same seed): both implement PIL's bicubic filter, torch in float then rounded, so a
+    # pixel differs by at most one level inside and a few at the 2-px border (PIL reads past the box there)
+    data = _photo(400, 300)
+    tensor, pil = FastTrainTransform((64, 64)), FastTrainTransform((64, 64), tensor_decode=False)
+    for seed in range(5):
+        torch.manual_seed(seed)
+        a = tensor(data).int()
+        torch.manual_seed(seed)
+        b = pil(data).int()
+        assert a.shape == b.shape == (3, 64, 64) and a.dtype == torch.int32
+        diff = (a - b).abs()
+        assert diff[:, 2:-2, 2:-2].max() <= 1 and diff.max() <= 4 and (diff > 1).float().mean() < 0.01
 
 
 def test_draft_keeps_the_output_resolution():

@@ -16,7 +16,11 @@ from dsclip.model.openclip import _openclip_expected
 open_clip = pytest.importorskip("open_clip")
 
 SHIPPED = ["ViT-L-14-336", "ViT-L-14-336-quickgelu", "ViT-B-32-quickgelu", "ViT-B-16-quickgelu", "ViT-L-14-quickgelu",
-           "ViT-H-14-quickgelu", "ViT-H-14-378-quickgelu", "ViT-B-16-plus-240", "ViT-B-32-256"]  # fmt: skip
+           "ViT-H-14-quickgelu", "ViT-H-14-378-quickgelu", "ViT-B-16-plus-240", "ViT-B-32-256",
+           # SigLIP: timm image tower (no class token, 'map' attention pool), bidirectional text, custom_text
+           "ViT-B-16-SigLIP", "ViT-B-16-SigLIP-256", "ViT-B-16-SigLIP-384", "ViT-B-16-SigLIP-512",
+           "ViT-L-16-SigLIP-256", "ViT-L-16-SigLIP-384", "ViT-SO400M-14-SigLIP", "ViT-SO400M-14-SigLIP-384",
+           "ViT-B-16-SigLIP2", "ViT-SO400M-14-SigLIP2"]  # fmt: skip
 
 
 def _openclip_shapes(name: str) -> dict[str, tuple]:
@@ -38,8 +42,9 @@ def test_quickgelu_configs_build_quickgelu():
     assert create_model("ViT-B-32", device="meta").config["quick_gelu"] is False
 
 
-def test_a_name_only_in_openclips_registry_resolves_from_it():
-    name = "ViT-L-16-320"  # not shipped: comes from open_clip/model_configs
+@pytest.mark.parametrize("name", ["ViT-L-16-320", "ViT-L-16-SigLIP2-512", "ViT-gopt-16-SigLIP2-256"])
+def test_a_name_only_in_openclips_registry_resolves_from_it(name):
+    # not shipped: from open_clip/model_configs (SigLIP 2's patch-16 towers use timm's GELUTanh)
     assert name not in list_models()
     ours = {k: tuple(v) for k, v in _openclip_expected(get_model_config(name)).items()}
     assert ours == _openclip_shapes(name)
@@ -48,8 +53,9 @@ def test_a_name_only_in_openclips_registry_resolves_from_it():
 @pytest.mark.parametrize(
     "name, expect",
     [
-        ("ViT-B-16-SigLIP", "vision tower timm:vit_base_patch16_siglip_224 (dsclip builds OpenCLIP's own ViT); "
-                            "text_cfg.no_causal_mask=True; text_cfg.proj_bias=True"),
+        ("MobileCLIP-S1", "vision tower timm:fastvit_mci1 (a timm FastVit; dsclip builds timm VisionTransformer "
+                          "towers, e.g. the SigLIP ViTs)"),
+        ("ViT-SO400M-16-SigLIP-i18n-256", "text_cfg.proj_type='none'"),
         ("RN50", "a ResNet vision tower"),
         ("coca_ViT-B-32", "a multimodal text decoder (CoCa)"),
     ],

@@ -283,7 +283,9 @@ def test_tokenizer_train_prints_the_length_distribution_and_the_share_cut(digit_
 
 
 def test_trainer_warns_once_when_more_than_one_percent_are_cut(tmp_path, capsys):
-    assert data_counters({"corrupt_image": 2, TRUNCATED: 5}) == {"bad_samples": 2, "truncated_captions": 5}
+    assert data_counters({"corrupt_image": 2, TRUNCATED: 5}) == {
+        "bad_samples": 2, "truncated_captions": 5, "cpu_decoded_images": 0,
+    }  # fmt: skip
     result = StepResult(loss=1.0, logit_scale=1.0, logit_bias=None, grad_norm=None, applied=True)
     m = MetricsLogger(
         tmp_path,
