@@ -30,7 +30,7 @@ commands:
 COMMANDS = {
     "train": ("dsclip.cli", "main_train"),
     "eval": ("dsclip.eval.cli", "main_eval"),
-    "convert": ("dsclip.checkpoint.convert", "main_convert"),
+    "convert": ("dsclip.checkpoint.convert_cli", "main_convert"),
     "data": ("dsclip.data.cli", "main_data"),
     "tokenizer": ("dsclip.data.cli", "main_tokenizer"),
     "plan": ("dsclip.plan_cli", "main_plan"),
@@ -43,25 +43,24 @@ class UserError(Exception):
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
-    # lazy, like dsclip.model below: dsclip.engine.world imports torch. Its errors are launch problems
-    # (bad launcher env, a GPU view no rank can use, MASTER_PORT taken): one line, like config errors.
-    from dsclip.engine.world import WorldDiscoveryError
-
-    errors: list[type[BaseException]] = [ConfigError, UserError, FileNotFoundError, WorldDiscoveryError]
-    try:  # lazy: dsclip.model imports torch, which `dsclip --help` and the light commands need not load
-        from dsclip.model import UnknownModelError
-
-        errors.append(UnknownModelError)
-    except ImportError:
-        pass
+    errors: list[type[BaseException]] = [ConfigError, UserError, FileNotFoundError]
+    # Launch problems (dsclip.engine.world: bad launcher env, a GPU view no rank can use, MASTER_PORT taken)
+    # and unknown architectures are one line too. Looked up only where their module is loaded (an error of a
+    # module never imported was never raised): importing dsclip.engine.world here would load torch at every
+    # exit, `--help` and a misconfigured run's error included (issue #33).
+    for module, name in (("dsclip.engine.world", "WorldDiscoveryError"), ("dsclip.model.factory", "UnknownModelError")):
+        if module in sys.modules:
+            errors.append(getattr(sys.modules[module], name))
     return tuple(errors)
 
 
 def main_train(argv: list[str]) -> int:
     # lazy, like COMMANDS: each command loads only its own stack (torch, deepspeed) when it runs
+    from dsclip import console
     from dsclip.config import parse_run_config
     from dsclip.train import preflight
 
+    console.begin()  # this run's lines before its log file exists are kept for it (dsclip.console)
     cfg = parse_run_config(argv)
     # before the process group and before DeepSpeed loads: a misconfigured run fails in seconds
     cfg = preflight.check(cfg, rank=int(os.environ.get("RANK", "0")))
@@ -69,7 +68,9 @@ def main_train(argv: list[str]) -> int:
 
     summary = train(cfg)
     if summary.get("zeroshot") and int(os.environ.get("RANK", "0")) == 0:
-        print("final: " + json.dumps({"step": summary["step"], "zeroshot": summary["zeroshot"]}), flush=True)
+        from dsclip.console import say  # into RUN/out.log too
+
+        say("final: " + json.dumps({"step": summary["step"], "zeroshot": summary["zeroshot"]}))
     return int(summary.get("exit_code", 0))
 
 
@@ -125,13 +126,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _mark_failed() -> None:
-    # Other ranks may not reach the exit barrier after a user error on this one.
-    try:  # lazy: only after a user error, and only the training stack has a process group to mark
-        from dsclip.engine import world
-
+    # Other ranks may not reach the exit barrier after a user error on this one. Only a run that loaded
+    # dsclip.engine.world can have a process group (and an exit barrier) to skip.
+    world = sys.modules.get("dsclip.engine.world")
+    if world is not None:
         world.mark_failed()
-    except Exception:
-        pass
 
 
 if __name__ == "__main__":

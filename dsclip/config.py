@@ -11,7 +11,7 @@ section     defined in                       consumed by
 =========== ================================ =====================================
 model       dsclip.model.factory.ModelArgs   model factory, engine (checkpointing)
 loss        dsclip.losses.config.LossArgs    build_loss (+ SigLIP's initial bias)
-optim       dsclip.engine.optim.OptimArgs    optimizer, schedule, DeepSpeed JSON
+optim       dsclip.engine.optim_config       optimizer, schedule, DeepSpeed JSON
 train       dsclip.engine.ds_config.TrainArgs DeepSpeed JSON, engine, loop, step
 data        dsclip.data.config.DataConfig    data loaders, evaluator
 lock        dsclip.model.lock.LockConfig     fine-tuning set-up (train/finetune.py)
@@ -21,6 +21,9 @@ checkpoint  dsclip.checkpoint.ds_checkpoint  Checkpointer (save cadence, resume)
 
 :func:`validate` only checks. The one default that needs the clock (the run name) is decided by
 :func:`settle_run_name` on rank 0 and broadcast, once the process group exists.
+
+No section's module imports torch, timm, torchvision, DeepSpeed or webdataset at import time, so
+``dsclip train --help`` and the checks before the process group stay cheap (tests/unit/test_light_imports.py).
 
 Every field's ``help`` becomes ``dsclip train --help``. Unknown recipe keys and unknown flags are
 errors that name the key, never silently ignored.
@@ -45,7 +48,7 @@ from dsclip.config_base import ConfigError, opt
 from dsclip.data.config import DataConfig
 from dsclip.dist import from_rank0
 from dsclip.engine.ds_config import TrainArgs
-from dsclip.engine.optim import OptimArgs
+from dsclip.engine.optim_config import OptimArgs
 from dsclip.losses.config import LossArgs
 from dsclip.model.factory import ModelArgs
 from dsclip.model.lock import LockConfig

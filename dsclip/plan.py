@@ -40,8 +40,8 @@ from dsclip.config_base import ConfigError
 from dsclip.engine.ds_config import SHIPPED_DS_CONFIGS
 from dsclip.losses.config import LOSS_FLAGS, TRAIN_TILE_SIZE
 from dsclip.losses.config import LOSS_NAMES as LOSS_MODES
-from dsclip.model import create_model, get_model_config, resolve_model_config
-from dsclip.model.lock import LockConfig, apply_locking, check_lock_config
+from dsclip.model import get_model_config, resolve_model_config
+from dsclip.model.lock import LockConfig, check_lock_config
 from dsclip.plan_efficiency import MEASURED, plan_mfu
 
 GiB = 2**30
@@ -127,6 +127,9 @@ def load_arch(
         patch_dropout=patch_dropout,
     )
     if count_params:
+        from dsclip.model import create_model  # lazy: torch + timm, which `dsclip plan --help` must not load (#33)
+        from dsclip.model.lock import apply_locking
+
         m = create_model(cfg, device="meta")
         arch.params = sum(p.numel() for p in m.parameters())
         arch.trainable_params = apply_locking(m, lock)["trainable"] if lock is not None else arch.params

@@ -227,24 +227,73 @@ def _global_batch(a, parser) -> tuple[int | None, int | None]:
     return a.batch_size * (a.accum_freq or 1) * a.gpus, a.batch_size
 
 
+SPM = "SPM.model"  # placeholder: a sentencepiece model (`dsclip tokenizer train`), for non-OpenCLIP architectures
+
+
 def _placeholders(model: str) -> list[str]:
     if model == "demo":  # the demo trains on its built-in data with its own tokenizer
         return []
-    tok = f"open_clip:{model}" if not model.endswith(".json") else "open_clip:MODEL"
+    from dsclip.train.preflight import openclip_architecture
+
+    # the tokenizer dsclip train defaults to for an OpenCLIP architecture, spelled out; any other model
+    # (tiny, a JSON file) has no default: a sentencepiece model to fill in
+    tok = f"open_clip:{model}" if openclip_architecture(model) else SPM
     return [f"--train-data {shlex.quote(SHARDS)}", f"--tokenizer {shlex.quote(tok)}"]
 
 
+def recipe_for(model: str) -> str | None:
+    """The shipped recipe of ``model`` (dsclip/recipes/MODEL.yaml, relative to the repo), None without one."""
+    name = f"dsclip/recipes/{model}.yaml"
+    return name if "/" not in model and (ROOT / name).is_file() else None
+
+
+def recipe_overrides(recipe: str, plan: Plan) -> list[str]:
+    """Flags that switch off what ``recipe`` turns on and the plan does not (a recipe's tiled loss, activation
+    checkpointing, patch dropout, locking): the plan's flags only add, and the printed command must run the
+    settings that were planned, whatever the recipe says."""
+    from dataclasses import fields
+
+    from dsclip.config import load_recipe
+    from dsclip.losses.config import LOSS_FLAGS
+
+    r = load_recipe(ROOT / recipe)
+    out = []
+    if r.get("grad_checkpointing") and not plan.grad_checkpointing:
+        out.append("--no-grad-checkpointing")
+    if r.get("force_patch_dropout") and not plan.patch_dropout:
+        out.append("--force-patch-dropout 0")
+    for key in ("siglip", "tiled_loss", "local_loss", "gather_with_grad"):
+        flag = "--" + key.replace("_", "-")
+        if r.get(key) and flag not in LOSS_FLAGS[plan.loss]:
+            out.append("--no-" + flag[2:])
+    for f in fields(LockConfig):
+        if r.get(f.name) and not plan.lock.get(f.name):
+            flag = "--" + f.name.replace("_", "-")
+            out.append(f"--no-{flag[2:]}" if isinstance(r[f.name], bool) else f"{flag} 0")
+    return out
+
+
 def launch_command(plan: Plan, ds_name: str, tile: int, gpus_per_node: int, launcher: str) -> str:
-    """The ready command: the launcher, then dsclip train's flags for this plan, then data/tokenizer placeholders."""
+    """The ready command: the launcher, then dsclip train's flags for this plan, then data/tokenizer placeholders.
+
+    Every launcher runs the same settings: the model's shipped recipe where there is one (the plan's flags
+    override it), else dsclip train's own defaults. train.sbatch takes the recipe as RECIPE (RECIPE=none: no
+    recipe; unset it would be the demo's, whose lr and warm-up are the demo's)."""
     gpus = plan.gpus
     nodes, per_node = -(-gpus // gpus_per_node), min(gpus, gpus_per_node)
-    args = [*train_args(plan, ds_name, tile), *_placeholders(plan.model)]
+    recipe = recipe_for(plan.model)
+    args = [*train_args(plan, ds_name, tile), *(recipe_overrides(recipe, plan) if recipe else [])]
+    args += _placeholders(plan.model)
+    if plan.device != "cpu" and launcher == "sbatch":
+        head = (
+            f"RECIPE={recipe or 'none'} sbatch --nodes={nodes} --ntasks-per-node={per_node} "
+            f"--gpus-per-node={per_node} {SBATCH_SCRIPT}"
+        )
+        return " ".join([head, *args])
+    if recipe is not None:
+        args.insert(0, f"--config {recipe}")
     if plan.device == "cpu":  # one machine, CPU ranks over gloo
         head = f"deepspeed --num_gpus {gpus} --module dsclip train" if gpus > 1 else "dsclip train"
-    elif launcher == "sbatch":
-        recipe = ROOT / "dsclip" / "recipes" / f"{plan.model}.yaml"
-        env = f"RECIPE=dsclip/recipes/{plan.model}.yaml " if recipe.is_file() else ""
-        head = f"{env}sbatch --nodes={nodes} --ntasks-per-node={per_node} --gpus-per-node={per_node} {SBATCH_SCRIPT}"
     elif gpus > 1:
         head = f"deepspeed --hostfile HOSTFILE --num_nodes {nodes} --num_gpus {per_node} --module dsclip train"
     else:

@@ -31,7 +31,6 @@ files convert writes are replaced and other files in the folder are left alone.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import math
@@ -48,6 +47,7 @@ import torch
 import yaml
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
+from dsclip.checkpoint.convert_cli import DTYPE_NAMES, main_convert  # noqa: F401 (re-exported: the entry point)
 from dsclip.checkpoint.ds_checkpoint import (
     COMPLETE,
     LATEST,
@@ -61,7 +61,7 @@ from dsclip.checkpoint.ds_checkpoint import (
 from dsclip.checkpoint.layout import RUN_CONFIG_FILE
 from dsclip.config_base import ConfigError
 from dsclip.data.transforms import openclip_preprocess_cfg
-from dsclip.model import StateDictMismatchError, create_model, get_model_config
+from dsclip.model import create_model, get_model_config
 from dsclip.model.openclip import (
     check_state_dict,
     expected_shapes,
@@ -71,6 +71,7 @@ from dsclip.model.openclip import (
 )
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+assert sorted(DTYPES) == list(DTYPE_NAMES)  # the flag's choices, spelled in convert_cli without torch
 _ST_DTYPE = {
     torch.float64: "F64",
     torch.float32: "F32",
@@ -339,61 +340,3 @@ def _copy_tokenizer(ckpt_dir: Path, out_dir: Path) -> None:
         shutil.copyfile(run_dir / TOKENIZER_FILE, out_dir / TOKENIZER_FILE)
     elif (run_dir / TOKENIZER_SPEC_FILE).is_file():
         shutil.copyfile(run_dir / TOKENIZER_SPEC_FILE, out_dir / TOKENIZER_SPEC_FILE)
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="dsclip convert", description="Consolidate a ZeRO checkpoint into one .safetensors file."
-    )
-    p.add_argument("path", help="Run folder, its checkpoints/ folder, or one checkpoint tag folder.")
-    p.add_argument("--tag", help="Checkpoint tag (e.g. step_000000120). Default: the newest complete one.")
-    p.add_argument(
-        "-o",
-        "--output",
-        required=True,
-        help="Output folder (or a .safetensors file name; the config goes beside it).",
-    )
-    p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="Dtype of the floating tensors.")
-    p.add_argument(
-        "--format",
-        default="dsclip",
-        choices=["dsclip", "open_clip"],
-        help="dsclip: model.safetensors + config.json; open_clip: OpenCLIP's layout + open_clip_config.json.",
-    )
-    p.add_argument(
-        "--hf-tokenizer-name",
-        help="open_clip format, sentencepiece runs: text_cfg.hf_tokenizer_name written to open_clip_config.json "
-        "(default: the output folder; set ORG/NAME when you upload the folder to the Hugging Face hub).",
-    )
-    p.add_argument(
-        "--model-config",
-        help="Model config (JSON file or architecture name) for checkpoints that lack model_config.json.",
-    )
-    p.add_argument(
-        "--force",
-        action="store_true",
-        help="Overwrite an existing output (the files convert writes; other files in the folder stay).",
-    )
-    return p
-
-
-def main_convert(argv: list[str]) -> int:
-    a = _parser().parse_args(argv)
-
-    ckpt_dir, tag = find_checkpoint(a.path, a.tag)
-    try:
-        weights = convert_checkpoint(
-            ckpt_dir,
-            tag,
-            a.output,
-            dtype=a.dtype,
-            fmt=a.format,
-            model_config=a.model_config,
-            hf_tokenizer_name=a.hf_tokenizer_name,
-            force=a.force,
-        )
-    except StateDictMismatchError as e:  # a --model-config that doesn't fit: say which keys, no traceback
-        raise ConfigError(str(e).replace("\n", "; ")) from e
-    size = weights.stat().st_size
-    print(f"converted {ckpt_dir / tag} -> {weights} ({size / 2**20:.1f} MiB, {a.dtype}, {a.format})", flush=True)
-    return 0

@@ -60,6 +60,7 @@ from dsclip.checkpoint.layout import (
     TRASH_PREFIX,
 )
 from dsclip.config_base import ConfigError, opt
+from dsclip.console import say
 from dsclip.dist import all_ranks, barrier, from_rank0
 
 _TAG_RE = re.compile(r"step_\d+")
@@ -155,7 +156,7 @@ def _usable(tag_dir: Path) -> bool:
 
 
 def _say(msg: str) -> None:
-    print(msg, flush=True)
+    say(msg)  # console and RUN/out.log
 
 
 def _unverified_note(tag_dir: Path) -> str:
@@ -379,7 +380,7 @@ class Checkpointer:
         if moved:
             universal.set_schedule_step(engine, start_step)
         if self.rank == 0:
-            print(f"resumed from {point.load_dir / point.tag} at step {start_step}", flush=True)
+            say(f"resumed from {point.load_dir / point.tag} at step {start_step}")
         if optim is not None:
             resume_optim.reconcile(
                 engine, built, state.get("optim"), optim, start_step, say=_say if self.rank == 0 else lambda m: None

@@ -36,7 +36,6 @@ from typing import Any
 from dsclip.checkpoint import manifest
 from dsclip.checkpoint.layout import COMPLETE, MANIFEST, STATE_FILE
 from dsclip.dist import barrier
-from dsclip.engine.optim import PARAM_ORDER
 
 UNIVERSAL = "universal"
 
@@ -53,6 +52,9 @@ def needs_universal(state: dict[str, Any], world_size: int) -> bool:
     saved = state.get("world_size")
     if saved is not None and int(saved) != int(world_size):
         return True
+    # lazy: dsclip.engine.optim loads torch, and the run config's parser reaches this module (CheckpointArgs)
+    from dsclip.engine.optim import PARAM_ORDER
+
     return int(state.get("param_order", 1)) != PARAM_ORDER
 
 

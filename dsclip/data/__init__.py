@@ -9,22 +9,38 @@ Public API:
 
 from __future__ import annotations
 
+import importlib
 import os
+from typing import TYPE_CHECKING
 
 from .config import DataConfig
-from .csv_data import csv_train_dataset
-from .demo import DemoDataset, ensure_demo_tokenizer
-from .loader import MapStyleTrainData, TrainData
-from .openclip_tokenizer import OpenCLIPTokenizer
-from .synthetic import synthetic_train_dataset
-from .tokenizer import SentencePieceTokenizer
-from .webdataset import build_wds_train_data
+
+if TYPE_CHECKING:
+    from .loader import TrainData
+
+# The readers load torch, torchvision, timm and webdataset, so they are imported on first use (PEP 562):
+# the run config's parser reaches this package for DataConfig, and `dsclip train --help` must not pay for
+# them (issue #33). name -> submodule.
+_LAZY = {"TrainData": "loader", "MapStyleTrainData": "loader", "SentencePieceTokenizer": "tokenizer"}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = ["DataConfig", "TrainData", "SentencePieceTokenizer", "build_tokenizer", "build_train_data"]
 
 
 def build_tokenizer(data_cfg: DataConfig, context_length: int, cache_dir: str | os.PathLike = ".cache/dsclip"):
     """The tokenizer the run uses: ``data_cfg.tokenizer`` if set, else the demo one for demo data."""
+    from .demo import ensure_demo_tokenizer
+    from .openclip_tokenizer import OpenCLIPTokenizer
+    from .tokenizer import SentencePieceTokenizer
+
     if data_cfg.tokenizer and data_cfg.tokenizer.startswith("open_clip:"):
         # OpenCLIP's own tokenizer (open_clip_torch installed): what imported OpenCLIP text towers expect.
 
@@ -49,6 +65,12 @@ def build_train_data(
     """Training input per ``data_cfg.dataset_type`` (see the TrainData contract in dsclip.data.loader)."""
     if batch_size <= 0 or world_size <= 0 or not 0 <= rank < world_size:
         raise ValueError(f"bad batch_size/rank/world_size: {batch_size}/{rank}/{world_size}")
+    from .csv_data import csv_train_dataset
+    from .demo import DemoDataset
+    from .loader import MapStyleTrainData
+    from .synthetic import synthetic_train_dataset
+    from .webdataset import build_wds_train_data
+
     image_size = data_cfg.force_image_size or image_size
     kind = data_cfg.resolved_dataset_type()
     if kind == "webdataset":

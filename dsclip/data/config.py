@@ -6,8 +6,8 @@ import os
 from dataclasses import dataclass, field
 
 from dsclip.config_base import ConfigError
+from dsclip.data.preprocess import INTERPOLATIONS, RESIZE_MODES, check_mean_std, parse_aug_cfg
 from dsclip.data.shards import ImageLimits
-from dsclip.data.transforms import INTERPOLATIONS, RESIZE_MODES, check_mean_std, parse_aug_cfg
 
 DATASET_TYPES = ("auto", "demo", "webdataset", "csv", "synthetic")
 

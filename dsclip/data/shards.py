@@ -21,7 +21,6 @@ from pathlib import Path
 
 import braceexpand
 from PIL import Image
-from webdataset.gopen import gopen
 
 log = logging.getLogger("dsclip.data")
 
@@ -129,6 +128,8 @@ class BadData:
 
 def _open(url: str):
     if is_remote(url):
+        from webdataset.gopen import gopen  # lazy: ImageLimits is read by the run config's parser (#33)
+
         return gopen(url, "rb")
     return open(url, "rb")
 

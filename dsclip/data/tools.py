@@ -28,7 +28,6 @@ from pathlib import Path
 from PIL import Image
 from tqdm import tqdm
 
-from .csv_data import read_csv, read_utf8
 from .shards import (
     BadData,
     captions_of,
@@ -40,7 +39,9 @@ from .shards import (
     split_key,
     undecodable_caption,
 )
-from .tokenizer import SentencePieceTokenizer, length_summary, train_sentencepiece
+
+# csv_data and tokenizer load torch (a torch Dataset, tensors): imported in the functions that read CSV or
+# train a tokenizer, so `dsclip data --help` / `dsclip tokenizer --help` stay free of torch (issue #33).
 
 log = logging.getLogger("dsclip.data")
 
@@ -53,6 +54,8 @@ class DataToolError(ValueError):
 
 # ---------------------------------------------------------------------------------------------- inputs
 def _folder_samples(images: Path, captions_file: Path | None) -> list[tuple[str, str]]:
+    from .csv_data import read_utf8
+
     if not images.is_dir():
         raise DataToolError(f"image folder not found: {images}")
     if captions_file is not None:
@@ -78,6 +81,7 @@ def _folder_samples(images: Path, captions_file: Path | None) -> list[tuple[str,
 
 
 def _csv_samples(path: Path, img_key: str, caption_key: str, sep: str) -> list[tuple[str, str]]:
+    from .csv_data import read_csv
 
     try:
         images, captions = read_csv(path, img_key, caption_key, sep)
@@ -382,6 +386,8 @@ def main_data(argv: list[str]) -> int:
 
 
 def _iter_captions(src: str, csv_caption_key: str, csv_separator: str) -> Iterator[str]:
+    from .csv_data import read_utf8
+
     if src.lower().endswith((".csv", ".tsv")):
         with io.StringIO(read_utf8(Path(src)), newline="") as f:
             reader = csv.DictReader(f, delimiter=csv_separator)
@@ -431,6 +437,7 @@ def main_tokenizer(argv: list[str]) -> int:
         help="For the summary printed at the end: caption length distribution and the share cut at this length.",
     )
     a = p.parse_args(argv)
+    from .tokenizer import SentencePieceTokenizer, length_summary, train_sentencepiece  # after the flags (#33)
 
     try:
 

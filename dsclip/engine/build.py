@@ -21,6 +21,7 @@ from deepspeed.runtime.activation_checkpointing import checkpointing as ds_ckpt
 from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
+from dsclip.console import say
 from dsclip.dist import rank_world
 from dsclip.engine import optim, world
 from dsclip.engine.compile import compile_towers
@@ -109,10 +110,9 @@ def build_engine(
     if train.torchcompile:
         n = compile_towers(model, train.torchcompile_backend, train.torchcompile_mode, device_type())
         if rank_world()[0] == 0:
-            print(
+            say(
                 f"dsclip: --torchcompile: {n} transformer blocks compiled in place with "
-                f"{train.torchcompile_backend} (the first steps include compilation)",
-                flush=True,
+                f"{train.torchcompile_backend} (the first steps include compilation)"
             )
 
     def scheduler(opt):
@@ -133,8 +133,8 @@ def build_engine(
     engine, _, _, _ = deepspeed.initialize(**kwargs)
     check_engine_device(engine, dev)
     rank = rank_world()[0]
-    patches = install_patches(engine, selection, log=lambda line: print(line, flush=True))
-    print(f"[dsclip] rank {rank} {patches.describe()} (DeepSpeed {deepspeed_version()})", flush=True)
+    patches = install_patches(engine, selection, log=say)
+    say(f"[dsclip] rank {rank} {patches.describe()} (DeepSpeed {deepspeed_version()})")
     return EngineBundle(engine, zero_stage(ds_config), precision_of(ds_config).name, patches)
 
 

@@ -20,11 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from dsclip.config_base import ConfigError, opt
+from dsclip.console import say
 from dsclip.engine.ds_schema import check_zero_and_compile
-from dsclip.engine.optim import OptimArgs, timm_optimizer_info
+from dsclip.engine.optim_config import OptimArgs, timm_optimizer_info
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16", "amp", "amp_bf16", "amp_bfloat16", "pure_bf16", "pure_fp16")
 # OpenCLIP's pure_* keep no fp32 master copy; DeepSpeed's bf16/fp16 always do, so these are refused.
@@ -218,6 +217,7 @@ class Precision:
 
     @property
     def torch_dtype(self):
+        import torch  # here, not at the top: TrainArgs is a run-config section, parsed without torch (#33)
 
         return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.name]
 
@@ -294,16 +294,19 @@ def _fill(section: dict, key: str, value: Any, where: str, *, what: str) -> None
 
 
 def resolve_ds_config(
-    raw: dict[str, Any], train: TrainArgs, optim: OptimArgs, *, world_size: int, device_type: str
+    raw: dict[str, Any], train: TrainArgs, optim: OptimArgs, *, world_size: int | None, device_type: str
 ) -> dict[str, Any]:
-    """Return the final DeepSpeed dict for this run (also written into the run folder)."""
+    """Return the final DeepSpeed dict for this run (also written into the run folder).
+
+    ``world_size=None`` is the check dsclip train runs before the process group (train/preflight.py): every
+    rule but the batch triad's, which needs the world, and nothing printed (the real pass prints)."""
     ds = copy.deepcopy(raw)
     where = f"DeepSpeed config {train.deepspeed_config}"
     if not isinstance(ds, dict):
         raise ConfigError(f"{where} must be a JSON object")
     _check_structure(ds, where)
-    check_zero_and_compile(ds, where, device_type)  # the installed DeepSpeed's own schema, before any model
-    _fill_batch(ds, train, world_size, where)
+    if world_size is not None:
+        _fill_batch(ds, train, world_size, where)
     clip = optim.grad_clip_norm if optim.grad_clip_norm is not None else 0.0
     _fill(ds, "gradient_clipping", clip, where, what="--grad-clip-norm")
     if train.device is not None and train.device != device_type:
@@ -313,12 +316,16 @@ def resolve_ds_config(
         )
     _fill_precision(ds, train, where, device_type)
     _fill_optimizer(ds, optim, where)
+    # The installed DeepSpeed's own schema of zero_optimization/compile (which the fills above leave alone),
+    # before any model. Last because it is the one rule that imports deepspeed (its pydantic models): a
+    # run that fails an earlier rule exits without loading DeepSpeed.
+    check_zero_and_compile(ds, where, device_type)
 
     ac = ds.get("activation_checkpointing", {})
-    if device_type == "cpu" and ac.get("cpu_checkpointing"):
+    if device_type == "cpu" and ac.get("cpu_checkpointing") and world_size is not None:
         # Activations already live in host memory; DeepSpeed 0.19's offload path then hands the
         # recomputation an empty tensor ("expected input with shape [*, W], but got input of size[]").
-        print(f"dsclip: {where}: activation_checkpointing.cpu_checkpointing ignored on a CPU device", flush=True)
+        say(f"dsclip: {where}: activation_checkpointing.cpu_checkpointing ignored on a CPU device")
         ac["cpu_checkpointing"] = False
 
     ds.setdefault("steps_per_print", 10**9)  # dsclip prints its own, honest, line

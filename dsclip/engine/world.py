@@ -51,6 +51,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from dsclip.console import say
 from dsclip.dist import initialized, rank_world
 from dsclip.engine.patches.log_filter import install_log_filter
 from dsclip.engine.patches.shm_op import shm_op_for_world
@@ -329,7 +330,7 @@ def remap_launcher_devices(env=None) -> None:
     if not node or ids is None:
         return
     node_gpus = tuple(x.strip() for x in node.split(","))
-    if node_gpus == ids:
+    if node_gpus == ids or _translated(env, node_gpus, ids):
         return
     try:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(node_gpus[int(i)] for i in ids)
@@ -340,6 +341,18 @@ def remap_launcher_devices(env=None) -> None:
             "or request more GPUs (--gpus-per-node)"
         ) from None
     env["DSCLIP_LAUNCHER_GPU_IDS"] = ",".join(ids)
+
+
+def _translated(env, node_gpus: tuple[str, ...], ids: tuple[str, ...]) -> bool:
+    # Called twice per rank (train/preflight.py before its CUDA query, then init_distributed): the second call
+    # finds CUDA_VISIBLE_DEVICES already equal to the translation of the launcher ids it recorded.
+    launcher = env.get("DSCLIP_LAUNCHER_GPU_IDS")
+    if not launcher:
+        return False
+    try:
+        return ids == tuple(node_gpus[int(i)] for i in launcher.split(","))
+    except (ValueError, IndexError):
+        return False
 
 
 def resolve_device(info: WorldInfo, env=None, *, cuda_count: int | None = None) -> DeviceBinding:
@@ -461,8 +474,7 @@ def format_cpus(cpus: list[int]) -> str:
 def _line(msg: str) -> None:
     """One stderr line in one write: the ranks of a node share a pipe, and under ``python -u`` print()
     writes the text and its newline separately, so two ranks' lines would interleave."""
-    sys.stderr.write(msg + "\n")
-    sys.stderr.flush()
+    say(msg, stream=sys.stderr)  # into RUN/out.log too, once it exists (dsclip.console)
 
 
 def check_workers(workers: int, rank: int | None = None) -> str | None:

@@ -4,18 +4,41 @@ Pure metric functions on embeddings (``retrieval_metrics``, ``zeroshot_topk``, `
 and model-level helpers that shard the forward passes over ranks and all-gather the features.
 """
 
-from .evaluator import (
-    Evaluator,
-    append_results,
-    encode_dataset,
-    evaluate_demo_zeroshot,
-    evaluate_retrieval,
-    evaluate_zeroshot,
-    zeroshot_classifier,
-)
-from .retrieval import retrieval_metrics, retrieval_ranks
-from .templates import OPENAI_IMAGENET_TEMPLATES, SIMPLE_IMAGENET_TEMPLATES, load_templates
-from .zero_shot import class_embeddings, expand_prompts, zeroshot_topk
+import importlib
+
+# The evaluator and the metric functions load torch, so they are imported on first use (PEP 562): the
+# package is reached by `dsclip eval --help`, which must not load torch (issue #33). name -> submodule.
+_LAZY = {
+    **dict.fromkeys(
+        (
+            "Evaluator",
+            "append_results",
+            "encode_dataset",
+            "evaluate_demo_zeroshot",
+            "evaluate_retrieval",
+            "evaluate_zeroshot",
+            "zeroshot_classifier",
+        ),
+        "evaluator",
+    ),
+    "retrieval_metrics": "retrieval",
+    "retrieval_ranks": "retrieval",
+    "OPENAI_IMAGENET_TEMPLATES": "templates",
+    "SIMPLE_IMAGENET_TEMPLATES": "templates",
+    "load_templates": "templates",
+    "class_embeddings": "zero_shot",
+    "expand_prompts": "zero_shot",
+    "zeroshot_topk": "zero_shot",
+}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "Evaluator",

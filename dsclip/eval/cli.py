@@ -16,18 +16,13 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 from dsclip.dist import rank_world
 
 from ..data.config import DataConfig
-from ..data.demo import ensure_demo_tokenizer
-from ..data.openclip_tokenizer import OpenCLIPTokenizer
-from ..data.tokenizer import SentencePieceTokenizer
-from ..data.transforms import INTERPOLATIONS, PREPROCESS_FIELDS, RESIZE_MODES, check_mean_std, preprocess_settings
-from ..model import create_model, from_openclip_state_dict, load_openclip_checkpoint
-from ..model.weights import load_model
-from .evaluator import Evaluator, append_results
+from ..data.preprocess import INTERPOLATIONS, PREPROCESS_FIELDS, RESIZE_MODES, check_mean_std, preprocess_settings
+
+# torch, the model, the tokenizers and the evaluator are imported in main_eval, after the flags parsed:
+# `dsclip eval --help` and a flag error must not load torch and timm (issue #33).
 
 OPENCLIP_BPE_VOCAB = 49408  # OpenCLIP's SimpleTokenizer (OpenAI BPE)
 
@@ -84,6 +79,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _load_openclip_pretrained(name: str, path: str, device):
     """An OpenCLIP checkpoint in a shipped architecture, with key-set and shape checks (never strict=False)."""
+    from ..model import create_model, from_openclip_state_dict, load_openclip_checkpoint
 
     sd = load_openclip_checkpoint(path)
     vocab = sd.get("token_embedding.weight", sd.get("module.token_embedding.weight"))
@@ -124,6 +120,14 @@ def main_eval(argv: list[str]) -> int:
     pre = preprocess_for(a)
     check_mean_std("image-mean", pre.get("image_mean"))  # before any work
     check_mean_std("image-std", pre.get("image_std"))
+    import torch
+
+    from ..data.demo import ensure_demo_tokenizer
+    from ..data.openclip_tokenizer import OpenCLIPTokenizer
+    from ..data.tokenizer import SentencePieceTokenizer
+    from ..model.weights import load_model
+    from .evaluator import Evaluator, append_results
+
     try:
         device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
         if a.pretrained:

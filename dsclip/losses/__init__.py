@@ -14,15 +14,39 @@ Plain torch + torch.distributed; this package never imports deepspeed.
 
 from __future__ import annotations
 
-from torch import nn
+import importlib
+from typing import TYPE_CHECKING
 
-from .common import BatchLayout, LossInputError, check_inputs
 from .config import LOSS_NAMES, TRAIN_TILE_SIZE, LossArgs, LossConfig
-from .distill import DistillInfoNCELoss
-from .distributed import all_gather_with_grad, all_reduce_mean, all_reduce_sum_with_grad
-from .infonce import InfoNCELoss
-from .siglip import SIGLIP_INIT_LOGIT_BIAS, SIGLIP_INIT_LOGIT_SCALE, SigLipRingLoss
-from .tiled import TiledInfoNCELoss
+
+if TYPE_CHECKING:
+    from torch import nn
+
+# The losses load torch, so they are imported on first use (PEP 562): the run config's parser reaches this
+# package for LossArgs, and `dsclip train --help` must not load torch (issue #33). name -> submodule.
+_LAZY = {
+    "BatchLayout": "common",
+    "LossInputError": "common",
+    "check_inputs": "common",
+    "DistillInfoNCELoss": "distill",
+    "all_gather_with_grad": "distributed",
+    "all_reduce_mean": "distributed",
+    "all_reduce_sum_with_grad": "distributed",
+    "InfoNCELoss": "infonce",
+    "SIGLIP_INIT_LOGIT_BIAS": "siglip",
+    "SIGLIP_INIT_LOGIT_SCALE": "siglip",
+    "SigLipRingLoss": "siglip",
+    "TiledInfoNCELoss": "tiled",
+}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "LOSS_NAMES",
@@ -57,6 +81,11 @@ def build_loss(
     When a ``LossConfig`` is given, the keyword arguments other than ``group`` are ignored. The keyword
     defaults are LossConfig's (the one definition); ``dsclip train`` builds from ``LossArgs.loss_config()``.
     """
+    from .distill import DistillInfoNCELoss
+    from .infonce import InfoNCELoss
+    from .siglip import SigLipRingLoss
+    from .tiled import TiledInfoNCELoss
+
     cfg = (
         name
         if isinstance(name, LossConfig)

@@ -10,26 +10,41 @@
   ``openclip_model_config``, ``export_openclip``).
 """
 
-from .clip import CLIP
+from __future__ import annotations
+
+import importlib
+
+# Light (no torch): the run config's parser and the checks before the process group read these.
 from .config import resolve_model_config
-from .factory import (
-    ModelArgs,
-    UnknownModelError,
-    UnsupportedModelError,
-    create_model,
-    get_model_config,
-    list_models,
-)
-from .openclip import (
-    StateDictMismatchError,
-    export_openclip,
-    from_openclip_state_dict,
-    load_openclip_checkpoint,
-    openclip_model_config,
-    to_openclip_name,
-    to_openclip_state_dict,
-)
-from .weights import load_model, save_model
+from .factory import ModelArgs, UnknownModelError, UnsupportedModelError, get_model_config, list_models
+
+# The rest loads torch and timm, so it is imported on first use (PEP 562): `dsclip train --help` and a
+# misconfigured run must not pay for it (issue #33). name -> submodule.
+_LAZY = {
+    "CLIP": "clip",
+    "create_model": "factory",
+    "StateDictMismatchError": "openclip",
+    "export_openclip": "openclip",
+    "from_openclip_state_dict": "openclip",
+    "load_openclip_checkpoint": "openclip",
+    "openclip_model_config": "openclip",
+    "to_openclip_name": "openclip",
+    "to_openclip_state_dict": "openclip",
+    "load_model": "weights",
+    "save_model": "weights",
+}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    # Every lazy name loads the towers (torch + timm) as the eager package did: callers rely on
+    # `from dsclip.model import create_model` having imported timm before zero.Init patches torch.Tensor.
+    importlib.import_module(".clip", __name__)
+    value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "CLIP",

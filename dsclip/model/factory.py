@@ -10,13 +10,16 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from dsclip.config_base import ConfigError, opt
 
-from .clip import CLIP
 from .config import TEXT_DEFAULTS, resolve_model_config, unsupported_parts
+
+if TYPE_CHECKING:
+    import torch
+
+    from .clip import CLIP
 
 logger = logging.getLogger(__name__)
 
@@ -169,6 +172,10 @@ def create_model(
     if init_logit_bias is not None:
         cfg["init_logit_bias"] = float(init_logit_bias)
     cfg = resolve_model_config(cfg)
+
+    import torch  # here: ModelArgs and the registry are read by the run config's parser, without torch (#33)
+
+    from .clip import CLIP
 
     with torch.device(device) if device is not None else contextlib.nullcontext():
         model = CLIP(cfg, force_patch_dropout=force_in_eval)

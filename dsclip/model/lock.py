@@ -25,10 +25,12 @@ the LayerNorm parameters of locked text layers stay trainable; with it they are 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-from torch import nn
+from typing import TYPE_CHECKING
 
 from dsclip.config_base import ConfigError
+
+if TYPE_CHECKING:  # LockConfig is a run-config section: the config parser must not load torch (issue #33)
+    from torch import nn
 
 
 class LockError(ConfigError):
@@ -100,6 +102,8 @@ def text_groups(model: nn.Module) -> list[list]:
 
 
 def _params(items) -> list[nn.Parameter]:
+    from torch import nn
+
     out = []
     for x in items:
         if isinstance(x, nn.Parameter):
@@ -149,6 +153,8 @@ def check_lock_config(cfg: LockConfig, model_config: dict) -> None:
 def apply_locking(model: nn.Module, cfg: LockConfig) -> dict[str, int]:
     """Lock ``model`` (a dsclip ``CLIP``) per ``cfg``, in place; returns parameter counts
     ``{"total", "trainable", "locked"}``. Works on ZeRO-3 partitioned parameters (``ds_numel``)."""
+    from torch import nn
+
     check_lock_config(cfg, model.config)
     if cfg.lock_image:
         _lock_tower(image_groups(model), cfg.lock_image_unlocked_groups)

@@ -9,27 +9,29 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import logging
 import resource
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-import torch.distributed as dist
 from tqdm import tqdm
 
 from dsclip.config_base import ConfigError, opt
-from dsclip.data.gpu_decode import CPU_DECODED
-from dsclip.data.tokenizer import TRUNCATED
+from dsclip.console import LOGGER, say
 from dsclip.dist import initialized
+
+# torch (and the tokenizer module, which loads it) are imported where used: LogArgs is a run-config section,
+# and the run config's parser (`dsclip train --help`, the checks before the process group) runs without
+# torch (issue #33).
+if TYPE_CHECKING:
+    import torch
 from dsclip.train.progress import epoch_progress, eta_seconds, timing_text
 
 REPORTERS = ("tensorboard", "wandb", "all")  # all: tensorboard and wandb, as OpenCLIP
 
-# Console lines also go to the run's log file (train/runlog.py); propagate=False keeps a root console
-# handler from printing them twice.
+# Console lines also go to the run's log file (dsclip.console, train/runlog.py).
 # TensorBoard/wandb names of the scalars OpenCLIP also logs (open_clip_train/train.py), so existing
 # dashboards keep working; metrics.jsonl keeps dsclip's own keys.
 OPENCLIP_TAGS = {
@@ -41,8 +43,7 @@ OPENCLIP_TAGS = {
 }
 NOT_SCALARS = ("step", "time", "eta_s")  # metrics.jsonl only: the x axis, the wall clock, a forecast
 
-log = logging.getLogger("dsclip.console")
-log.propagate = False
+log = LOGGER
 
 # share of captions cut by the context length above which the run warns (once): a cut caption
 # loses its last words, which in short captions often carry the label
@@ -89,6 +90,9 @@ class LogArgs:
 def data_counters(stats: dict[str, int]) -> dict[str, int]:
     """This rank's cumulative data counters as logged: skipped samples, captions cut by the context,
     and (GPU input path) images decoded on the CPU instead of nvJPEG, which are trained on."""
+    from dsclip.data.gpu_decode import CPU_DECODED  # lazy: loads torch (LogArgs' parser does not)
+    from dsclip.data.tokenizer import TRUNCATED
+
     return {
         "bad_samples": sum(v for k, v in stats.items() if k not in (TRUNCATED, CPU_DECODED)),
         "truncated_captions": stats.get(TRUNCATED, 0),
@@ -97,6 +101,8 @@ def data_counters(stats: dict[str, int]) -> dict[str, int]:
 
 
 def peak_memory_gb(device: torch.device) -> float:
+    import torch
+
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     # ru_maxrss is KiB on Linux: the process's peak resident set.
@@ -106,6 +112,9 @@ def peak_memory_gb(device: torch.device) -> float:
 def peak_memory_per_rank_gb(device: torch.device, world_size: int) -> list[float]:
     """Every rank's peak memory (collective when ``world_size`` > 1): rank 0's alone hides the rank that
     runs out first, and the planner's prediction (``dsclip plan``) is per rank."""
+    import torch
+    import torch.distributed as dist
+
     mine = torch.tensor([peak_memory_gb(device)], dtype=torch.float64, device=device)
     if world_size == 1 or not initialized():  # (tests build a logger for world 2 without a process group)
         return mine.tolist()
@@ -116,9 +125,8 @@ def peak_memory_per_rank_gb(device: torch.device, world_size: int) -> list[float
 
 def console(line: str) -> None:
     """A console line of rank 0 (the caller checks the rank) that also goes into RUN/out.log: the log file
-    holds what the console showed, the run header included."""
-    log.info(line)
-    print(line, flush=True)
+    holds what the console showed, the run header included (dsclip.console)."""
+    say(line)
 
 
 class MetricsLogger:

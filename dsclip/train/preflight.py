@@ -11,13 +11,13 @@ real data uses OpenCLIP's own tokenizer (``open_clip:MODEL``), as an OpenCLIP us
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import os
 from pathlib import Path
 
 from dsclip.config import RunConfig
 from dsclip.config_base import ConfigError
+from dsclip.console import say
 
 # Models that may train on the built-in demo set without --train-data: the demo model, and the tiny
 # test model the test recipes use. Any other model without data is a mistake, not a wish for shapes.
@@ -40,12 +40,16 @@ def openclip_architecture(model: str) -> bool:
 def check(cfg: RunConfig, *, rank: int = 0) -> RunConfig:
     """Raise ConfigError/FileNotFoundError for what is already known to fail; return ``cfg`` with the
     tokenizer default decided."""
+    # cheapest first: these read files and the run config only (no torch)
     _check_model(cfg)
-    _check_precision(cfg)
     _check_resume(cfg)
-    _check_deepspeed(cfg, rank=rank)
     kind = _check_data(cfg)
-    return _default_tokenizer(cfg, kind, rank=rank)
+    cfg = _default_tokenizer(cfg, kind, rank=rank)
+    _check_deepspeed(cfg, rank=rank)  # dsclip.engine.patches: loads torch
+    # last: DeepSpeed's own schema (ds_schema) imports deepspeed's pydantic config models, the one check
+    # here that loads DeepSpeed; still before the process group, the rank line and any model
+    _check_ds_config(cfg)
+    return cfg
 
 
 def _check_model(cfg: RunConfig) -> None:
@@ -70,16 +74,23 @@ def _check_model(cfg: RunConfig) -> None:
         raise ConfigError(f"--model {m.model}: {e}") from None
 
 
-def _check_precision(cfg: RunConfig) -> None:
+def _check_ds_config(cfg: RunConfig) -> None:
     import torch
 
-    from dsclip.engine.ds_config import _fill_precision, load_ds_json
+    from dsclip.engine.ds_config import load_ds_json, resolve_ds_config
+    from dsclip.engine.world import remap_launcher_devices
+
+    # CUDA reads CUDA_VISIBLE_DEVICES once, at the first query below (and DeepSpeed's accelerator detection):
+    # the per-node launcher's GPU ids are translated first, as init_distributed does (it is idempotent).
+    remap_launcher_devices()
 
     # The accelerator DeepSpeed will pick is CUDA exactly when torch sees a GPU (this project runs on
-    # CUDA or CPU); the same precision rules as the engine's, applied to a copy of the JSON.
+    # CUDA or CPU). The engine's own rules, applied to the JSON before the world exists: structure, the
+    # installed DeepSpeed's schema, --device, precision against the accelerator, the optimizer block.
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    ds = copy.deepcopy(load_ds_json(cfg.train.deepspeed_config))
-    _fill_precision(ds, cfg.train, str(cfg.train.deepspeed_config), device_type)
+    resolve_ds_config(
+        load_ds_json(cfg.train.deepspeed_config), cfg.train, cfg.optim, world_size=None, device_type=device_type
+    )
 
 
 def _check_deepspeed(cfg: RunConfig, *, rank: int) -> None:
@@ -97,7 +108,7 @@ def _check_deepspeed(cfg: RunConfig, *, rank: int) -> None:
         raise refusal(cfg.train.accum_freq)
     line = outside_tested_range()
     if line is not None and rank == 0:
-        print(line, flush=True)
+        say(line)
 
 
 def _check_resume(cfg: RunConfig) -> None:
@@ -153,7 +164,7 @@ def _default_tokenizer(cfg: RunConfig, kind: str, *, rank: int) -> RunConfig:
     if openclip_architecture(cfg.model.model):
         tok = f"open_clip:{cfg.model.model}"
         if rank == 0:
-            print(f"dsclip: no --tokenizer: using OpenCLIP's tokenizer for {cfg.model.model} ({tok})", flush=True)
+            say(f"dsclip: no --tokenizer: using OpenCLIP's tokenizer for {cfg.model.model} ({tok})")
         return dataclasses.replace(cfg, data=dataclasses.replace(d, tokenizer=tok))
     raise ConfigError(
         f"--model {cfg.model.model} has no default tokenizer: pass --tokenizer path/to/spm.model (a sentencepiece "

@@ -2,9 +2,10 @@
 
 Rank 0 writes ``RUN/out.log``; with ``--log-local`` every rank writes ``RUN/out-RANK.log`` (what
 OpenCLIP does), which is where a rank's own warnings go when only one rank misbehaves. The file gets
-every ``dsclip`` log record and rank 0's console lines (:func:`dsclip.train.metrics.console`: the run
-header, the step lines, checkpoints, evaluations, the summary). It is attached right after the run
-folder's lock, so the set-up's lines are in it too.
+every ``dsclip`` log record and the rank's console lines (:func:`dsclip.console.say`: the checks before
+the process group, the rank line, the run header, the step lines, checkpoints, evaluations, the summary).
+It is attached right after the run folder's lock; the lines said before it (kept by dsclip.console) are
+written into it first.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import shutil
 from pathlib import Path
 
 import dsclip
+from dsclip import console
 from dsclip.config_base import ConfigError
 from dsclip.train.metrics import LogArgs
 
@@ -42,20 +44,24 @@ def setup(log: LogArgs, run_dir: Path, rank: int) -> logging.Handler | None:
     logger.setLevel(logging.DEBUG if log.debug else logging.INFO)
     path = log_file(run_dir, rank, log.log_local)
     if path is None:
+        console.take_early()  # this rank writes no file: stop keeping its lines
         return None
     path.parent.mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(path)
     handler.setFormatter(logging.Formatter(FORMAT))
     handler.addFilter(_RankFilter(rank))
-    handler._dsclip_run_log = True
-    # dsclip.console (the metrics lines) does not propagate, so that a root console handler does not
+    setattr(handler, console.RUN_LOG, True)
+    # dsclip.console (the console lines) does not propagate, so that a root console handler does not
     # print them twice: it gets the file handler itself.
-    for lg in (logger, logging.getLogger("dsclip.console")):
+    for lg in (logger, console.LOGGER):
         # A second run in the same process (tests, notebooks) must not write into the first run's file.
-        for old in [h for h in lg.handlers if getattr(h, "_dsclip_run_log", False)]:
+        for old in [h for h in lg.handlers if getattr(h, console.RUN_LOG, False)]:
             lg.removeHandler(old)
             old.close()
         lg.addHandler(handler)
+    # the lines said before the run folder existed (checks, rank line, world set-up) go first, in order
+    for record in console.take_early():
+        handler.handle(record)
     logger.debug("logging to %s", path)
     return handler
 

@@ -70,6 +70,11 @@ def test_per_node_deepspeed_launcher_ids_are_mapped_back_to_slurms_gpus():
     env = {"DSCLIP_NODE_GPUS": "6,7", "CUDA_VISIBLE_DEVICES": "0,1"}
     world.remap_launcher_devices(env)
     assert env["CUDA_VISIBLE_DEVICES"] == "6,7"
+    # a second call (train/preflight.py translates before its CUDA query, init_distributed again) keeps it
+    env = {"DSCLIP_NODE_GPUS": "4,5,6,7", "CUDA_VISIBLE_DEVICES": "1", "RANK": "1"}
+    world.remap_launcher_devices(env)
+    world.remap_launcher_devices(env)
+    assert env["CUDA_VISIBLE_DEVICES"] == "5" and env["DSCLIP_LAUNCHER_GPU_IDS"] == "1"
 
 
 def test_launcher_gpu_id_outside_the_slurm_set_is_one_line_naming_rank_and_fix():

@@ -461,3 +461,95 @@ def test_clean_path(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     assert C.clean_path("./ds/x.json") == "ds/x.json"
     assert C.clean_path(str(tmp_path / "ds" / ".." / "x.json")) == "x.json"
+
+
+FAKE_SRUN = """#!/usr/bin/env python3
+import json, os, sys
+json.dump(sys.argv[1:], open(os.environ["FAKE_OUT"], "w"))
+"""
+FAKE_SCONTROL = """#!/bin/sh
+[ "$1 $2" = "show hostnames" ] && echo node1
+exit 0
+"""
+
+
+def _sbatch_train_argv(cmd: str, tmp_path) -> list[str]:
+    """What launch/slurm/train.sbatch hands `dsclip train` for the printed `VAR=... sbatch OPTS SCRIPT FLAGS`:
+    the script itself runs, with a stand-in srun (records its argv) and scontrol first on PATH."""
+    import json
+    import os
+    import subprocess
+
+    words = shlex.split(cmd)
+    env_words = [w for w in words[: words.index("sbatch")] if "=" in w]
+    flags = words[words.index(C.SBATCH_SCRIPT) + 1 :]
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    env = {
+        **{k: v for k, v in os.environ.items() if k not in ("RECIPE", "DS_CONFIG", "NAME")},
+        **dict(w.split("=", 1) for w in env_words),
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "FAKE_OUT": str(tmp_path / "srun.json"),
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NAME": "dsclip",
+        "SLURM_SUBMIT_DIR": str(P.ROOT),
+        "SLURM_JOB_NODELIST": "node1",
+        "SLURM_NNODES": "1",
+        "DSCLIP_REPO": str(P.ROOT),
+        "LOGS": str(tmp_path / "logs"),
+    }
+    r = subprocess.run(
+        ["bash", str(P.ROOT / C.SBATCH_SCRIPT), *flags], env=env, cwd=P.ROOT, capture_output=True, text=True
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    srun = json.loads((tmp_path / "srun.json").read_text())
+    return srun[[i for i, w in enumerate(srun) if w.endswith("srun_dsclip.sh")][0] + 1 :]
+
+
+@pytest.mark.parametrize("launcher", ["sbatch", "hostfile"])
+@pytest.mark.parametrize("model", ["ViT-B-16", "tiny", "ViT-B-32"])
+def test_printed_command_with_demo_data_passes_dsclip_trains_checks(tmp_path, capsys, monkeypatch, launcher, model):
+    """The printed command, its placeholders replaced by demo shards (and the demo tokenizer where it asks for a
+    sentencepiece model), is taken by dsclip train's parser and its checks before the process group. The
+    batch script's own argv is used for sbatch (RECIPE included); a model without a recipe gets RECIPE=none,
+    not the demo recipe the script would fall back to; a non-OpenCLIP model gets the sentencepiece placeholder."""
+    from dsclip.config import parse_run_config
+    from dsclip.data.demo import ensure_demo_tokenizer
+    from dsclip.train import preflight
+    from tests.e2e.test_train_cli import write_val_shards
+
+    assert C.main_plan(["--model", model, "--gpus", "16", "--batch-size", "64", "--launcher", launcher]) == 0
+    cmd = capsys.readouterr().out.strip().splitlines()[-1].strip()
+    recipe = C.recipe_for(model)
+    assert (recipe is None) == (model == "ViT-B-16")  # the models shipped with a recipe
+    if launcher == "sbatch":
+        assert cmd.startswith(f"RECIPE={recipe or 'none'} sbatch --nodes=2 ")
+        argv = _sbatch_train_argv(cmd, tmp_path)
+    else:
+        words = shlex.split(cmd)
+        argv = words[words.index("dsclip") + 1 :]
+        assert ("--config" in argv) == (recipe is not None)  # the same settings as the sbatch line
+    assert argv[0] == "train"
+    expect_tok = C.SPM if model == "tiny" else None
+    tok = argv[argv.index("--tokenizer") + 1]
+    assert tok == expect_tok or (expect_tok is None and tok in (f"open_clip:{model}", C.SPM))
+    assert argv[argv.index("--train-data") + 1] == C.SHARDS
+
+    shards = write_val_shards(tmp_path / "shards")
+    demo_tok = str(ensure_demo_tokenizer(tmp_path / "tok"))
+    argv = [{C.SHARDS: shards, C.SPM: demo_tok}.get(w, w) for w in argv[1:]]
+    if "--name" not in argv:
+        argv += ["--name", "x", "--logs", str(tmp_path / "logs")]
+    monkeypatch.chdir(P.ROOT)  # recipes and DeepSpeed JSONs are named relative to the repo, as printed
+    cfg = parse_run_config(argv)
+    assert cfg.model.model == model and cfg.train.batch_size == 64 and cfg.train.precision == "bf16"
+    assert cfg.data.train_data == shards
+    # the planned settings, whatever the recipe says (ViT-B-32.yaml turns on --local-loss: the plan's infonce)
+    assert cfg.loss_name == "infonce" and not cfg.model.grad_checkpointing
+    if recipe is None:
+        assert cfg.optim.lr == 5.0e-4 and cfg.optim.warmup == 10000  # dsclip train's (OpenCLIP's) defaults
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # bf16 is checked against the CPU here
+    preflight.check(cfg)

@@ -10,13 +10,23 @@ import pytest
 from dsclip.config import ConfigError, make_run_config
 from dsclip.train import preflight
 
-# Runs the real CLI in a fresh interpreter and reports what had happened when the error came back.
+# Runs the real CLI in a fresh interpreter and reports what had happened when the error came back. What is
+# bounded (issue #33: these errors came after the world set-up and DeepSpeed's C++ op build, minutes in):
+# - no process group was initialised (torch.distributed.is_initialized() after main() returned), and the
+#   world set-up's rank line was never printed;
+# - DeepSpeed was never imported ('deepspeed' not in sys.modules), except for a DeepSpeed JSON key that only
+#   the installed DeepSpeed's own schema can judge: that check imports deepspeed's pydantic config models
+#   (there is no cheaper source of truth), and it runs last, still before the process group.
+# - torch itself loads only for the checks that need it (the accelerator for the precision, DeepSpeed's
+#   JSON): an unknown model, a missing tokenizer or shard stops with torch never imported.
+# No wall-time assertion.
 PROBE = """
 import json, sys
 from dsclip.cli import main
 rc = main(sys.argv[1:])
+torch_loaded = "torch" in sys.modules
 import torch.distributed as dist
-print(json.dumps({"rc": rc, "deepspeed": "deepspeed" in sys.modules,
+print(json.dumps({"rc": rc, "deepspeed": "deepspeed" in sys.modules, "torch": torch_loaded,
                   "group": dist.is_available() and dist.is_initialized()}))
 """
 
@@ -24,20 +34,38 @@ print(json.dumps({"rc": rc, "deepspeed": "deepspeed" in sys.modules,
 def _probe(args, tmp_path):
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "DSCLIP_CACHE": str(tmp_path)}
     p = subprocess.run([sys.executable, "-c", PROBE, *args], capture_output=True, text=True, env=env, cwd=tmp_path)
-    return json.loads(p.stdout.strip().splitlines()[-1]), p.stderr
+    return json.loads(p.stdout.strip().splitlines()[-1]), p.stderr, p.stdout
 
 
 @pytest.mark.parametrize(
-    "args, says",
+    "args, says, loads_torch",
     [
-        (["--model", "ViT-Nope-99"], "ViT-Nope-99"),
-        (["--model", "demo", "--precision", "fp16"], "fp16 is not supported by DeepSpeed on CPU"),
+        (["--model", "ViT-Nope-99"], "unknown model 'ViT-Nope-99'", False),
+        # CUDA hidden: the accelerator is the CPU, where DeepSpeed has no fp16
+        (["--model", "demo", "--precision", "fp16"], "fp16 is not supported by DeepSpeed on CPU", True),
+        (["--model", "demo", "--tokenizer", "nope/spm.model"], "--tokenizer sentencepiece model not found", False),
+        (
+            ["--model", "demo", "--train-data", "nope/shard-{0..3}.tar", "--train-num-samples", "8"],
+            "--train-data: shard not found: nope/shard-0.tar",
+            False,
+        ),
+        (
+            ["--model", "demo", "--deepspeed-config", "bad_ds.json"],
+            "unknown key 'zero_optimization.overlap_com'",
+            True,
+        ),
     ],
 )
-def test_misconfigured_run_fails_before_world_and_deepspeed(tmp_path, args, says):
-    out, err = _probe(["train", "--name", "x", "--logs", str(tmp_path), *args], tmp_path)
-    assert out["rc"] == 2 and says in err
-    assert not out["deepspeed"] and not out["group"]  # the bound on the work done before the error
+def test_misconfigured_run_fails_before_world_and_deepspeed(tmp_path, args, says, loads_torch):
+    (tmp_path / "bad_ds.json").write_text(json.dumps({"zero_optimization": {"stage": 2, "overlap_com": True}}))
+    out, err, stdout = _probe(["train", "--name", "x", "--logs", str(tmp_path), *args], tmp_path)
+    errors = [line for line in err.splitlines() if line.startswith("dsclip train: error:")]
+    assert out["rc"] == 2 and len(errors) == 1 and says in errors[0], err  # one line naming the problem
+    assert "Traceback" not in err
+    assert not out["group"] and "[dsclip] rank" not in stdout + err  # no process group, no world set-up
+    # only DeepSpeed's own schema check (of a JSON's zero_optimization/compile) may load DeepSpeed
+    assert out["deepspeed"] is ("--deepspeed-config" in args)
+    assert out["torch"] is loads_torch
 
 
 def cfg(**kv):

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from dsclip.console import say
 from dsclip.engine.patches.fingerprint import deepspeed_version, mismatched_target
 
 NAME = "universal_zero3"
@@ -36,10 +37,9 @@ def load_universal(engine, load_dir: Path, tag: str, *, enabled: bool = True) ->
     inner = getattr(engine.optimizer, "optimizer", None)
     repair = enabled and engine.zero_optimization_stage() == 3 and inner is not None
     if repair and (bad := mismatched_target(TARGETS)) is not None:
-        print(
+        say(
             f"[dsclip] patch {NAME} off: DeepSpeed {deepspeed_version()}'s {bad} is not the one it was written "
-            f"against (verified: DeepSpeed {', '.join(VERIFIED)}); DeepSpeed's own path runs",
-            flush=True,
+            f"against (verified: DeepSpeed {', '.join(VERIFIED)}); DeepSpeed's own path runs"
         )
         repair = False
     params_before = [list(g["params"]) for g in inner.param_groups] if repair else None
