@@ -7,9 +7,9 @@
 #   in the hostfile (0 = the first host, which also is MASTER_ADDR)
 #       NODE_RANK=0 HOSTFILE=launch/hostfile launch/deepspeed_hostfile.sh ...   # on the 1st host
 #       NODE_RANK=1 HOSTFILE=launch/hostfile launch/deepspeed_hostfile.sh ...   # on the 2nd host
-#   The per-node form runs the launcher under `dsclip launch`: SIGTERM/SIGUSR1 to this script reach
-#   the node's ranks (save; exit 143/85) and it exits after them. The pdsh form does not forward
-#   stop signals to remote ranks (docs/clusters.md, "Stop signals and the DeepSpeed launcher").
+#   Both forms run the launcher under `dsclip launch`: SIGTERM/SIGUSR1 to this script reach every
+#   rank (save; exit 143/85; in the pdsh form over pdsh, to each host's ranks) and it exits after them
+#   (docs/clusters.md, "Stop signals and the DeepSpeed launcher").
 #
 # Every variable below can be set in the environment; trailing arguments go to `dsclip train`
 # (e.g. --epochs 3 --batch-size 256 --resume latest). Options for the DeepSpeed launcher itself
@@ -100,9 +100,21 @@ train_args=(train --config "$RECIPE" --logs "$LOGS" --name "$NAME")
 echo "deepspeed_hostfile.sh: hosts $(awk '!/^[[:space:]]*(#|$)/ {printf "%s ", $1}' "$HOSTFILE")| master" \
   "$MASTER_ADDR:$MASTER_PORT | ${NODE_RANK:+node_rank $NODE_RANK (no ssh) | }run $LOGS/$NAME" >&2
 if [[ -z $NODE_RANK ]]; then
-  # not exec: the EXIT trap removes the env file. deepspeed exits with the failing rank's code.
-  deepspeed "${ds_args[@]}" ${launcher_args[@]+"${launcher_args[@]}"} --module "$MODULE" "${train_args[@]}" "$@"
-  exit
+  # Under `dsclip launch` (see the per-node form below): a stop signal reaches the ranks on every host over
+  # pdsh, and the supervisor exits after them with their code. Not exec: the EXIT trap removes the env file,
+  # so this shell passes its stop signals on to the supervisor and waits for it (`wait` returns early when a
+  # trapped signal arrives: wait again until the supervisor has exited).
+  python -m dsclip launch -- \
+    deepspeed "${ds_args[@]}" ${launcher_args[@]+"${launcher_args[@]}"} --module "$MODULE" "${train_args[@]}" "$@" &
+  supervisor=$!
+  trap 'kill -TERM "$supervisor" 2>/dev/null || true' TERM
+  trap 'kill -USR1 "$supervisor" 2>/dev/null || true' USR1
+  rc=0
+  while true; do
+    wait "$supervisor" && rc=0 || rc=$?
+    kill -0 "$supervisor" 2>/dev/null || break
+  done
+  exit "$rc"
 fi
 
 # Per-node form, under `dsclip launch` (dsclip/launch/supervise.py). SLURM delivers signals to every

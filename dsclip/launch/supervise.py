@@ -27,9 +27,14 @@ What the wrapper does (Linux):
   whose supervisor disappears (SIGKILL, OOM) treats that as SIGTERM — save and exit — instead of training
   on unwatched (:func:`watch_supervisor`). On another machine (the boot id differs) the variable is ignored.
 
-Only local ranks are reached: under ``deepspeed --hostfile`` with pdsh the remote ranks are not descendants
-of this process, so ``launch/deepspeed_hostfile.sh`` uses the wrapper in its per-node (``NODE_RANK``) form,
-where every node runs its own launcher.
+Remote ranks (``deepspeed --hostfile`` with pdsh, the default multi-node launcher) are not descendants of
+this process: they run under each host's sshd, below that host's ``launch.py``. For them the supervisor
+finds the ``pdsh`` that DeepSpeed's runner started among its descendants, reads its host list and the job's
+``--world_info`` (unique to one launch: it carries the hosts, slots and master port), and sends each stop
+signal over pdsh to the children of the ``launch.py`` processes started with that world info: exactly this
+job's ranks, on every host (:func:`remote_signal_command`). The local ``pdsh`` and runner keep the signals
+blocked, so they stay up until every host's ``launch.py`` has ended with its ranks' code, which pdsh
+(``-S``) and the runner return.
 
 This module imports neither torch nor DeepSpeed: the supervisor is a small process that only waits.
 """
@@ -47,10 +52,11 @@ import time
 ENV = "DSCLIP_SUPERVISOR"
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
-HELP = """Runs LAUNCHER (deepspeed, on this machine) with SIGTERM and SIGUSR1 blocked, forwards each of them
-that this process gets to every rank below it, and exits when the launcher and all ranks have, with the
-launcher's exit code (143 after SIGTERM, 85 after SIGUSR1). Ranks whose supervisor is killed stop as on
-SIGTERM. Only local ranks are reached (docs/clusters.md, "Stop signals and the DeepSpeed launcher")."""
+HELP = """Runs LAUNCHER (deepspeed) with SIGTERM and SIGUSR1 blocked, forwards each of them that this process
+gets to every rank below it (and, for a pdsh launch over a hostfile, to the job's ranks on every host), and
+exits when the launcher and all ranks have, with the launcher's exit code (143 after SIGTERM, 85 after
+SIGUSR1). Ranks whose supervisor is killed stop as on SIGTERM (docs/clusters.md, "Stop signals and the
+DeepSpeed launcher")."""
 POLL_S = 0.2
 LEFTOVER_S = 10.0  # how long to wait for non-rank descendants (a stuck ssh, say) once launcher and ranks are gone
 USAGE = "usage: dsclip launch -- LAUNCHER [ARGS...]  (dsclip launch -- deepspeed --num_gpus 8 --module dsclip ...)"
@@ -129,6 +135,57 @@ def rank_pids(root: int) -> list[int]:
     )
 
 
+def _cmdline(pid: int) -> list[str]:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+    except OSError:
+        return []
+
+
+def _environ(pid: int) -> dict[str, str] | None:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            items = [kv.decode(errors="replace").partition("=") for kv in f.read().split(b"\0") if kv]
+    except OSError:
+        return None
+    return {k: v for k, _, v in items}
+
+
+class PdshJob(tuple):
+    """(pdsh pid, hosts, world_info) of a DeepSpeed pdsh launch below the supervisor."""
+
+    pid = property(lambda self: self[0])
+    hosts = property(lambda self: self[1])
+    world_info = property(lambda self: self[2])
+
+
+def pdsh_jobs(root: int) -> list[PdshJob]:
+    """The ``pdsh`` processes DeepSpeed's runner started below ``root`` (multinode_runner.PDSHRunner:
+    ``pdsh -S -f N -w HOSTS ... python -u -m deepspeed.launcher.launch --world_info=B64 ...``)."""
+    out = []
+    for pid in descendants(root):
+        argv = _cmdline(pid)
+        if not argv or os.path.basename(argv[0]) != "pdsh" or "-w" not in argv:
+            continue
+        world = [a.split("=", 1)[1] for a in argv if a.startswith("--world_info=")]
+        if world and any("deepspeed.launcher.launch" in a for a in argv):
+            out.append(PdshJob((pid, argv[argv.index("-w") + 1], world[0])))
+    return out
+
+
+def remote_signal_command(job: PdshJob, sig: int) -> list[str]:
+    """pdsh over the job's hosts: the stop signal to the children of the ``launch.py`` that has this job's
+    world info (the ranks: launch.py starts them directly; their data workers are theirs, not launch.py's)."""
+    name = signal.Signals(sig).name.removeprefix("SIG")
+    # The launch.py process itself (not the remote shell pdsh ran it from, nor this command's own shell):
+    # argv anchored at the python binary; the brackets keep the pattern from matching its own text;
+    # world_info is base64, whose '+' is escaped for the extended regex.
+    pattern = "^[^ ]*python[^ ]* -u -m deepspeed[.]launcher[.]launch --world_info=" + job.world_info.replace("+", "[+]")
+    script = f"for p in $(pgrep -f -- '{pattern}'); do pkill -{name} -P $p; done; true"
+    return ["pdsh", "-S", "-w", job.hosts, script]
+
+
 # ---- the supervisor ----------------------------------------------------------------------------------
 
 
@@ -141,6 +198,24 @@ class Supervisor:
         self.launcher: subprocess.Popen | None = None
         self.launcher_rc: int | None = None
         self.orphan_rcs: list[int] = []
+        self.remote_sent: dict[int, int] = {}  # pdsh pid -> how many of self.received its hosts have had
+
+    def forward_remote(self) -> None:
+        """Send a pdsh launch's remote ranks the stop signals they have not had yet (from the main loop: a
+        pdsh round trip does not belong in a signal handler)."""
+        for job in pdsh_jobs(self.me) if self.received else []:
+            done = self.remote_sent.get(job.pid, 0)
+            env = _environ(job.pid) or dict(os.environ)  # the runner's PDSH_RCMD_TYPE, ssh settings, PATH
+            for sig in self.received[done:]:
+                try:
+                    r = subprocess.run(remote_signal_command(job, sig), env=env, capture_output=True, text=True,
+                                       timeout=120)  # fmt: skip
+                    ok = r.returncode == 0
+                except (OSError, subprocess.TimeoutExpired) as e:
+                    ok, r = False, e
+                _say(f"{signal.Signals(sig).name} -> ranks on {job.hosts} over pdsh"
+                     + ("" if ok else f" FAILED: {str(getattr(r, 'stderr', r)).strip()[-300:]}"))  # fmt: skip
+            self.remote_sent[job.pid] = len(self.received)
 
     def forward(self) -> None:
         """Send every rank the stop signals it has not had yet."""
@@ -207,6 +282,7 @@ class Supervisor:
         while True:
             self._reap()
             self.forward()  # ranks started after a signal get it too
+            self.forward_remote()
             if self.launcher_rc is not None:
                 left = descendants(self.me)
                 if not left:

@@ -20,6 +20,7 @@ import re
 import signal
 import socket
 import subprocess
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -242,6 +243,47 @@ def test_deepspeed_hostfile_over_pdsh(cluster_env, tmp_path, runs):
     assert any(line.startswith("node1: [dsclip] rank 0/2") for line in out.splitlines()), out[-3000:]
     assert any(line.startswith("node2: [dsclip] rank 1/2") for line in out.splitlines()), out[-3000:]
     assert f"master node1:{run.env['MASTER_PORT']}" in out
+
+
+def test_pdsh_hostfile_sigterm_reaches_every_hosts_ranks_and_ends_after_the_save(cluster_env, tmp_path, runs):
+    """SIGTERM to launch/deepspeed_hostfile.sh (pdsh form), the process a user or scheduler watches: the
+    supervisor sends it over pdsh to the job's ranks on both ssh hosts, both save, and the script exits 143
+    only after them. On main the ranks on the ssh hosts never got it (DeepSpeed's runner pkills launch.py,
+    which SIGKILLs what is still saving after 30 s, and the runner exits 1 a second after the signal)."""
+    run = Run(cluster_env, tmp_path, "pdsh-term", LONG_STANDIN if STANDIN else LONG)
+    run.env["HOSTFILE"] = str(hostfile(tmp_path))
+    runs.append(run)
+    proc = subprocess.Popen(["launch/deepspeed_hostfile.sh", *run.extra], cwd=REPO, env=run.env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    chunks: list[str] = []
+    reader = threading.Thread(target=lambda: chunks.extend(proc.stdout), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 180
+        while len(run.metrics()) < 2:
+            assert proc.poll() is None, "".join(chunks)[-4000:]
+            assert time.monotonic() < deadline, "".join(chunks)[-4000:]
+            time.sleep(0.3)
+        os.kill(proc.pid, signal.SIGTERM)
+        rc = proc.wait(timeout=150)
+        ended = time.time()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    reader.join(timeout=10)
+    out = "".join(chunks)
+    assert rc == 143, out[-4000:]
+    assert "SIGTERM -> ranks on node1,node2 over pdsh" in out, out[-4000:]
+    lines = out.splitlines()
+    saved = [ln for ln in lines if re.search(r"checkpoint saved at step \d+; exiting with 143", ln)]
+    assert saved and saved[0].startswith("node1: "), out[-4000:]
+    step = int(re.search(r"checkpoint saved at step (\d+)", saved[0]).group(1))
+    ckpt = run.dir / "checkpoints" / f"step_{step:09d}"
+    assert (run.dir / "checkpoints" / "latest").read_text().strip() == ckpt.name
+    # both hosts' ranks wrote their shard (ZeRO-2: one optimizer file per rank) before the script ended
+    shards = sorted(ckpt.glob("*optim_states.pt"))
+    assert len(shards) == 2 and all(p.stat().st_mtime <= ended for p in shards), shards
+    assert not run.rank_pids(None), "ranks outlived the launch"
 
 
 # ---- a rank that dies ends the job quickly -----------------------------------------------------

@@ -97,6 +97,10 @@ def test_pdsh_mode_forwards_torch_nccl_settings(fake):
     assert r.returncode == 0, r.stderr
     assert "TORCH_NCCL_ASYNC_ERROR_HANDLING=1" in out["env_file"].splitlines()
     # NCCL_* reach remote ranks through DeepSpeed itself (its forwarded prefixes), not the env file
+    # the pdsh form runs under the supervisor too (it signals the remote ranks over pdsh), signals blocked
+    assert "--launcher" in out["argv"] and out["parent"][1:5] == ["-m", "dsclip", "launch", "--"], out["parent"]
+    assert all(out["blocked"] & (1 << (sig - 1)) for sig in (signal.SIGUSR1, signal.SIGTERM))
+    assert "DSCLIP_SUPERVISOR" not in out["env_file"]  # written before the supervisor: remote ranks do not watch it
 
 
 def test_per_node_mode_keeps_slurm_gpus_and_shields_the_launcher_from_signals(fake):
