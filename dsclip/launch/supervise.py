@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -170,8 +171,22 @@ def pdsh_jobs(root: int) -> list[PdshJob]:
             continue
         world = [a.split("=", 1)[1] for a in argv if a.startswith("--world_info=")]
         if world and any("deepspeed.launcher.launch" in a for a in argv):
-            out.append(PdshJob((pid, argv[argv.index("-w") + 1], world[0])))
+            out.append(PdshJob((pid, ",".join(_pdsh_hosts(argv)), world[0])))
     return out
+
+
+_HOSTS = re.compile(r"[\w.@:\[\]-]+(,[\w.@:\[\]-]+)*")
+
+
+def _pdsh_hosts(argv: list[str]) -> list[str]:
+    """The host list after ``-w``. pdsh splits it in place (the commas of ``-w node1,node2`` become NULs,
+    so /proc shows ``-w node1 node2``): every host-like word up to the next option or the command."""
+    hosts = []
+    for a in argv[argv.index("-w") + 1 :]:
+        if a.startswith("-") or not _HOSTS.fullmatch(a):
+            break
+        hosts.append(a)
+    return hosts
 
 
 def remote_signal_command(job: PdshJob, sig: int) -> list[str]:

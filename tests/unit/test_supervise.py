@@ -158,3 +158,21 @@ def test_supervisor_token_names_one_live_process_on_this_machine():
     assert supervise.supervisor_alive(f"{pid}:{int(start) + 1}:{boot}") is False  # the pid, reused
     assert supervise.supervisor_alive(f"{pid}:{start}:another-boot") is None  # another machine: not ours to watch
     assert supervise.supervisor_alive("garbage") is None
+
+
+def test_pdsh_host_list_is_read_as_pdsh_leaves_it():
+    from dsclip.launch.supervise import PdshJob, _pdsh_hosts, remote_signal_command
+
+    # pdsh turns the commas of `-w node1,node2` into NULs in place: /proc shows separate words
+    assert _pdsh_hosts(["pdsh", "-S", "-f", "1024", "-w", "node1", "node2", "export A=1; cd /x;", "python"]) == [
+        "node1",
+        "node2",
+    ]
+    assert _pdsh_hosts(["pdsh", "-S", "-w", "n[1-4],gpu-07.cluster", "-R", "ssh", "export A=1;"]) == [
+        "n[1-4],gpu-07.cluster"
+    ]
+    cmd = remote_signal_command(PdshJob((1, "node1,node2", "eyJh+/b=")), signal.SIGUSR1)
+    assert cmd[:4] == ["pdsh", "-S", "-w", "node1,node2"]
+    # only launch.py itself (argv from the python binary), base64's '+' escaped; its children get USR1
+    assert "'^[^ ]*python[^ ]* -u -m deepspeed[.]launcher[.]launch --world_info=eyJh[+]/b='" in cmd[4]
+    assert "pkill -USR1 -P $p" in cmd[4]
