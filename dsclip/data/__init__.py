@@ -9,9 +9,10 @@ Public API:
 
 from __future__ import annotations
 
-import importlib
 import os
 from typing import TYPE_CHECKING
+
+from dsclip.lazy_exports import lazy_exports
 
 from .config import DataConfig
 
@@ -24,12 +25,7 @@ if TYPE_CHECKING:
 _LAZY = {"TrainData": "loader", "MapStyleTrainData": "loader", "SentencePieceTokenizer": "tokenizer"}
 
 
-def __getattr__(name: str):
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _LAZY)
 
 
 __all__ = ["DataConfig", "TrainData", "SentencePieceTokenizer", "build_tokenizer", "build_train_data"]

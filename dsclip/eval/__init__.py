@@ -4,7 +4,7 @@ Pure metric functions on embeddings (``retrieval_metrics``, ``zeroshot_topk``, `
 and model-level helpers that shard the forward passes over ranks and all-gather the features.
 """
 
-import importlib
+from dsclip.lazy_exports import lazy_exports
 
 # The evaluator and the metric functions load torch, so they are imported on first use (PEP 562): the
 # package is reached by `dsclip eval --help`, which must not load torch (issue #33). name -> submodule.
@@ -32,12 +32,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str):
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _LAZY)
 
 
 __all__ = [

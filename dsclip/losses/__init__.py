@@ -14,8 +14,9 @@ Plain torch + torch.distributed; this package never imports deepspeed.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from dsclip.lazy_exports import lazy_exports
 
 from .config import LOSS_NAMES, TRAIN_TILE_SIZE, LossArgs, LossConfig
 
@@ -40,12 +41,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str):
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _LAZY)
 
 
 __all__ = [

@@ -12,7 +12,7 @@
 
 from __future__ import annotations
 
-import importlib
+from dsclip.lazy_exports import lazy_exports
 
 # Light (no torch): the run config's parser and the checks before the process group read these.
 from .config import resolve_model_config
@@ -35,15 +35,9 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str):
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    # Every lazy name loads the towers (torch + timm) as the eager package did: callers rely on
-    # `from dsclip.model import create_model` having imported timm before zero.Init patches torch.Tensor.
-    importlib.import_module(".clip", __name__)
-    value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-    globals()[name] = value
-    return value
+# Every lazy name loads the towers (torch + timm) as the eager package did: callers rely on
+# `from dsclip.model import create_model` having imported timm before zero.Init patches torch.Tensor.
+__getattr__ = lazy_exports(__name__, _LAZY, first="clip")
 
 
 __all__ = [
