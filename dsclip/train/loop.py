@@ -21,7 +21,7 @@ from dsclip.checkpoint.ds_checkpoint import Checkpointer, record_tokenizer, tag_
 from dsclip.config import RunConfig, settle_run_name, validate
 from dsclip.config_base import ConfigError
 from dsclip.data import TrainData
-from dsclip.dist import from_rank0
+from dsclip.dist import barrier, from_rank0
 from dsclip.engine import world
 from dsclip.engine.build import build_engine, device_type
 from dsclip.engine.optim import PARAM_ORDER
@@ -124,6 +124,13 @@ def _train(cfg: RunConfig) -> dict:
         # checkpoint --keep-last kept back for safety (Checkpointer.certify) is released
         run.checkpointer.certify(step)
     summary = {"step": step, "run_dir": str(cfg.run_dir), "preempted": bool(preempted)}
+    # the last checkpoint is safe: say how this start ends before any rank can exit (the barrier), so a
+    # batch script whose srun reports a sibling's 143 still learns that dsclip asked for a requeue
+    if run.rank == 0:
+        runlog.write_exit_status(
+            cfg.run_dir, exit_code=world.exit_code(preempted), stop=preempted, step=step, checkpoint=latest_tag(run)
+        )
+    barrier()
     # whatever ended training (the last epoch, --max-steps, the end of the data, a preemption, after its
     # checkpoint is safe): the configured evaluations run once more unless they just ran (collective)
     summary.update(run.evaluator.final(run.engine, step, max(step - 1, 0) // run.plan.steps_per_epoch))

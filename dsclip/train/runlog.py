@@ -1,4 +1,4 @@
-"""The run folder's text log and code snapshot (OpenCLIP's --log-local, --debug, --copy-codebase).
+"""The run folder's text log, code snapshot (OpenCLIP's --log-local, --debug, --copy-codebase) and exit status.
 
 Rank 0 writes ``RUN/out.log``; with ``--log-local`` every rank writes ``RUN/out-RANK.log`` (what
 OpenCLIP does), which is where a rank's own warnings go when only one rank misbehaves. The file gets
@@ -10,7 +10,9 @@ written into it first.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import shutil
 from pathlib import Path
 
@@ -79,3 +81,23 @@ def copy_codebase(run_dir: Path, *, resuming: bool) -> Path:
         raise ConfigError(f"{dst} already exists: --copy-codebase needs a new run (--name) or --resume")
     shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     return dst
+
+
+EXIT_STATUS = "exit_status.json"
+
+
+def write_exit_status(run_dir: Path, *, exit_code: int, stop: str | None, step: int, checkpoint: str | None) -> Path:
+    """``RUN/exit_status.json``: how this start of the run ends, written by rank 0 once its last checkpoint
+    is safe (before the final evaluations, while no rank can have exited yet).
+
+    The batch scripts read it because srun's own exit code cannot say it: with --kill-on-bad-exit the
+    first rank to exit 85 (saved after SIGUSR1, requeue me) makes srun SIGTERM the ranks still tearing
+    down, and srun then reports their 143. The scripts delete the file before each start, so a missing
+    file means that start crashed or was killed before it finished. Atomic (rename), so a reader never
+    sees half of it."""
+    path = run_dir / EXIT_STATUS
+    tmp = path.with_name(f".{EXIT_STATUS}.tmp.{os.getpid()}")
+    status = {"exit_code": exit_code, "stop": stop or "finished", "step": step, "checkpoint": checkpoint}
+    tmp.write_text(json.dumps(status) + "\n")
+    os.replace(tmp, path)
+    return path

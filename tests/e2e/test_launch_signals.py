@@ -141,6 +141,9 @@ def saved_step(launch: Launch, rc: int, exited_at: float, alive: list[int]) -> i
     assert {"MANIFEST.json", "COMPLETE"} <= {p.name for p in files}
     newest = max(p.stat().st_mtime for p in files)
     assert newest <= exited_at, f"checkpoint written {newest - exited_at:.2f} s after the launch exited"
+    # what the batch scripts read when srun's own code cannot say it (launch/slurm/*.sbatch)
+    status = json.loads((launch.run_dir / "exit_status.json").read_text())
+    assert status == {"exit_code": 143, "stop": "terminate", "step": step, "checkpoint": str(ckpt / tag)}, status
     return step
 
 

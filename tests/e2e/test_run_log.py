@@ -11,6 +11,7 @@ and the preflight lines (tokenizer default, DeepSpeed range) go through the same
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 
@@ -44,3 +45,7 @@ def test_out_log_holds_the_console_lines_in_order_across_a_resume(tmp_path):
     log = (tmp_path / "r" / "out.log").read_text().splitlines()
     console = [x.split(" | dsclip.console | ", 1)[1] for x in log if " | dsclip.console | " in x]
     assert console == first + second  # every console line, nothing else, in the console's order
+    # how the last start ended, for the batch scripts (a finished run: exit 0, its last checkpoint)
+    status = json.loads((tmp_path / "r" / "exit_status.json").read_text())
+    last = str(tmp_path / "r" / "checkpoints" / "step_000000003")
+    assert status == {"exit_code": 0, "stop": "finished", "step": 3, "checkpoint": last}, status
