@@ -29,10 +29,12 @@ MASTER_PORT=${MASTER_PORT:-29500}          # rendezvous port on MASTER_ADDR; one
 NODE_RANK=${NODE_RANK:-}                   # set → `--no_ssh --node_rank=$NODE_RANK` (per-node form)
 LAUNCHER=${LAUNCHER:-pdsh}                 # DeepSpeed multi-node backend (pdsh, openmpi, ...)
 SSH_PORT=${SSH_PORT:-}                     # if your sshd is not on 22
-RECIPE=${RECIPE:-dsclip/recipes/demo.yaml} # dsclip train --config
+RECIPE=${RECIPE:-dsclip/recipes/demo.yaml} # dsclip train --config; none: no recipe, dsclip train's
+                                           # defaults and your flags (what `dsclip plan` prints)
 DS_CONFIG=${DS_CONFIG:-}                   # dsclip train --deepspeed-config (empty = recipe's)
 LOGS=${LOGS:-$PWD/logs}                    # run folders go to $LOGS/$NAME
-NAME=${NAME:-$(basename "$RECIPE" .yaml)}  # same NAME + --resume latest continues a run
+if [[ $RECIPE == none ]]; then NAME=${NAME:-run}; else NAME=${NAME:-$(basename "$RECIPE" .yaml)}; fi
+                                           # same NAME + --resume latest continues a run
 MODULE=${MODULE:-dsclip}                   # python -m $MODULE train ... on every rank
 DEEPSPEED_TIMEOUT=${DEEPSPEED_TIMEOUT:-}   # process-group timeout in minutes (dsclip: 30)
 DS_LAUNCHER_ARGS=${DS_LAUNCHER_ARGS:-}     # extra `deepspeed` launcher options (word-split)
@@ -94,7 +96,9 @@ else
   export DS_ENV_FILE=$env_file             # an absolute path: DeepSpeed's os.path.join keeps it
 fi
 
-train_args=(train --config "$RECIPE" --logs "$LOGS" --name "$NAME")
+train_args=(train)
+[[ $RECIPE != none ]] && train_args+=(--config "$RECIPE")
+train_args+=(--logs "$LOGS" --name "$NAME")
 [[ -n $DS_CONFIG ]] && train_args+=(--deepspeed-config "$DS_CONFIG")
 
 echo "deepspeed_hostfile.sh: hosts $(awk '!/^[[:space:]]*(#|$)/ {printf "%s ", $1}' "$HOSTFILE")| master" \

@@ -83,6 +83,18 @@ def test_without_separator_every_argument_goes_to_dsclip(fake):
     assert dsclip[-4:] == ["--epochs", "3", "--batch-size", "8"] and "--epochs" not in launcher
 
 
+def test_recipe_none_passes_no_config_and_a_stable_name(fake, tmp_path):
+    # what `dsclip plan --launcher hostfile` prints for a model without a recipe: dsclip train's defaults
+    r, out = fake("--model", "ViT-B-16", RECIPE="none")
+    assert r.returncode == 0, r.stderr
+    _, dsclip = split(out["argv"])
+    assert "--config" not in dsclip and dsclip[-2:] == ["--model", "ViT-B-16"]
+    assert dsclip[dsclip.index("--name") + 1] == "run"  # not "none"; the same on a restart
+    r, out = fake()  # the default stays the demo recipe
+    _, dsclip = split(out["argv"])
+    assert dsclip[dsclip.index("--config") + 1] == "dsclip/recipes/demo.yaml" and "demo" in dsclip
+
+
 def test_num_gpus_above_a_hosts_slots_is_one_line_before_launching(fake):
     r, out = fake(NUM_GPUS="2")
     assert r.returncode == 2 and out is None
