@@ -227,6 +227,11 @@ def _global_batch(a, parser) -> tuple[int | None, int | None]:
     return a.batch_size * (a.accum_freq or 1) * a.gpus, a.batch_size
 
 
+# what the printed command leaves to the user: the shards, and their size where dsclip cannot read it
+PLACEHOLDER_NOTE = (
+    f"the command's {SHARDS} is your webdataset shards; shards without a sizes.json next to them (dsclip data "
+    "write writes one; img2dataset does not) also need --train-num-samples N, the samples per epoch, as in OpenCLIP"
+)
 SPM = "SPM.model"  # placeholder: a sentencepiece model (`dsclip tokenizer train`), for non-OpenCLIP architectures
 
 
@@ -357,6 +362,8 @@ def main_plan(argv: list[str]) -> int:
         ds_config=ds,
     )
     plan.command = launch_command(plan, ds[0], a.loss_tile_size, a.gpus_per_node, a.launcher)
+    if SHARDS in plan.command or shlex.quote(SHARDS) in plan.command:
+        plan.notes.append(PLACEHOLDER_NOTE)
     moved = not plan.fits and a.global_batch is None and not a.max_batch and micro > plan.max_micro_batch
     if moved:  # most likely an old command line that meant the global batch
         plan.notes.insert(0, f"--batch-size {micro} per GPU does not fit; " + BATCH_SIZE_MOVED)

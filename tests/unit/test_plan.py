@@ -438,7 +438,10 @@ def test_printed_command_runs_with_dsclip_trains_parser(capsys, launcher):
         "./ds_configs/zero3_bf16.json",
     ]
     assert C.main_plan([*argv, "--launcher", launcher]) == 0
-    cmd = capsys.readouterr().out.strip().splitlines()[-1].strip()
+    out = capsys.readouterr().out.strip().splitlines()
+    cmd = out[-1].strip()
+    # what the placeholders leave to the user, said next to the command: the epoch size of unsized shards
+    assert any(ln.startswith("note: ") and "--train-num-samples N" in ln and "sizes.json" in ln for ln in out)
     words = shlex.split(cmd)
     if launcher == "sbatch":
         assert cmd.startswith("RECIPE=dsclip/recipes/ViT-H-14.yaml sbatch --nodes=4 --ntasks-per-node=8 ")
