@@ -139,11 +139,16 @@ def test_training_ends_with_save_then_evaluation_then_summary(monkeypatch, capsy
     )  # fmt: skip
     monkeypatch.setattr(loop, "build_run", lambda c: run)
     monkeypatch.setattr(loop, "fit", lambda r: (7, preempted))  # stopped at step 7 of a 10-step epoch
+    monkeypatch.setattr(
+        loop.runlog, "write_exit_status", lambda run_dir, **kw: events.append(("exit_status", kw["exit_code"]))
+    )
     summary = loop._train(cfg)
-    assert [e[0] for e in events if e[0] != "certify"] == ["save", "line", "final_eval"]
+    # the exit status (what the batch scripts read) once the checkpoint is safe, before the evaluation
+    assert [e[0] for e in events if e[0] != "certify"] == ["save", "line", "exit_status", "final_eval"]
     events = [e for e in events if e[0] != "certify"]
     assert events[1][1].startswith("checkpoint saved: RUN/checkpoints/step_000000007 (step 7, ")
-    assert events[2] == ("final_eval", 7, 0)
+    assert events[2] == ("exit_status", 143 if preempted else 0)
+    assert events[3] == ("final_eval", 7, 0)
     out = capsys.readouterr().out
     how = "stopped (preempted)" if preempted else "done"
     assert f"{how}: step 7 (7 this run) in " in out
