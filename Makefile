@@ -74,6 +74,9 @@ test-kernels: venv
 # site-packages behind it (a .pth line), so nothing else is installed twice (seconds, not minutes). Its own
 # JIT cache: the ops of two DeepSpeed releases differ. Tests that assert a patch is active ask the patch's
 # check first (on this release most patches fall back: DeepSpeed's own paths are what is tested here).
+# Left out to keep CI's time (measured 413 -> ~170 s on a 2-core machine): ZeRO-Offload, whose first use builds
+# cpu_adam into this JIT cache (~2 min of both cores), and the ZeRO-3 world-size resume (150 s); the ZeRO-2 one
+# still runs the universal conversion of this release.
 DS_FLOOR ?= 0.19.2
 FLOOR_VENV ?= .venv-ds-$(DS_FLOOR)
 FLOOR_TESTS ?= tests/unit/test_patches.py tests/unit/test_overflow_check.py \
@@ -81,11 +84,12 @@ FLOOR_TESTS ?= tests/unit/test_patches.py tests/unit/test_overflow_check.py \
 	'tests/dist/test_gradcache.py::test_gradcache_equals_big_batch[2-2-2]' \
 	'tests/dist/test_gradcache.py::test_gradcache_equals_big_batch[2-3-1]' \
 	'tests/dist/test_gradcache.py::test_gradcache_equals_big_batch[2-3-2]' \
-	tests/dist/test_gradcache.py::test_gradcache_other_zero_stages_and_offload \
+	'tests/dist/test_gradcache.py::test_gradcache_other_zero_stages_and_offload[0]' \
+	'tests/dist/test_gradcache.py::test_gradcache_other_zero_stages_and_offload[1]' \
 	tests/dist/test_gradcache.py::test_gradcache_equals_big_batch_with_patches_off \
 	tests/dist/test_gradcache.py::test_accum_freq_refused_where_deepspeed_lacks_coalesced_reduction \
 	tests/dist/test_local_flush.py tests/dist/test_convert.py \
-	'tests/e2e/test_checkpoint_resume.py::test_resume_on_other_world_size_continues_loss_curve' \
+	'tests/e2e/test_checkpoint_resume.py::test_resume_on_other_world_size_continues_loss_curve[2]' \
 	'tests/e2e/test_train_cli.py::test_two_rank_deepspeed_launcher_trains_and_resumes_exactly[zero2_bf16]'
 
 $(FLOOR_VENV)/.installed: $(VENV)/.installed
