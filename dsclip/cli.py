@@ -71,7 +71,11 @@ def main_train(argv: list[str]) -> int:
         from dsclip.console import say  # into RUN/out.log too
 
         say("final: " + json.dumps({"step": summary["step"], "zeroshot": summary["zeroshot"]}))
-    return int(summary.get("exit_code", 0))
+    from dsclip.launch.supervise import report_exit
+
+    code = int(summary.get("exit_code", 0))
+    report_exit(code)  # for `dsclip launch`, whose launcher may report a stopped rank as a failure
+    return code
 
 
 def venv_ninja_first(env=None) -> str | None:

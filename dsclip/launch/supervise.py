@@ -22,7 +22,11 @@ What the wrapper does (Linux):
   A signal to the whole process group (or to every process of a SLURM step) reaches the ranks both
   directly and forwarded, milliseconds apart: they count it once (``world.TERM_REPEAT_S``).
 - It exits when the launcher and every descendant have, with the launcher's exit code (143 after SIGTERM,
-  85 after SIGUSR1: the ranks' codes, which the launcher passes on).
+  85 after SIGUSR1: the ranks' codes, which the launcher passes on). A launcher that reports a stopped
+  rank as a failure (torchrun's agent exits 1 when a rank exits 143) is corrected: each dsclip rank on
+  this machine records the code it exits with in the file ``DSCLIP_LAUNCH_STATUS`` names
+  (:func:`report_exit`), and after a forwarded stop signal that code (143 or 85) is what this process
+  exits with.
 - The ranks get ``DSCLIP_SUPERVISOR`` (this process's pid, start time and the kernel's boot id): a rank
   whose supervisor disappears (SIGKILL, OOM) treats that as SIGTERM — save and exit — instead of training
   on unwatched (:func:`watch_supervisor`). On another machine (the boot id differs) the variable is ignored.
@@ -47,10 +51,13 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
 ENV = "DSCLIP_SUPERVISOR"
+STATUS_ENV = "DSCLIP_LAUNCH_STATUS"  # file where this machine's dsclip ranks record their exit code
+STOP_CODES = (85, 143)  # what a dsclip rank exits with after SIGUSR1 / SIGTERM (dsclip.engine.world)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
 HELP = """Runs LAUNCHER (deepspeed) with SIGTERM and SIGUSR1 blocked, forwards each of them that this process
@@ -283,6 +290,8 @@ class Supervisor:
         signal.signal(signal.SIGINT, self._on_int)
         env = dict(os.environ)
         env[ENV] = token(self.me)
+        self.status_file = os.path.join(tempfile.gettempdir(), f"dsclip-launch-{self.me}.status")
+        env[STATUS_ENV] = self.status_file
         # the launcher sets RANK/LOCAL_RANK per rank; an inherited pair would hide which processes are ranks
         for k in ("RANK", "LOCAL_RANK"):
             env.pop(k, None)
@@ -313,6 +322,11 @@ class Supervisor:
         rc = self.launcher_rc
         if rc < 0:  # the launcher died of a signal: a shell would report 128 + N
             rc = 128 - rc
+        ranks_rc = _read_status(self.status_file)
+        if self.received and rc not in STOP_CODES and ranks_rc in STOP_CODES:
+            # the ranks saved and stopped as asked; the launcher counted that as a failure (torchrun: 1)
+            _say(f"the launcher exited {rc}, the ranks {ranks_rc} after saving; exit {ranks_rc}")
+            rc = ranks_rc
         if self.received:
             _say(f"launcher and ranks exited; exit {rc}")
         return rc
@@ -367,6 +381,32 @@ def worker_ignores_stop_signals(worker_id: int = 0) -> None:
     when it exits, and torch's workers end by themselves when their rank dies."""
     for s in STOP_SIGNALS:
         signal.signal(s, signal.SIG_IGN)
+
+
+def report_exit(code: int, env=None) -> None:
+    """Record the exit code of this rank for its ``dsclip launch`` supervisor (a no-op when not supervised on
+    this machine). Every rank of a stop exits with the same code, so the last writer is as good as any."""
+    env = os.environ if env is None else env
+    path, value = env.get(STATUS_ENV), env.get(ENV)
+    if not path or not value or supervisor_alive(value) is None:  # not supervised, or by another machine's
+        return
+    tmp = f"{path}.{os.getpid()}"
+    try:
+        with open(tmp, "w") as f:
+            f.write(f"{int(code)}\n")
+        os.replace(tmp, path)
+    except OSError:  # the supervisor then exits with the launcher's code, as before
+        pass
+
+
+def _read_status(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            code = int(f.read().strip())
+        os.unlink(path)
+        return code
+    except (OSError, ValueError):
+        return None
 
 
 def release_stop_signals() -> None:

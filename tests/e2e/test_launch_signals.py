@@ -176,3 +176,20 @@ def test_sigterm_to_the_process_group_ends_after_the_save(tmp_path, launches):
     run.wait_for_steps()
     os.killpg(run.proc.pid, signal.SIGTERM)  # every process: launchers, ranks, data workers (Ctrl-\, a scheduler)
     saved_step(run, *run.wait_exit())
+
+
+def test_torchrun_under_dsclip_launch_exits_with_the_ranks_code(tmp_path, launches):
+    """torchrun's agent reports a rank that exits 143 as a failure: it SIGTERMs the other ranks and exits 1
+    (measured, torch 2.14). Under `dsclip launch` the ranks record their own code (DSCLIP_LAUNCH_STATUS), so
+    a SIGTERM to the supervisor still ends in 143 after the ranks saved: what a scheduler reads as "stopped"."""
+    run = Launch(tmp_path, "torchrun", LONG)
+    torchrun = str(Path(PY).parent / "torchrun")
+    train = run.cmd[run.cmd.index("train") :]
+    run.cmd = [PY, "-m", "dsclip", "launch", "--", torchrun, "--nproc_per_node", "2", "--master_port",
+               str(free_port()), "-m", "dsclip", "--", *train]  # fmt: skip
+    launches.append(run)
+    run.start()
+    run.wait_for_steps()
+    os.kill(run.proc.pid, signal.SIGTERM)  # the supervisor, as a scheduler signals the process it started
+    saved_step(run, *run.wait_exit())
+    assert "the launcher exited 1, the ranks 143 after saving; exit 143" in run.output(), run.output()[-3000:]

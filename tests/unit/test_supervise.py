@@ -176,3 +176,14 @@ def test_pdsh_host_list_is_read_as_pdsh_leaves_it():
     # only launch.py itself (argv from the python binary), base64's '+' escaped; its children get USR1
     assert "'^[^ ]*python[^ ]* -u -m deepspeed[.]launcher[.]launch --world_info=eyJh[+]/b='" in cmd[4]
     assert "pkill -USR1 -P $p" in cmd[4]
+
+
+def test_a_rank_reports_its_exit_code_only_to_a_supervisor_on_this_machine(tmp_path):
+    status = tmp_path / "status"
+    mine = {supervise.ENV: supervise.token(os.getpid()), supervise.STATUS_ENV: str(status)}
+    supervise.report_exit(143, env=mine)
+    assert supervise._read_status(str(status)) == 143 and not status.exists()  # read once, then gone
+    pid, start, _ = mine[supervise.ENV].split(":", 2)
+    supervise.report_exit(85, env={**mine, supervise.ENV: f"{pid}:{start}:another-boot"})  # a remote rank
+    supervise.report_exit(85, env={supervise.STATUS_ENV: str(status)})  # not supervised
+    assert not status.exists() and supervise._read_status(str(status)) is None
