@@ -362,7 +362,7 @@ def main_plan(argv: list[str]) -> int:
         ds_config=ds,
     )
     plan.command = launch_command(plan, ds[0], a.loss_tile_size, a.gpus_per_node, a.launcher)
-    if SHARDS in plan.command or shlex.quote(SHARDS) in plan.command:
+    if SHARDS in plan.command:  # quoted or not
         plan.notes.append(PLACEHOLDER_NOTE)
     moved = not plan.fits and a.global_batch is None and not a.max_batch and micro > plan.max_micro_batch
     if moved:  # most likely an old command line that meant the global batch

@@ -70,7 +70,7 @@ def tag_for_step(step: int) -> str:
     return f"step_{step:09d}"
 
 
-def _atomic_write(path: Path, text: str) -> None:
+def atomic_write(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
     with open(tmp, "w") as f:
         f.write(text)
@@ -112,7 +112,7 @@ def record_tokenizer(run_dir: Path, tokenizer) -> None:
             shutil.copyfile(path, tmp)
             os.replace(tmp, dst)
     elif spec:
-        _atomic_write(run_dir / TOKENIZER_SPEC_FILE, json.dumps({"tokenizer": spec}))
+        atomic_write(run_dir / TOKENIZER_SPEC_FILE, json.dumps({"tokenizer": spec}))
 
 
 def latest_complete(ckpt_dir: Path) -> str | None:
@@ -456,18 +456,18 @@ class Checkpointer:
         ranks computed for their own shards), swap the tag in, point ``latest`` at it."""
         tag = tag_for_step(step)
         tag_dir = self.dir / tag
-        _atomic_write(part_dir / STATE_FILE, json.dumps(state, indent=2))
+        atomic_write(part_dir / STATE_FILE, json.dumps(state, indent=2))
         if isinstance(model_cfg, dict):
-            _atomic_write(part_dir / MODEL_CONFIG_FILE, json.dumps({"model_cfg": model_cfg}, indent=2))
+            atomic_write(part_dir / MODEL_CONFIG_FILE, json.dumps({"model_cfg": model_cfg}, indent=2))
         # COMPLETE says a manifest belongs to the tag (so a lost one is damage, not an older dsclip's tag);
         # the manifest itself comes last, over every other file: a tag is complete only when it is
-        _atomic_write(part_dir / COMPLETE, json.dumps({"step": step, "manifest": MANIFEST}))
-        _atomic_write(part_dir / MANIFEST, manifest.build(part_dir, known))
+        atomic_write(part_dir / COMPLETE, json.dumps({"step": step, "manifest": MANIFEST}))
+        atomic_write(part_dir / MANIFEST, manifest.build(part_dir, known))
         if tag_dir.exists():  # re-saving a tag: move the old one aside, then swap the new one in
             os.replace(tag_dir, self.dir / (TRASH_PREFIX + tag))
         os.replace(part_dir, tag_dir)
         _fsync_dir(self.dir)
-        _atomic_write(self.dir / LATEST, tag)
+        atomic_write(self.dir / LATEST, tag)
         if self._recent_only and self._recent_only != tag:  # OpenCLIP overwrites epoch_latest.pt
             if _step_of(tag) <= self.certified_through or self._newest_certified(before=tag) != self._recent_only:
                 self._remove_tag(self._recent_only)
@@ -532,9 +532,9 @@ class Checkpointer:
         if self.rank == 0 and self.dir.is_dir():
             for tag in tags:
                 if self.certified_through < _step_of(tag) <= step:
-                    _atomic_write(self.dir / tag / DIVERGED, json.dumps({"first_bad_step": first_bad, "step": step}))
+                    atomic_write(self.dir / tag / DIVERGED, json.dumps({"first_bad_step": first_bad, "step": step}))
             if good is not None:
-                _atomic_write(self.dir / LATEST, good)
+                atomic_write(self.dir / LATEST, good)
             else:
                 (self.dir / LATEST).unlink(missing_ok=True)
         barrier()

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 from pathlib import Path
 
 import dsclip
 from dsclip import console
+from dsclip.checkpoint.ds_checkpoint import atomic_write
 from dsclip.config_base import ConfigError
 from dsclip.train.metrics import LogArgs
 
@@ -96,8 +96,6 @@ def write_exit_status(run_dir: Path, *, exit_code: int, stop: str | None, step: 
     file means that start crashed or was killed before it finished. Atomic (rename), so a reader never
     sees half of it."""
     path = run_dir / EXIT_STATUS
-    tmp = path.with_name(f".{EXIT_STATUS}.tmp.{os.getpid()}")
     status = {"exit_code": exit_code, "stop": stop or "finished", "step": step, "checkpoint": checkpoint}
-    tmp.write_text(json.dumps(status) + "\n")
-    os.replace(tmp, path)
+    atomic_write(path, json.dumps(status) + "\n")
     return path
