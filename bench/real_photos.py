@@ -10,7 +10,9 @@ Then times, alternated over rounds (min / median / max), the training input in o
 (``--workers 0``: the DataLoader runs in this process, so ``process_time`` is the input's CPU):
 * ``pil``: dsclip's input before issue #28 (``--data-decode pil``: PIL decode, RGB copy, PIL
   RandomResizedCrop, float32 normalise in the worker);
-* ``cpu``: the cheaper CPU path (``--data-decode cpu``: PIL draft, crop before resize, uint8);
+* ``cpu``: the cheaper CPU path (``--data-decode cpu``: DCT-scaled or libjpeg-turbo decode, crop
+  before resize, uint8; its uint8 -> float normalisation, on the GPU where there is one, is counted);
+* the JPEG decode alone (libjpeg-turbo, full size): the ceiling of any path that decodes every pixel;
 * ``gpu-share``: what the GPU path (``--data-decode gpu``) leaves on the CPU: its real worker side
   (tar read, shuffle, tokenisation, the image header and the crop draw, the CPU fallback for images
   nvJPEG does not take, the encoded batch). No GPU here: the training-process side
@@ -19,8 +21,13 @@ Then times, alternated over rounds (min / median / max), the training input in o
 * ``cpu@pre`` / ``gpu-share@pre``: the same two on the same samples written pre-resized by
   ``dsclip data write --resize N --quality Q`` (``--pre-resize`` / ``--pre-quality``), with the bytes
   per sample that saves;
-* ``openclip``: OpenCLIP's ``get_wds_dataset`` with ``image_transform(is_train=True)`` (if installed).
+* ``openclip``: OpenCLIP's ``get_wds_dataset`` with ``image_transform(is_train=True)``, in a child
+  process with the webdataset OpenCLIP's training extra pins (``open_clip_torch[training]``:
+  ``webdataset<=0.2.86``; its ``group_by_keys_nothrow`` raises ``KeyError: 'fname'`` on the end-of-shard
+  marker webdataset 1.x yields). ``--openclip-webdataset DIR`` names a ``pip install --target`` of it.
 
+    pip install --no-deps --target .cache/skimage scikit-image
+    pip install --no-deps --target .cache/webdataset-0.2.86 webdataset==0.2.86
     PYTHONPATH=$PWD:$PWD/.cache/skimage OMP_NUM_THREADS=1 python bench/real_photos.py --samples 384 --rounds 3
 """
 
@@ -32,6 +39,7 @@ import io
 import math
 import os
 import random
+import subprocess
 import sys
 import tarfile
 import tempfile
@@ -159,7 +167,8 @@ def run_dsclip(pattern: str, n: int, batch: int, tok, mode: str, keep: list | No
         td.close()
 
 
-def run_openclip(pattern: str, n: int, batch: int) -> float:
+def openclip_rate(pattern: str, n: int, batch: int) -> float:
+    """Samples per CPU-second of OpenCLIP's ``get_wds_dataset`` (run in this process)."""
     from types import SimpleNamespace
 
     import open_clip
@@ -185,6 +194,34 @@ def run_openclip(pattern: str, n: int, batch: int) -> float:
     return m / max(time.process_time() - c0, 1e-9)
 
 
+def run_openclip(pattern: str, n: int, batch: int, webdataset_dir: str) -> float:
+    """:func:`openclip_rate` in a child process whose ``webdataset`` is the one in ``webdataset_dir``
+    (OpenCLIP's pinned release); its CPU time is the child's, start-up left out."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([webdataset_dir, os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, __file__, "--openclip-child", pattern, str(n), str(batch)]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(out.stderr.strip().splitlines()[-1] if out.stderr.strip() else f"exit {out.returncode}")
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def decode_alone(shard_dir: Path) -> float:
+    """Samples per CPU-second of the JPEG decode alone (torchvision's ``decode_jpeg``, libjpeg-turbo, full
+    size, no crop, resize, tar read or tokenisation): the ceiling of any CPU path that decodes every
+    pixel. At JPEG quality 90-95 the entropy decoding dominates, which a reduced DCT scale does not
+    shrink (measured: 1/2 scale decodes in ~0.9x the time of full scale on these photos)."""
+    from dsclip.data.fast_transforms import decode_jpeg_rgb
+
+    jpegs = []
+    for shard in sorted(shard_dir.glob("*.tar")):
+        with tarfile.open(shard) as tar:
+            jpegs += [tar.extractfile(m).read() for m in tar.getmembers() if m.name.endswith(".jpg")]
+    c0 = time.process_time()
+    for d in jpegs:
+        decode_jpeg_rgb(torch.frombuffer(bytearray(d), dtype=torch.uint8))
+    return len(jpegs) / max(time.process_time() - c0, 1e-9)
+
+
 def device_side_on_cpu(batches: list) -> float:
     """Samples per CPU-second of the GPU path's training-process side (dsclip.data.gpu_decode.decode_batch:
     batched ``decode_jpeg``, per-sample crop + bicubic resize) run on CPU: decode on CPU standing in for
@@ -208,15 +245,30 @@ def main(argv=None) -> int:
     p.add_argument("--pre-resize", type=int, default=256, help="Also time shards written pre-resized to this "
                    "shorter side (dsclip data write --resize); 0: skip.")  # fmt: skip
     p.add_argument("--pre-quality", type=int, default=90, help="Their JPEG quality (dsclip data write --quality).")
+    p.add_argument("--openclip-webdataset", default=".cache/webdataset-0.2.86", help="A pip --target install of "
+                   "the webdataset OpenCLIP's training extra pins (<=0.2.86) for the OpenCLIP row.")  # fmt: skip
+    p.add_argument("--openclip-child", nargs=3, metavar=("PATTERN", "N", "BATCH"), help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     torch.set_num_threads(1)
+    if a.openclip_child:
+        pattern, n, batch = a.openclip_child
+        import webdataset
+
+        print(f"webdataset {webdataset.__version__}", file=sys.stderr)
+        print(openclip_rate(pattern, int(n), int(batch)))
+        return 0
     from dsclip.data.demo import ensure_demo_tokenizer
     from dsclip.data.tokenizer import SentencePieceTokenizer
 
-    have_oc = importlib.util.find_spec("open_clip_train") is not None
+    wds_dir = Path(a.openclip_webdataset).resolve()
+    have_oc = importlib.util.find_spec("open_clip_train") is not None and (wds_dir / "webdataset").is_dir()
     modes = ["pil", "cpu", "gpu-share"] + (["openclip"] if have_oc else [])
-    res: dict[str, list[float]] = {m: [] for m in modes + ["nvjpeg-standin"]}
-    oc_error = "open_clip_train is not installed"
+    res: dict[str, list[float]] = {m: [] for m in modes + ["nvjpeg-standin", "decode-alone"]}
+    oc_error = (
+        "open_clip_train is not installed" if importlib.util.find_spec("open_clip_train") is None
+        else f"no webdataset<=0.2.86 in {a.openclip_webdataset} (pip install --no-deps --target "
+        f"{a.openclip_webdataset} webdataset==0.2.86)"
+    )  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         tok = SentencePieceTokenizer(ensure_demo_tokenizer(Path(tmp) / "tok"), 77)
         shard_dir = Path(tmp) / "shards"
@@ -235,7 +287,7 @@ def main(argv=None) -> int:
             for m in list(modes) if r % 2 == 0 else list(modes)[::-1]:
                 keep = [] if m == "gpu-share" else None
                 try:
-                    v = run_openclip(pattern, a.samples, a.batch_size) if m == "openclip" else run_dsclip(
+                    v = run_openclip(pattern, a.samples, a.batch_size, str(wds_dir)) if m == "openclip" else run_dsclip(
                         patterns[m], a.samples, a.batch_size, tok, m.split("@")[0], keep)  # fmt: skip
                 except Exception as e:  # open_clip_train's webdataset glue vs the installed webdataset
                     if m != "openclip":
@@ -248,6 +300,8 @@ def main(argv=None) -> int:
                     continue
                 res[m].append(v)
                 print(f"round {r} {m}: {v:.0f} samples per CPU-second", flush=True)
+                if m == "cpu":
+                    res["decode-alone"].append(decode_alone(shard_dir))
                 if keep:
                     res["nvjpeg-standin"].append(device_side_on_cpu(keep))
                     print(f"round {r} device side on CPU: {res['nvjpeg-standin'][-1]:.0f}", flush=True)
@@ -255,11 +309,12 @@ def main(argv=None) -> int:
     oc_note = [] if have_oc else ["", f"OpenCLIP's `get_wds_dataset` not measured: {oc_error}."]
     names = {
         "pil": "dsclip before #28 (`--data-decode pil`)",
-        "cpu": "dsclip CPU path (`--data-decode cpu`)",
+        "cpu": "dsclip CPU path (`--data-decode cpu`; its uint8 -> float normalisation counted too)",
         "gpu-share": "dsclip GPU path (`--data-decode gpu`), worker side: what stays on the CPU",
-        "openclip": "OpenCLIP `get_wds_dataset`",
+        "openclip": "OpenCLIP `get_wds_dataset` (webdataset 0.2.86, as `open_clip_torch[training]` pins it)",
         "cpu@pre": f"dsclip CPU path on shards pre-resized to {a.pre_resize} px q{a.pre_quality}",
         "gpu-share@pre": f"dsclip GPU path, worker side, on shards pre-resized to {a.pre_resize} px q{a.pre_quality}",
+        "decode-alone": "JPEG decode alone (libjpeg-turbo, full size; no crop, resize, tar or tokens): the ceiling",
         "nvjpeg-standin": "GPU path, training-process side run on CPU (decode on CPU standing in for nvJPEG; "
         "on a GPU this leaves the CPU)",
     }
@@ -279,7 +334,12 @@ def main(argv=None) -> int:
         v = res[m]
         lines.append(f"| {names[m]} | {min(v):.0f} | {med[m]:.0f} | {max(v):.0f} | {med[m] / med['pil']:.2f}x |")
     if have_oc:
-        lines += ["", f"CPU path vs OpenCLIP: {med['cpu'] / med['openclip']:.2f}x."]
+        lines += [
+            "",
+            f"Against OpenCLIP's `get_wds_dataset` in the same run: dsclip before #28 "
+            f"{med['pil'] / med['openclip']:.2f}x, the CPU path {med['cpu'] / med['openclip']:.2f}x, the GPU "
+            f"path's worker side {med['gpu-share'] / med['openclip']:.2f}x.",
+        ]
     if a.pre_resize:
         kb, pre_kb = np.mean(sizes) / 1e3, np.mean(pre_sizes) / 1e3
         lines += [
