@@ -14,6 +14,10 @@
 #      input path (issue #28): nvJPEG images/s alone, and `dsclip train --model ViT-B-32` from real-photo shards
 #      with --data-decode gpu and 8 workers against synthetic in-memory batches. Needs scikit-image's photos
 #      (its wheel in .whl/). Run it alone or in place of a stage: STAGES="input" bash bench/gpu_h200.sh
+#   5. bigg (~4 min, not in the default set either): bench/gpu_plan_check.py, ViT-bigG-14 under ZeRO-3 with
+#      --grad-checkpointing (issue #29): the largest micro-batch that fits (probes at dsclip plan's answer and
+#      one 15 % step from it), its peak memory, step time and MFU against the plan's.  STAGES="bigg input"
+#      runs both left-out stages in one ~6 min lease.
 
 # (Measured once and not repeated each lease: bench/utilisation.py --device cuda, the GEMM rate at the ViT
 # block shapes; bench/gpu_bench.py's loss-memory rows, --loss-sizes 32768,65536,131072.)
@@ -48,7 +52,7 @@ stage() {  # stage NAME SECONDS CMD...: run with a time limit, log to $OUT/NAME.
   timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
   local rc=$?
   echo "== $name: rc $rc, $((SECONDS - t0)) s" | tee -a "$OUT/summary.txt"
-  grep -E "^dsclip:|^step |zeroshot|^final|Error|error:|^\| |TFLOP|OOM|samples/s, |^== |^nvJPEG|^real / " "$OUT/$name.log" \
+  grep -E "^dsclip:|^step |zeroshot|^final|Error|error:|^\| |TFLOP|OOM|samples/s, |^== |^nvJPEG|^real / |^probe " "$OUT/$name.log" \
     | grep -v "^\[" | tail -n 30 | tee -a "$OUT/summary.txt"
 }
 
@@ -68,5 +72,8 @@ stage zero3 240 "$PY" bench/gpu_bench.py --models ViT-L-14=128,ViT-H-14=64 --rou
   --trainers dsclip_zero2_k2,dsclip_zero3_k2,dsclip_zero3_noleaf_k2 --assume-fits --loss-sizes ""
 # the GPU input path (issue #28): nvJPEG alone; real-photo shards with --data-decode gpu vs synthetic batches
 stage input 170 "$PY" bench/gpu_input.py --workers 8 --steps 96 --out "$OUT/input.json"
+# dsclip plan against a measured bigG run (issue #29; targets: memory within 15 %, step time within 25 %)
+stage bigg 300 "$PY" bench/gpu_plan_check.py --model ViT-bigG-14 --zero 3 --grad-checkpointing --steps 2 \
+  --max-probes 2 --probe-timeout 140 --json-out "$OUT/bigg.json"
 rm -rf "$OUT/runs"  # checkpoints stay on the machine; the logs above hold the numbers
 echo "results: $OUT/summary.txt"

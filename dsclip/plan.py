@@ -483,8 +483,9 @@ def _plan_memory(
     # per sample of micro-batch with K > 1: the chunk in backward plus the kept last chunk's graph
     per_sample = held_activation_bytes(act, 1, 2, keep_last_graph)
     max_micro = int(budget // per_sample) if budget > 0 else 0
-    if max_micro >= local:  # K = 1: no second graph is held
-        max_micro = max(max_micro, int(budget // act["peak"]))
+    max_whole = int(budget // act["peak"]) if budget > 0 else 0  # K = 1: no second graph is held
+    if max_whole >= local:  # this rank's rows fit as one micro-batch (even where K > 1 would not take them)
+        max_micro = max(max_micro, max_whole)
     plan.max_micro_batch = max_micro
     if micro_batch:  # the run's own micro-batch (it must divide this rank's rows)
         if local % micro_batch:

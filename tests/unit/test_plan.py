@@ -227,6 +227,26 @@ def test_plan_is_consistent():
     assert p.step_time_s == pytest.approx(t, rel=1e-2)
 
 
+def test_one_micro_batch_plan_does_not_depend_on_the_rows_asked_for():
+    """K = 1 holds no second graph, so a rank's rows fit as one micro-batch up to budget / peak per sample,
+    also where K = 2 accounting (chunk + kept graph) would take fewer (was: 'does not fit' for rows
+    between the two limits, with one sample's activations in the memory total)."""
+    kw = dict(gpus=1, gpu_memory_gb=139.8, zero=3, grad_checkpointing=True, loss="infonce")
+
+    def at(rows):
+        return P.make_plan("ViT-bigG-14", batch_size=rows, micro_batch=rows, **kw)
+
+    k2_limit = P.make_plan("ViT-bigG-14", batch_size=4096, **kw).max_micro_batch  # K > 1 accounting
+    lo, hi = 1, 4096  # the largest one-micro-batch plan that fits: lo fits, hi does not
+    while hi - lo > 1:
+        lo, hi = ((lo + hi) // 2, hi) if at((lo + hi) // 2).fits else (lo, (lo + hi) // 2)
+    assert lo > 1.3 * k2_limit  # the range the old rule refused
+    for rows in (k2_limit + 1, (lo + k2_limit) // 2, lo):
+        p = at(rows)
+        assert p.fits and p.micro_batch == rows and p.accum_freq == 1 and p.max_micro_batch >= rows, rows
+    assert 0.99 * 139.8 <= at(lo).memory_gb["total"] <= 139.8  # the whole budget, activations of all rows
+
+
 def test_does_not_fit_exits_1_with_a_suggestion(capsys):
     rc = C.main_plan(["--model", "ViT-bigG-14", "--gpus", "4", "--gpu-memory", "18", "--global-batch", "4096"])
     out = capsys.readouterr().out
