@@ -13,7 +13,7 @@
 #   4. input (~2 min, not in the default set: the four above already fill ~10 min): bench/gpu_input.py, the GPU
 #      input path (issue #28): nvJPEG images/s alone, and `dsclip train --model ViT-B-32` from real-photo shards
 #      with --data-decode gpu and 8 workers against synthetic in-memory batches. Needs scikit-image's photos
-#      (its wheel in .whl/). Run it alone or in place of a stage: STAGES="input" bash bench/gpu_h200.sh
+#      (in the device image). Run it alone or in place of a stage: STAGES="input" bash bench/gpu_h200.sh
 #   5. bigg (~4 min, not in the default set either): bench/gpu_plan_check.py, ViT-bigG-14 under ZeRO-3 with
 #      --grad-checkpointing (issue #29): the largest micro-batch that fits (probes at dsclip plan's answer and
 #      one 15 % step from it), its peak memory, step time and MFU against the plan's.  STAGES="bigg input"
@@ -24,7 +24,7 @@
 # Results land in $OUT (or ./gpu_results): logs and JSON.
 #
 # The device machine has its own python3 with torch and timm; what dsclip needs beyond that travels as
-# wheels in .whl/ (see bench/README.md, "GPU runs"). Usage (repo root):  bash bench/gpu_h200.sh
+# wheels in .whl/ (bash bench/gpu_wheels.sh; bench/README.md, "GPU runs"). Usage (repo root):  bash bench/gpu_h200.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-./gpu_results}
