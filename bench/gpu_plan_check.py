@@ -120,15 +120,15 @@ def probe_main(a) -> int:
             grad_checkpointing=a.grad_checkpointing, device_type=dev.type,
         )  # fmt: skip
         step = GradCacheStep(engine, build_loss("infonce"), compute_dtype=autocast_dtype(bundle), accum_freq=1)
-        batches = G.make_batches(cfg, micro, 2, dev)
-        for b in batches:  # warm-up: optimizer states, allocator, ZeRO-3's trace
-            step([b])
+        (batch,) = G.make_batches(cfg, micro, 1, dev)  # one batch on the device at a time, as in a run
+        for _ in range(2):  # warm-up: optimizer states, allocator, ZeRO-3's trace
+            step([batch])
         G.sync(dev)
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         t = time.perf_counter()
-        for i in range(a.steps):
-            step([batches[i % 2]])
+        for _ in range(a.steps):
+            step([batch])
         G.sync(dev)
         dt = (time.perf_counter() - t) / a.steps
         result.update(fits=True, step_s=dt, samples_per_s=micro / dt)
