@@ -11,9 +11,11 @@ How a figure is chosen for a plan:
 * otherwise the measured architecture nearest in forward FLOPs per sample (MFU grows with a model's
   GEMM sizes: ViT-B-32 28.8 %, ViT-L-14 45.1 %); a larger model than any measured takes the largest's
   figure, which its bigger GEMMs usually exceed (so the prediction errs slow);
-* ZeRO-3 was not yet measured on a GPU: ZeRO-2's figure is used and the plan says so (on CPU,
-  bench/results/zero3-host_cpu2_2026-12-03.md measured ZeRO-3's host time per step at 2.8x ZeRO-2's; a
-  GPU hides that only while a step's arithmetic outlasts it);
+* ZeRO-3: the model's own ZeRO-3 row; else its ZeRO-2 figure scaled by ZeRO-3's measured share of
+  ZeRO-2's MFU on the nearest model measured at both (bench/gpu_bench.py's zero3 trainers, gpu_h200.sh
+  stage ``zero3``); while no ZeRO-3 row exists (none yet), ZeRO-2's figure as it is, and the plan says so
+  (on CPU, bench/results/zero3-host_cpu2_2026-12-03.md measured ZeRO-3's host time per step at 2.8x
+  ZeRO-2's; a GPU hides that only while a step's arithmetic outlasts it);
 * fp32 has no measurement: the assumed figure.
 """
 
@@ -23,6 +25,7 @@ import math
 from dataclasses import dataclass
 
 ASSUMED_MFU = 0.4
+NO_ZERO3_NOTE = "; ZeRO-3 is not measured on a GPU yet, so this is ZeRO-2's figure (the ZeRO-3 step may be slower)"
 
 
 @dataclass(frozen=True)
@@ -49,28 +52,55 @@ MEASURED: tuple[MeasuredMFU, ...] = (
 )
 
 
-def plan_mfu(
-    model: str, zero: int, precision: str, forward_gflops: float, measured_gflops: dict[str, float]
-) -> tuple[float, str]:
-    """(MFU, where it comes from) for a plan. ``measured_gflops`` maps each measured architecture to its
-    forward GFLOPs per sample (computed by the planner, so the comparison uses one FLOP count)."""
-    if precision == "fp32":
-        return ASSUMED_MFU, f"assumed {ASSUMED_MFU:g} (no fp32 measurement; give --mfu)"
-    rows = [m for m in MEASURED if m.precision in ("bf16", "fp16")]
+def _base_figure(rows, model: str, forward_gflops: float, measured_gflops: dict[str, float]) -> tuple[MeasuredMFU, str]:
+    """The row a plan of ``model`` takes among ``rows`` and how it was chosen ("" for the model's own)."""
     same = [m for m in rows if m.model == model]
-    stage_note = ""
-    if zero == 3:
-        stage_note = "; ZeRO-3 is not measured on a GPU yet, so this is ZeRO-2's figure (the ZeRO-3 step may be slower)"
-    exact = [m for m in same if m.zero == zero or zero == 3]
-    if exact:
-        return exact[0].mfu, f"measured, {exact[0].describe()}{stage_note}"
+    if same:
+        return same[0], ""
     largest = max(rows, key=lambda m: measured_gflops[m.model])
     if forward_gflops >= measured_gflops[largest.model]:
-        pick, how = largest, "the largest model measured"
-    else:
-        pick = min(rows, key=lambda m: abs(math.log(measured_gflops[m.model] / forward_gflops)))
-        how = "the measured model nearest in FLOPs per sample"
-    return pick.mfu, (
+        return largest, "the largest model measured"
+    nearest = min(rows, key=lambda m: abs(math.log(measured_gflops[m.model] / forward_gflops)))
+    return nearest, "the measured model nearest in FLOPs per sample"
+
+
+def plan_mfu(
+    model: str,
+    zero: int,
+    precision: str,
+    forward_gflops: float,
+    measured_gflops: dict[str, float],
+    measured: tuple[MeasuredMFU, ...] | None = None,
+) -> tuple[float, str]:
+    """(MFU, where it comes from) for a plan. ``measured_gflops`` maps each measured architecture to its
+    forward GFLOPs per sample (computed by the planner, so the comparison uses one FLOP count);
+    ``measured``: the table (default :data:`MEASURED`).
+
+    ZeRO-3: the model's own ZeRO-3 row where there is one; else its ZeRO-1/2 figure (as for ZeRO-2) times
+    ZeRO-3's measured share of ZeRO-2's MFU on the measured model nearest in FLOPs that has both; else
+    the ZeRO-2 figure as it is, and the source says ZeRO-3 was not measured."""
+    if precision == "fp32":
+        return ASSUMED_MFU, f"assumed {ASSUMED_MFU:g} (no fp32 measurement; give --mfu)"
+    rows = [m for m in (MEASURED if measured is None else measured) if m.precision in ("bf16", "fp16")]
+    zero3 = [m for m in rows if m.zero == 3]
+    if zero == 3:
+        own = [m for m in zero3 if m.model == model]
+        if own:
+            return own[0].mfu, f"measured, {own[0].describe()}"
+    base = [m for m in rows if m.zero in (1, 2)]
+    pick, how = _base_figure(base, model, forward_gflops, measured_gflops)
+    mfu = pick.mfu
+    source = f"measured, {pick.describe()}" if not how else (
         f"from {how}, {pick.describe()}; {model} is {forward_gflops:.0f} against "
-        f"{measured_gflops[pick.model]:.0f} forward GFLOPs per sample{stage_note}"
-    )
+        f"{measured_gflops[pick.model]:.0f} forward GFLOPs per sample"
+    )  # fmt: skip
+    if zero == 3:
+        pairs = [(z, b) for z in zero3 for b in base if b.model == z.model]
+        if pairs:
+            z, b = min(pairs, key=lambda zb: abs(math.log(measured_gflops[zb[0].model] / forward_gflops)))
+            share = z.mfu / b.mfu
+            mfu = round(mfu * share, 4)
+            source += f"; x {share:.2f}, ZeRO-3's share of ZeRO-2's MFU measured on {z.model} ({z.describe()})"
+        else:
+            source += NO_ZERO3_NOTE
+    return mfu, source

@@ -61,3 +61,30 @@ def test_the_cli_prints_the_figure_and_its_source(capsys):
     assert C.main_plan(["--model", "ViT-L-14", "--gpus", "8", "--global-batch", "1024"]) == 0
     out = capsys.readouterr().out
     assert "MFU 0.451: measured, ViT-L-14 ZeRO-2 bf16 micro-batch 128" in out and MEASURED[1].source in out
+
+
+def test_zero3_rows_once_measured_are_used_and_scale_the_models_without_one():
+    """What the next GPU lease adds (gpu_h200.sh stage zero3) changes the plans at once: a model's own
+    ZeRO-3 row; for another model its ZeRO-2 figure times ZeRO-3's measured share on the nearest model
+    measured at both; ZeRO-2 plans keep their ZeRO-2 rows. A stand-in table, not measurements."""
+    from dsclip.plan_efficiency import MeasuredMFU, plan_mfu
+
+    def row(model, zero, mfu):
+        return MeasuredMFU(model, zero, "bf16", 64, 100.0, mfu, "H200", "stand-in")
+
+    table = (row("ViT-B-32", 2, 0.30), row("ViT-L-14", 2, 0.45), row("ViT-L-14", 3, 0.36))
+    gflops = {"ViT-B-32": 4.4, "ViT-L-14": 81.0}
+    mfu, src = plan_mfu("ViT-L-14", 3, "bf16", 81.0, gflops, table)
+    assert mfu == 0.36 and src.startswith("measured, ViT-L-14 ZeRO-3")
+    mfu, src = plan_mfu("ViT-L-14", 2, "bf16", 81.0, gflops, table)
+    assert mfu == 0.45 and "ZeRO-2" in src and "ZeRO-3" not in src
+    # ViT-H-14 (167 GFLOPs) at ZeRO-3: the largest model's ZeRO-2 figure x ViT-L-14's measured 0.36 / 0.45
+    mfu, src = plan_mfu("ViT-H-14", 3, "bf16", 167.0, gflops, table)
+    assert mfu == pytest.approx(0.45 * 0.36 / 0.45, abs=1e-4)
+    assert "the largest model measured" in src and "x 0.80, ZeRO-3's share" in src and "not measured" not in src
+    # ViT-B-32 at ZeRO-3 has no ZeRO-3 row of its own: its ZeRO-2 figure, scaled the same way
+    mfu, src = plan_mfu("ViT-B-32", 3, "bf16", 4.4, gflops, table)
+    assert mfu == pytest.approx(0.30 * 0.8, abs=1e-4) and src.startswith("measured, ViT-B-32 ZeRO-2")
+    # without any ZeRO-3 row: ZeRO-2's figure as it is, and the source says so
+    mfu, src = plan_mfu("ViT-H-14", 3, "bf16", 167.0, gflops, table[:2])
+    assert mfu == 0.45 and "ZeRO-3 is not measured on a GPU yet" in src
