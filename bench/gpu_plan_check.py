@@ -39,6 +39,8 @@ import gpu_bench as G  # noqa: E402
 import utilisation as U  # noqa: E402
 import vs_openclip as V  # noqa: E402
 
+from dsclip.plan import largest_fitting, make_plan  # noqa: E402
+
 GiB = 2**30
 
 
@@ -72,15 +74,7 @@ def probe_sizes(predicted: int, fits, tol: float, max_probes: int) -> tuple[int,
 
 def largest_planned(plan_fits) -> int:
     """The largest micro-batch (K = 1) whose plan fits: ``plan_fits(m) -> bool`` (0: not even one row)."""
-    if not plan_fits(1):
-        return 0
-    lo, hi = 1, 2  # lo fits, hi does not
-    while plan_fits(hi):
-        lo, hi = hi, 2 * hi
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if plan_fits(mid) else (lo, mid)
-    return lo
+    return largest_fitting(plan_fits)
 
 
 def compare(predicted: float, measured: float) -> float:
@@ -157,7 +151,6 @@ def main(argv=None) -> int:
     ap.add_argument("--gpu-memory-gb", type=float, default=None, help="default: the device's own (CUDA)")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per probe, after two warm-up steps")
     ap.add_argument("--memory-tolerance", type=float, default=0.15)
-    ap.add_argument("--time-tolerance", type=float, default=0.25)
     ap.add_argument("--max-probes", type=int, default=2)
     ap.add_argument("--probe-timeout", type=int, default=600)
     ap.add_argument("--port", type=int, default=29541)
@@ -167,7 +160,6 @@ def main(argv=None) -> int:
     if a.probe:
         return probe_main(a)
     from dsclip.model import get_model_config
-    from dsclip.plan import make_plan
 
     dev = torch.device(a.device)
     if a.gpu_memory_gb is None:
@@ -215,7 +207,6 @@ def main(argv=None) -> int:
         )  # fmt: skip
         if "peak_gb" in r:
             report["memory_error"] = compare(p.memory_gb["total"], r["peak_gb"])
-        if "peak_gb" in r:
             mem = f"{r['peak_gb']:.1f} GiB (plan {p.memory_gb['total']:.1f}, {100 * report['memory_error']:+.0f}%)"
         else:
             mem = "not measured off CUDA"

@@ -715,15 +715,21 @@ def largest_batch(
         host = input_bytes(arch, local) * per_node
         return fixed + need <= gpu_memory_gb * GiB and host <= host_memory_gb * GiB
 
-    if not fits(micro_batch):
+    return largest_fitting(lambda k: fits(k * micro_batch)) * micro_batch * gpus  # k micro-batches per GPU
+
+
+def largest_fitting(fits) -> int:
+    """The largest n >= 1 with ``fits(n)`` for a ``fits`` that holds up to an edge (0: not even 1):
+    doubling, then bisection."""
+    if not fits(1):
         return 0
-    lo, hi = 1, 2  # in units of micro_batch rows per GPU: lo fits, hi does not
-    while fits(hi * micro_batch):
+    lo, hi = 1, 2  # lo fits, hi does not
+    while fits(hi):
         lo, hi = hi, hi * 2
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid * micro_batch) else (lo, mid)
-    return lo * micro_batch * gpus
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
 
 
 def _suggest(model, plan: Plan, tile: int, gpus_per_node: int) -> str:
