@@ -9,11 +9,13 @@ measured, beside what the planner predicted for that GPU (issue #29: ViT-bigG-14
    ``zero{N}_{precision}.json``): the largest micro-batch M whose plan fits, and at a measured micro-batch
    its total memory and step time (from the MFU ``dsclip.plan_efficiency`` gives it, which says where it comes from).
 2. The measurement, one child process per probe (a CUDA OOM inside a ZeRO-3 forward leaves gathered
-   parameters behind, so a fresh engine per probe is the only clean retry): the engine as `dsclip train`
-   builds it (bench/vs_openclip.py ``dsclip_engine``), the gradient-cache step at K = 1, two warm-up
-   steps and ``--steps`` timed steps on synthetic batches. The probes are M, then M·(1 + tol) if M fits
-   (does more fit than predicted?) or M·(1 - tol) if it does not: two probes say whether the largest
-   batch is within ``--memory-tolerance`` of the prediction; ``--max-probes`` allows a bisection beyond.
+   parameters behind, so a fresh engine per probe is the only clean retry; the device's memory and GEMM
+   rate come from a child too, so this process holds no CUDA context on the GPU being measured): the
+   engine as `dsclip train` builds it (bench/vs_openclip.py ``dsclip_engine``), the gradient-cache step
+   at K = 1, two warm-up steps and ``--steps`` timed steps on synthetic batches. The probes are M, then
+   M·(1 + tol) if M fits (does more fit than predicted?) or M·(1 - tol) if it does not: two probes say
+   whether the largest batch is within ``--memory-tolerance`` of the prediction; ``--max-probes`` allows
+   a bisection beyond.
 3. Measured peak device memory = peak reserved by torch's allocator + what the device holds outside it
    (the CUDA context, cuBLAS/NCCL workspaces: device used minus reserved at the end), against the
    planner's total, which budgets those as its 2 GiB reserve. On CPU no OOM happens and memory is not
@@ -82,15 +84,28 @@ def compare(predicted: float, measured: float) -> float:
     return predicted / measured - 1.0
 
 
-def run_probe(a, micro: int) -> dict:
-    """One child process: train ``micro`` rows per step; {fits, step_s, samples_per_s, peak_gb, ...}."""
-    cmd = [sys.executable, __file__, "--probe", str(micro), *a.forward]
+def run_child(a, *args: str) -> dict:
+    """This script in a child process (a probe, or the device's facts); its last JSON line."""
+    cmd = [sys.executable, __file__, *args, *a.forward]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=a.probe_timeout)
     lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
     if not lines:
         tail = (out.stderr or out.stdout).strip().splitlines()[-5:]
-        raise RuntimeError(f"probe {micro} exited {out.returncode} without a result: " + " | ".join(tail))
+        raise RuntimeError(f"{' '.join(args)} exited {out.returncode} without a result: " + " | ".join(tail))
     return json.loads(lines[-1])
+
+
+def device_info_main(a) -> int:
+    """In a child: the device's name, memory and measured bf16 GEMM rate, so that the parent never holds
+    a CUDA context (and its workspaces) on the GPU the probes measure."""
+    dev = torch.device(a.device)
+    info = {"device": "cpu", "total_gb": None, "bf16_peak_tflops": G.bf16_peak_tflops(dev)}
+    if dev.type == "cuda":
+        info.update(
+            device=torch.cuda.get_device_name(), total_gb=torch.cuda.get_device_properties(0).total_memory / GiB
+        )
+    print(json.dumps(info), flush=True)
+    return 0
 
 
 def probe_main(a) -> int:
@@ -156,23 +171,24 @@ def main(argv=None) -> int:
     ap.add_argument("--port", type=int, default=29541)
     ap.add_argument("--json-out")
     ap.add_argument("--probe", type=int, default=0, help=argparse.SUPPRESS)  # the child's micro-batch
+    ap.add_argument("--device-info", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.probe:
         return probe_main(a)
+    if a.device_info:
+        return device_info_main(a)
     from dsclip.model import get_model_config
 
-    dev = torch.device(a.device)
-    if a.gpu_memory_gb is None:
-        if dev.type != "cuda":
-            ap.error("--gpu-memory-gb is needed off CUDA (the memory the plan is made for)")
-        a.gpu_memory_gb = torch.cuda.get_device_properties(0).total_memory / GiB
-    peak = G.bf16_peak_tflops(dev)
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
+    if a.gpu_memory_gb is None and torch.device(a.device).type != "cuda":
+        ap.error("--gpu-memory-gb is needed off CUDA (the memory the plan is made for)")
     a.forward = [
         "--device", a.device, "--model", a.model, "--zero", str(a.zero), "--precision", a.precision,
         "--steps", str(a.steps), "--port", str(a.port), *(["--grad-checkpointing"] if a.grad_checkpointing else []),
     ]  # fmt: skip
+    info = run_child(a, "--device-info")  # this process stays off the GPU
+    peak = info["bf16_peak_tflops"]
+    if a.gpu_memory_gb is None:
+        a.gpu_memory_gb = info["total_gb"]
 
     def plan_at(micro: int):
         return make_plan(
@@ -186,14 +202,14 @@ def main(argv=None) -> int:
     results: dict[int, dict] = {}
 
     def fits(m: int) -> bool:
-        results[m] = run_probe(a, m)
+        results[m] = run_child(a, "--probe", str(m))
         r = results[m]
         print(f"probe {m}: " + (f"fits, {r['step_s']:.3f} s/step" if r["fits"] else "does not fit"), flush=True)
         return r["fits"]
 
     largest, smallest_failing, tried = probe_sizes(predicted_max, fits, a.memory_tolerance, a.max_probes)
     report = {
-        "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+        "device": info["device"],
         "model": a.model, "zero": a.zero, "precision": a.precision, "grad_checkpointing": a.grad_checkpointing,
         "gpu_memory_gb": a.gpu_memory_gb, "bf16_peak_tflops": peak, "predicted_max_micro_batch": predicted_max,
         "probes": tried, "largest_fitting_probed": largest, "smallest_failing_probed": smallest_failing,
