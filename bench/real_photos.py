@@ -270,8 +270,8 @@ def main(argv=None) -> int:
 
     wds_dir = Path(a.openclip_webdataset).resolve()
     have_oc = importlib.util.find_spec("open_clip_train") is not None and (wds_dir / "webdataset").is_dir()
-    modes = ["pil", "cpu", "cpu-worker", "gpu-share"] + (["openclip"] if have_oc else [])
-    res: dict[str, list[float]] = {m: [] for m in modes + ["nvjpeg-standin", "decode-alone"]}
+    modes = ["pil", "cpu", "cpu-worker", "gpu-share", "decode-alone"] + (["openclip"] if have_oc else [])
+    res: dict[str, list[float]] = {m: [] for m in modes + ["nvjpeg-standin"]}
     oc_error = (
         "open_clip_train is not installed" if importlib.util.find_spec("open_clip_train") is None
         else f"no webdataset<=0.2.86 in {a.openclip_webdataset} (pip install --no-deps --target "
@@ -295,9 +295,13 @@ def main(argv=None) -> int:
             for m in list(modes) if r % 2 == 0 else list(modes)[::-1]:
                 keep = [] if m == "gpu-share" else None
                 try:
-                    v = run_openclip(pattern, a.samples, a.batch_size, str(wds_dir)) if m == "openclip" else run_dsclip(
-                        patterns[m], a.samples, a.batch_size, tok, m.split("@")[0], keep)  # fmt: skip
-                except Exception as e:  # open_clip_train's webdataset glue vs the installed webdataset
+                    if m == "openclip":
+                        v = run_openclip(pattern, a.samples, a.batch_size, str(wds_dir))
+                    elif m == "decode-alone":
+                        v = decode_alone(shard_dir)
+                    else:
+                        v = run_dsclip(patterns[m], a.samples, a.batch_size, tok, m.split("@")[0], keep)
+                except Exception as e:  # the OpenCLIP child failed (its own error's last line)
                     if m != "openclip":
                         raise
                     print(f"OpenCLIP get_wds_dataset not measured: {e.__class__.__name__}: {e}", flush=True)
@@ -308,8 +312,6 @@ def main(argv=None) -> int:
                     continue
                 res[m].append(v)
                 print(f"round {r} {m}: {v:.0f} samples per CPU-second", flush=True)
-                if m == "cpu-worker":
-                    res["decode-alone"].append(decode_alone(shard_dir))
                 if keep:
                     res["nvjpeg-standin"].append(device_side_on_cpu(keep))
                     print(f"round {r} device side on CPU: {res['nvjpeg-standin'][-1]:.0f}", flush=True)
