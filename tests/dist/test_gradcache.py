@@ -295,12 +295,12 @@ def plain_run(shared_dir, world, stage, k, patches="all") -> list[dict]:
 
 
 # What each ZeRO stage and world gets with --engine-patches all (dsclip/engine/patches/): local_flush at
-# one rank only; universal_zero3 is listed for ZeRO-3 (it acts on a universal load)
+# one rank only; the zero3_* patches at any world; universal_zero3 is listed for ZeRO-3 (it acts on a universal load)
 EXPECTED_PATCHES = {
     (1, 2): ["local_flush", "overflow_check", "grad_hooks", "grad_norm"],
     (2, 2): ["overflow_check", "grad_hooks", "grad_norm"],
-    (1, 3): ["universal_zero3"],
-    (2, 3): ["universal_zero3"],
+    (1, 3): ["zero3_params", "zero3_gather", "zero3_norm", "universal_zero3"],
+    (2, 3): ["zero3_params", "zero3_gather", "zero3_norm", "universal_zero3"],
 }
 
 
@@ -330,11 +330,11 @@ def test_zero3_leaf_blocks_compute_what_stock_zero3_computes(shared_dir):
     assert_matches(stock, ref, 2, 2)
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_gradcache_equals_big_batch_with_patches_off(world, shared_dir):
+@pytest.mark.parametrize(("world", "stage"), [(1, 2), (2, 2), (2, 3)])
+def test_gradcache_equals_big_batch_with_patches_off(world, stage, shared_dir):
     """--engine-patches none: DeepSpeed's own paths only (what a DeepSpeed whose sources differ from the
-    verified ones runs), ZeRO-2 where the patches act, K = 2."""
-    results = plain_run(shared_dir, world, 2, 2, patches="none")
+    verified ones runs), ZeRO-2 and ZeRO-3 where the patches act, K = 2."""
+    results = plain_run(shared_dir, world, stage, 2, patches="none")
     assert all(r["patches"] == [] for r in results)
     assert all(r["hooks_restored"] for r in results)
     assert_matches(results, reference_step(results[0]["initial"], world, 2), world, 2)

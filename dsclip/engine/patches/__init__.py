@@ -26,7 +26,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from dsclip.engine.patches import grad_hooks, grad_norm, local_flush, overflow_check, universal_zero3
+from dsclip.engine.patches import (
+    grad_hooks,
+    grad_norm,
+    local_flush,
+    overflow_check,
+    universal_zero3,
+    zero3_gather,
+    zero3_norm,
+    zero3_params,
+)
 from dsclip.engine.patches.fingerprint import deepspeed_version, mismatched_target
 
 ALL, NONE = "all", "none"
@@ -45,7 +54,7 @@ class Patch:
 
 PATCHES: tuple[Patch, ...] = tuple(
     Patch(m.NAME, m.SUMMARY, m.VERIFIED, m.TARGETS, m.STAGES, m.applies, m.install)
-    for m in (local_flush, overflow_check, grad_hooks, grad_norm)
+    for m in (local_flush, overflow_check, grad_hooks, grad_norm, zero3_params, zero3_gather, zero3_norm)
 )
 # Patches that act later than build_engine, where the engine does what they repair (a universal load):
 # selected and checked the same way, applied by the code that calls them.

@@ -38,9 +38,25 @@ def resolve(target: str):
     return obj
 
 
+def unwrap(fn):
+    """The function a decorator wraps: ``__wrapped__`` (functools.wraps), or the ``func`` a closure holds
+    (DeepSpeed's ``instrument_w_nvtx`` wraps without functools.wraps, so every method it decorates would
+    otherwise have the wrapper's source, and one fingerprint)."""
+    for _ in range(8):
+        inner = getattr(fn, "__wrapped__", None)
+        if inner is None:
+            code = getattr(fn, "__code__", None)
+            if code is not None and "func" in code.co_freevars and fn.__closure__:
+                inner = fn.__closure__[code.co_freevars.index("func")].cell_contents
+        if not callable(inner):
+            return fn
+        fn = inner
+    return fn
+
+
 def fingerprint(fn) -> str | None:
     try:
-        source = inspect.getsource(fn)
+        source = inspect.getsource(unwrap(fn))
     except (OSError, TypeError):
         return None
     return hashlib.sha256(textwrap.dedent(source).encode()).hexdigest()[:12]

@@ -1,0 +1,147 @@
+"""ZeRO-3's host-time patches (zero3_params, zero3_gather, zero3_norm) against DeepSpeed's own paths.
+
+Two ranks, ZeRO-3, fp32, the gradient cache at K = 2, three steps, with the patches as a user selects them
+(``--engine-patches``): all against none (DeepSpeed's paths: the reference). The persistence threshold is
+lowered so that the tiny model's matrices are partitioned and fetched per block and its vectors stay
+persistent (the shipped 1e5 keeps every tensor of this model whole): both of the patched paths run.
+
+- zero3_params and zero3_gather move no number: gradients, fp32 weights, the persistent tensors the next
+  forward reads and Adam's moments are bit for bit DeepSpeed's.
+- zero3_norm sums the same float64 squares in another order: the reported norm is within the float64
+  bound of two summation orders of every gradient element (tests/tolerances.py), and without clipping the
+  weights do not depend on it at all (bit for bit). With clipping the clip factor may move by float32
+  rounding; the weights then stay within Adam's step times that rounding.
+
+The big-batch reference test (test_gradcache.py) covers the same paths against an independent computation.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.dist.test_gradcache import LR, make_batches, make_cfg, make_model, rank_chunks
+from tests.dist.test_local_flush import same_bits
+from tests.distutil import run_world
+from tests.tolerances import unit_roundoff, worst_case
+
+pytestmark = [pytest.mark.dist]
+K, STEPS, WORLD = 2, 3, 2
+# Below the tiny model's matrices (>= 64 x 64 = 4096 elements), above its vectors (<= 256)
+PERSISTENCE_THRESHOLD = 1000
+ZERO3_PATCHES = ["zero3_params", "zero3_gather", "zero3_norm"]
+
+
+def _run_modes(rank, world, clip):
+    return {mode: _run(rank, world, mode, clip) for mode in ("all", "none")}
+
+
+def _run(rank, world, patches, clip):
+    from deepspeed.runtime.zero import partitioned_param_coordinator as coordinator
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
+
+    from dsclip.engine.build import build_engine
+    from dsclip.engine.ds_config import load_ds_json, resolve_ds_config
+    from dsclip.engine.patches.fingerprint import unwrap
+    from dsclip.losses import build_loss
+    from dsclip.train.gradcache import GradCacheStep
+
+    cfg = make_cfg(3, K)
+    cfg.optim.grad_clip_norm = clip
+    cfg.train.engine_patches = patches
+    ds = resolve_ds_config(
+        load_ds_json(cfg.train.deepspeed_config), cfg.train, cfg.optim, world_size=world, device_type="cpu"
+    )
+    ds["zero_optimization"]["stage3_param_persistence_threshold"] = PERSISTENCE_THRESHOLD
+    bundle = build_engine(ds, cfg.train, cfg.optim, make_model, total_steps=10, steps_per_epoch=10)
+    engine = bundle.engine
+    opt = engine.optimizer
+    step = GradCacheStep(engine, build_loss("infonce"), accum_freq=K)
+    named = list(engine.module.named_parameters())
+    persistent = [n for n, p in named if p.ds_persist]
+    out = {
+        "patches": [n for n in bundle.patches.active if n in ZERO3_PATCHES],
+        "norm_fn": unwrap(opt.get_grad_norm_direct).__qualname__,  # unwrap: DeepSpeed's NVTX decorator
+        "post_step_fn": unwrap(opt._post_step).__qualname__,
+        "persistent": len(persistent),
+        "partitioned": len(named) - len(persistent),
+        "grads": [],
+        "norms": [],
+        "weights": [],
+        "persistent_values": [],
+        "all_available": [],
+        "exp_avg": [],
+    }
+    dispatcher = coordinator.iter_params
+    if getattr(dispatcher, "dsclip_dispatcher", False):
+        # zero3_params: every module of the engine, own and subtree parameters, the same objects in the same
+        # order as DeepSpeed's walk gives (external parameters included: both read them live)
+        deepspeed_iter = dispatcher.deepspeed_iter_params
+        out["same_lists"] = all(
+            [id(p) for p in dispatcher(m, r)] == [id(p) for p in deepspeed_iter(m, r)]
+            for m in engine.module.modules()
+            for r in (False, True)
+        )
+    for s in range(STEPS):
+        images, tokens = make_batches(world, K, seed=300 + s)
+        torch.manual_seed(11 + s)
+        engine.train()
+        step(rank_chunks(images, tokens, rank, world, K), optimizer_step=False)
+        out["grads"].append({n: safe_get_full_grad(p).clone() for n, p in named})
+        engine.step()
+        out["norms"].append(float(engine.get_global_grad_norm()))
+        out["weights"].append({n: safe_get_full_fp32_param(p).clone() for n, p in named})
+        # what the next forward reads without a fetch: the persistent tensors gathered after the step
+        values = dict(named)
+        out["persistent_values"].append({n: values[n].detach().clone() for n in persistent})
+        out["all_available"].append(all(values[n].ds_status == ZeroParamStatus.AVAILABLE for n in persistent))
+        state = opt.optimizer.state
+        out["exp_avg"].append({i: st["exp_avg"].clone() for i, st in enumerate(state.values())})
+    out["elements"] = sum(p.ds_numel for _, p in named)
+    return out
+
+
+def _check(ranks, clip):
+    from dsclip.engine.patches import passes_check
+
+    expected = [n for n in ZERO3_PATCHES if passes_check(n)]  # on CI's oldest DeepSpeed: DeepSpeed's paths
+    for r in ranks:
+        ours, theirs = r["all"], r["none"]
+        assert ours["patches"] == expected and theirs["patches"] == []
+        assert ours["persistent"] > 0 and ours["partitioned"] > 0  # both kinds of tensor are in play
+        if "zero3_norm" in expected:
+            assert ours["norm_fn"] == "_flat_grad_norm.<locals>.get_grad_norm_direct"
+        if "zero3_gather" in expected:
+            assert ours["post_step_fn"] == "_coalesced_post_step.<locals>._post_step"
+        if "zero3_params" in expected:
+            assert ours["same_lists"]
+        assert theirs["norm_fn"] == "DeepSpeedZeroOptimizer_Stage3.get_grad_norm_direct"
+        assert theirs["post_step_fn"] == "DeepSpeedZeroOptimizer_Stage3._post_step"
+        assert all(ours["all_available"]) and all(theirs["all_available"])
+        for s in range(STEPS):
+            # the norm: two float64 summation orders of every squared gradient element (each square exact
+            # to u, the sum of squares is norm^2); then the square root halves the relative difference
+            bound = worst_case(ours["elements"] + 2, theirs["norms"][s] ** 2, torch.float64) / (2 * theirs["norms"][s])
+            assert abs(ours["norms"][s] - theirs["norms"][s]) <= bound, (s, ours["norms"][s], theirs["norms"][s])
+            diff = [n for n in ours["grads"][s] if not same_bits(ours["grads"][s][n], theirs["grads"][s][n])]
+            assert not diff, f"step {s}: gradients differ for {diff}"
+            for key in ("weights", "persistent_values", "exp_avg"):
+                a, b = ours[key][s], theirs[key][s]
+                if clip is None:
+                    diff = [n for n in a if not same_bits(a[n], b[n])]
+                else:
+                    # the clip factor max_norm / norm, rounded to float32, may move by one ulp: Adam's update
+                    # (lr-sized, moments included) moves by that relative amount, per step so far
+                    tol = (s + 1) * 4 * unit_roundoff() * (LR if key != "exp_avg" else 1.0)
+                    diff = [n for n in a if not torch.allclose(a[n], b[n], rtol=2 * unit_roundoff(), atol=tol)]
+                assert not diff, f"step {s}: {key} differ for {diff}"
+        assert any(not torch.equal(ours["weights"][0][n], ours["weights"][-1][n]) for n in ours["weights"][0])
+
+
+@pytest.mark.parametrize("clip", [None, 0.05])
+def test_zero3_patches_compute_what_deepspeed_computes(clip):
+    ranks = run_world(_run_modes, WORLD, clip)
+    if clip is not None:  # clipping acted: the norms were above the clip value
+        assert all(n > clip for n in ranks[0]["none"]["norms"])
+    _check(ranks, clip)
