@@ -3,7 +3,8 @@
 Host-side cost only, as the brief asks of CPU measurements: a thin model with the real model's tensor count
 (ViT-H-14's 32 + 24 blocks or ViT-bigG-14's 48 + 32, width 32, so the arithmetic is negligible and a step is
 the engine's per-tensor bookkeeping, the part a GPU waits for). One process builds one engine per variant
-(ZeRO-2, the shipped ZeRO-3 JSON, the stock ZeRO-3 JSON, and single-knob changes of it) and steps them in
+(ZeRO-2, the shipped ZeRO-3 JSON with and without dsclip's engine patches, the stock ZeRO-3 JSON, and
+single-knob changes of it) and steps them in
 turn, the order rotated every step; CPU seconds per step (``time.process_time``), median over the steps,
 split into the engine's phases by timing ``engine.forward`` / ``engine.backward`` / ``engine.step`` (what is
 left, "other", is mostly ZeRO-3's partitioned-gradient reduction when the coalesced backward ends).
@@ -14,6 +15,8 @@ below therefore gets ``stage3_param_persistence_threshold: 256``, so that matric
 keeps everything resident: ZeRO-3's bookkeeping without any gather).
 
     PYTHONPATH=$PWD OMP_NUM_THREADS=1 .venv/bin/python bench/zero3_host.py --depth H --steps 4
+    PYTHONPATH=$PWD OMP_NUM_THREADS=1 .venv/bin/python bench/zero3_host.py --depth H --world 2 \
+        --variants "zero2,zero3,zero3 patches-off"   # two ranks over gloo: ZeRO-3 as a cluster runs it
     PYTHONPATH=$PWD OMP_NUM_THREADS=1 .venv/bin/python bench/zero3_host.py --depth H --gradcache   # item 4
     PYTHONPATH=$PWD OMP_NUM_THREADS=1 .venv/bin/python bench/zero3_host.py --depth H --profile zero3
 """
@@ -36,17 +39,25 @@ import vs_openclip as V  # noqa: E402
 DEPTHS = {"H": "ViT-H-14", "bigG": "ViT-bigG-14"}
 THIN_PERSIST = {"stage3_param_persistence_threshold": 256}
 NO_LEAF = {"leaf_module": {"classes": []}}
-# name → (DeepSpeed JSON, zero_optimization overrides). "zero3" is the shipped JSON (leaf modules on).
+PATCHES_OFF = {"engine_patches": "none"}
+# name → (DeepSpeed JSON, zero_optimization overrides, run-config values). "zero3" is the shipped JSON (leaf
+# modules on) with dsclip's engine patches (the zero3_* ones: dsclip/engine/patches/), as `dsclip train` runs it.
 VARIANTS = {
-    "zero2": ("zero2_{p}", {}),
-    "zero3": ("zero3_{p}", THIN_PERSIST),
-    "zero3 no-leaf (stock)": ("zero3_{p}", THIN_PERSIST | NO_LEAF),
-    "zero3 persist-all": ("zero3_{p}", NO_LEAF | {"stage3_param_persistence_threshold": 10**9}),
-    "zero3 prefetch 0": ("zero3_{p}", THIN_PERSIST | {"stage3_prefetch_bucket_size": 0}),
-    "zero3 linear-off": ("zero3_{p}", THIN_PERSIST | {"memory_efficient_linear": False}),
-    "zero3 allreduce-fetch": ("zero3_{p}", THIN_PERSIST | {"stage3_use_all_reduce_for_fetch_params": True}),
-    "zero3 live 1e8": ("zero3_{p}", THIN_PERSIST | {"stage3_max_live_parameters": 10**8}),
-    "zero3 no-leaf linear-off": ("zero3_{p}", THIN_PERSIST | NO_LEAF | {"memory_efficient_linear": False}),
+    "zero2": ("zero2_{p}", {}, {}),
+    "zero3": ("zero3_{p}", THIN_PERSIST, {}),
+    "zero3 patches-off": ("zero3_{p}", THIN_PERSIST, PATCHES_OFF),
+    # each ZeRO-3 patch left out alone: what it saves
+    **{
+        f"zero3 -{name}": ("zero3_{p}", THIN_PERSIST, {"engine_patches": f"all,-{name}"})
+        for name in ("zero3_params", "zero3_gather", "zero3_norm")
+    },
+    "zero3 no-leaf (stock)": ("zero3_{p}", THIN_PERSIST | NO_LEAF, PATCHES_OFF),
+    "zero3 persist-all": ("zero3_{p}", NO_LEAF | {"stage3_param_persistence_threshold": 10**9}, {}),
+    "zero3 prefetch 0": ("zero3_{p}", THIN_PERSIST | {"stage3_prefetch_bucket_size": 0}, {}),
+    "zero3 linear-off": ("zero3_{p}", THIN_PERSIST | {"memory_efficient_linear": False}, {}),
+    "zero3 allreduce-fetch": ("zero3_{p}", THIN_PERSIST | {"stage3_use_all_reduce_for_fetch_params": True}, {}),
+    "zero3 live 1e8": ("zero3_{p}", THIN_PERSIST | {"stage3_max_live_parameters": 10**8}, {}),
+    "zero3 no-leaf linear-off": ("zero3_{p}", THIN_PERSIST | NO_LEAF | {"memory_efficient_linear": False}, {}),
 }
 PHASES = ("forward", "backward", "step")
 
@@ -84,7 +95,7 @@ class PhaseClock:
         return out
 
 
-def _trainer(rank, world, precision, batch, k, cfg, json_name, zero):
+def _trainer(rank, world, precision, batch, k, cfg, json_name, zero, values):
     import torch
 
     from dsclip.engine.build import autocast_dtype
@@ -92,7 +103,7 @@ def _trainer(rank, world, precision, batch, k, cfg, json_name, zero):
     from dsclip.train.gradcache import GradCacheStep
     from dsclip.train.loop import step_seed
 
-    extra = {"deepspeed_config": f"ds_configs/{json_name}.json"}
+    extra = {"deepspeed_config": f"ds_configs/{json_name}.json", **values}
     engine, bundle, _ = V.dsclip_engine(precision, batch, k, cfg, world, extra, {"zero_optimization": zero})
     step_fn = GradCacheStep(engine, build_loss("infonce"), compute_dtype=autocast_dtype(bundle), accum_freq=k)
     clock = PhaseClock(engine)
@@ -106,24 +117,25 @@ def _trainer(rank, world, precision, batch, k, cfg, json_name, zero):
 
 
 def _rank(rank, world, a, plan):
-    """plan: name → (json, zero overrides, micro-batch, K). Returns name → list of per-step phase dicts."""
+    """plan: name → (json, zero overrides, run-config values, micro-batch, K). Returns name → list of per-step
+    phase dicts."""
     V.one_thread()
     cfg = thin_config(a.depth)
     p = a.precision
-    runs = {n: _trainer(rank, world, p, b, k, cfg, j.format(p=p), z) for n, (j, z, b, k) in plan.items()}
-    rows = max(b * k for _, _, b, k in plan.values())
+    runs = {n: _trainer(rank, world, p, b, k, cfg, j.format(p=p), z, v) for n, (j, z, v, b, k) in plan.items()}
+    rows = max(b * k for *_, b, k in plan.values())
     data = {}
-    for b, k in {(b, k) for _, _, b, k in plan.values()}:
+    for b, k in {(b, k) for *_, b, k in plan.values()}:
         whole = V.synthetic_batches(2, rows, cfg, seed=1 + rank)  # the same rows for every split of the batch
         data[b, k] = [[(img[i * b : (i + 1) * b], txt[i * b : (i + 1) * b]) for i in range(k)] for img, txt in whole]
     for n, (run, clock) in runs.items():  # warm-up: optimizer states, allocator, ZeRO-3's trace
-        _, _, b, k = plan[n]
+        *_, b, k = plan[n]
         for s in range(2):
             run(data[b, k][s], s)
         clock.take()
     if a.profile:
         run, clock = runs[a.profile]
-        _, _, b, k = plan[a.profile]
+        *_, b, k = plan[a.profile]
         prof = cProfile.Profile(time.process_time)
         prof.enable()
         for s in range(a.steps):
@@ -137,7 +149,7 @@ def _rank(rank, world, a, plan):
     for s in range(a.steps):
         for n in names[s % len(names) :] + names[: s % len(names)]:
             run, clock = runs[n]
-            _, _, b, k = plan[n]
+            *_, b, k = plan[n]
             c0 = time.process_time()
             run(data[b, k][s % 2], 2 + s)
             total = time.process_time() - c0
@@ -151,10 +163,10 @@ def _plan(a) -> dict:
         # Item 4: the gradient cache's two passes (K = 2) against one forward + backward of the same rows.
         b = a.batch
         return {
-            "zero2 K=1": ("zero2_{p}", {}, 2 * b, 1),
-            "zero2 K=2": ("zero2_{p}", {}, b, 2),
-            "zero3 K=1": ("zero3_{p}", THIN_PERSIST, 2 * b, 1),
-            "zero3 K=2": ("zero3_{p}", THIN_PERSIST, b, 2),
+            "zero2 K=1": ("zero2_{p}", {}, {}, 2 * b, 1),
+            "zero2 K=2": ("zero2_{p}", {}, {}, b, 2),
+            "zero3 K=1": ("zero3_{p}", THIN_PERSIST, {}, 2 * b, 1),
+            "zero3 K=2": ("zero3_{p}", THIN_PERSIST, {}, b, 2),
         }
     chosen = a.variants.split(",") if a.variants else list(VARIANTS)
     if a.profile:
@@ -201,7 +213,7 @@ def main(argv=None) -> int:
     for n, steps in per_step.items():
         med = {k: 1e3 * statistics.median(s[k] for s in steps) for k in steps[0]}
         ratio = statistics.median(s["total"] / b for s, b in zip(steps, base))
-        _, _, b, k = plan[n]
+        *_, b, k = plan[n]
         cells = " | ".join(f"{med[p]:.1f}" for p in (*PHASES, "other"))
         print(
             f"| {n} | {b} × {k} | {med['total']:.1f} | {cells} | {1e3 * med['total'] / n_tensors:.0f} | {ratio:.2f} |"

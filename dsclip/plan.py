@@ -284,11 +284,12 @@ def input_bytes(arch: Arch, rows: int) -> float:
     return float(rows) * (4 * 3 * arch.image_size**2 + 8 * arch.text.tokens)
 
 
-def held_activation_bytes(act: dict[str, float], micro: int, accum: int, keep_last_graph: bool = True) -> float:
-    """Activations at the backward peak: one micro-batch being re-forwarded and back-propagated, plus the
-    last chunk's pass-1 graph that ``keep_last_graph`` holds through the loss and the whole of pass 2."""
-    kept = act["saved"] if keep_last_graph and accum > 1 else 0.0
-    return micro * (act["peak"] + kept)
+def held_activation_bytes(act: dict[str, float], micro: int) -> float:
+    """Activations at the backward peak: one micro-batch's graph being back-propagated. The last chunk's
+    pass-1 graph that ``keep_last_graph`` keeps is the first one pass 2 back-propagates, so it is never alive
+    beside a re-forwarded chunk's (dsclip/train/gradcache.py); before that it is held through the loss, where
+    its ``saved`` bytes (below the backward ``peak``) sit beside the loss's buffers."""
+    return micro * act["peak"]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -456,7 +457,7 @@ def make_plan(
     if device == "cpu":
         losses = _plan_cpu_memory(plan, arch, tile, baseline_gb, keep_last_graph, micro_batch)
     else:
-        losses = _plan_memory(plan, arch, ds_cfg, tile, reserve_gb, keep_last_graph, micro_batch)
+        losses = _plan_memory(plan, arch, ds_cfg, tile, reserve_gb, micro_batch)
         _check_host(plan, gpus_per_node, host_memory_gb)
     _plan_speed(plan, arch, keep_last_graph)
     plan.command = _train_command(plan, ds_name, tile, gpus_per_node)
@@ -465,7 +466,7 @@ def make_plan(
 
 
 def _plan_memory(
-    plan: Plan, arch: Arch, ds_cfg: dict, tile: int, reserve_gb: float, keep_last_graph: bool, micro_batch: int | None
+    plan: Plan, arch: Arch, ds_cfg: dict, tile: int, reserve_gb: float, micro_batch: int | None
 ) -> dict[str, float]:
     """Fill the memory budget, the largest micro-batch that fits and the accumulation; returns loss bytes per mode."""
     local, loss, precision = plan.local_batch, plan.loss, plan.precision
@@ -480,12 +481,8 @@ def _plan_memory(
     act = activation_bytes(arch, precision, plan.grad_checkpointing)
     fixed = sum(states.values()) + buckets + cache + losses[loss] + reserve_gb * GiB
     budget = plan.gpu_memory_gb * GiB - fixed
-    # per sample of micro-batch with K > 1: the chunk in backward plus the kept last chunk's graph
-    per_sample = held_activation_bytes(act, 1, 2, keep_last_graph)
-    max_micro = int(budget // per_sample) if budget > 0 else 0
-    max_whole = int(budget // act["peak"]) if budget > 0 else 0  # K = 1: no second graph is held
-    if max_whole >= local:  # this rank's rows fit as one micro-batch (even where K > 1 would not take them)
-        max_micro = max(max_micro, max_whole)
+    # per sample of micro-batch: one chunk's graph at its backward peak, whatever K (held_activation_bytes)
+    max_micro = int(budget // held_activation_bytes(act, 1)) if budget > 0 else 0
     plan.max_micro_batch = max_micro
     if micro_batch:  # the run's own micro-batch (it must divide this rank's rows)
         if local % micro_batch:
@@ -501,7 +498,7 @@ def _plan_memory(
     mem["comm_buckets"] = buckets / GiB
     mem["embedding_cache"] = cache / GiB
     mem[f"loss ({loss})"] = losses[loss] / GiB
-    mem["activations"] = held_activation_bytes(act, max(micro, 1), plan.accum_freq, keep_last_graph) / GiB
+    mem["activations"] = held_activation_bytes(act, max(micro, 1)) / GiB
     mem["reserve (CUDA context, allocator)"] = reserve_gb
     mem["total"] = sum(mem.values())
     plan.memory_gb = {k: round(v, 3) for k, v in mem.items()}
@@ -546,8 +543,8 @@ def _plan_cpu_memory(
     baseline and the step's inputs are alive throughout; then the peak is the larger of
     * the loss: the fp32 embeddings (image + text) and their gradients (4 N_local x D), the loss's
       own buffers, and the kept last chunk's pass-1 graph;
-    * pass 2: the embeddings' gradients (2 N_local x D), one micro-batch re-forwarded and back-propagated,
-      and the kept graph.
+    * pass 2: the embeddings' gradients (2 N_local x D) and one micro-batch's graph at its backward peak
+      (the kept graph is back-propagated first, before any re-forward).
     ``baseline_gb`` must be measured (bench/largest_batch.py measures it): the resident size of a rank
     that has imported torch, DeepSpeed and dsclip and joined the gloo process group.
     """
@@ -567,9 +564,7 @@ def _plan_cpu_memory(
     losses = {m: loss_bytes(m, local, plan.batch_size, d, tile) for m in LOSS_MODES}
     kept = micro_batch * act["saved"] if keep_last_graph and plan.accum_freq > 1 else 0.0
     loss_phase = embedding_cache_bytes(local, d) + losses[loss] + kept
-    pass2_phase = embedding_cache_bytes(local, d) / 2 + held_activation_bytes(
-        act, micro_batch, plan.accum_freq, keep_last_graph
-    )
+    pass2_phase = embedding_cache_bytes(local, d) / 2 + held_activation_bytes(act, micro_batch)
     mem = {"baseline (measured)": baseline_gb}
     mem.update({k: v / GiB for k, v in states.items()})
     mem["inputs (K micro-batches)"] = input_bytes(arch, local) / GiB
@@ -579,7 +574,7 @@ def _plan_cpu_memory(
         mem["activations (kept graph)"] = kept / GiB
     else:
         mem["embedding grads"] = embedding_cache_bytes(local, d) / 2 / GiB
-        mem["activations"] = held_activation_bytes(act, micro_batch, plan.accum_freq, keep_last_graph) / GiB
+        mem["activations"] = held_activation_bytes(act, micro_batch) / GiB
     mem["total"] = sum(mem.values())
     plan.fits = mem["total"] <= plan.gpu_memory_gb
     plan.host_inputs_gb = round(mem["inputs (K micro-batches)"], 3)
@@ -687,14 +682,13 @@ def largest_batch(
     micro_batch: int = 32,
     host_memory_gb: float = 1024.0,
     gpus_per_node: int = 8,
-    keep_last_graph: bool = True,
 ) -> int:
     """The largest global contrastive batch (a multiple of gpus × micro_batch) whose step fits in memory.
 
     With the gradient cache only the cached embeddings (and, for the tiled/ring losses, O(rows·D) loss
     buffers) grow with the batch on the GPU; model states, communication buckets and the activations of
-    one micro-batch (plus the kept last chunk's graph) do not. On the host the step's inputs grow with
-    the batch (all K micro-batches are held for pass 2) and must fit ``host_memory_gb`` per node. The
+    one micro-batch do not. On the host the step's inputs grow with the batch (all K micro-batches are
+    held for pass 2) and must fit ``host_memory_gb`` per node. The
     same accounting as :func:`make_plan` (which is called on the answer).
     """
     arch = load_arch(model, patch_dropout)
@@ -704,7 +698,7 @@ def largest_batch(
         sum(model_state_bytes(arch.params, gpus, zero, precision, arch.largest_layer_params).values())
         + bucket_bytes(ds_cfg, precision)
         + reserve_gb * GiB
-        + held_activation_bytes(act, micro_batch, 2, keep_last_graph)
+        + held_activation_bytes(act, micro_batch)
     )
     per_node = min(gpus, gpus_per_node)
 

@@ -27,7 +27,8 @@ Distillation (``teacher``): a frozen teacher embeds each chunk in pass 1 too, wi
 embeddings (fp32) and scale go to the loss with the student's; pass 2 never runs the teacher again.
 
 The last chunk's pass-1 graph can be kept (``keep_last_graph``), saving one forward per step at the
-price of one chunk's activations held during the loss; with K = 1 this is a plain training step.
+price of one chunk's activations held during the loss (pass 2 back-propagates it first, so it never sits
+beside a re-forwarded chunk's graph); with K = 1 this is a plain training step.
 """
 
 from __future__ import annotations
@@ -156,29 +157,39 @@ class GradCacheStep:
         return rng_states, img_cache, txt_cache, live, out, teacher_cache
 
     def _second_pass(self, micro_batches: Sequence[Batch], rng_states: list[dict], live: dict | None, grads) -> None:
-        """Pass 2: re-forward each chunk with its pass-1 RNG and back-propagate the cached gradient.
+        """Pass 2: back-propagate each chunk's cached gradient through that chunk's graph.
 
-        Chunks go in pass-1 order; the kept chunk is the last one, so its graph is already there."""
+        The kept last chunk goes first (its pass-1 graph is already there), then every other chunk is
+        re-forwarded with its pass-1 RNG, in pass-1 order. Kept graph first: at most one chunk's graph is
+        alive at any time (pass 2 holds one micro-batch of activations, not two), and every backward follows
+        its own forward, so under ZeRO-3 each forward + backward is the same unit of fetches, whose trace
+        repeats and prefetches (dsclip/engine/patches/zero3_traces.py)."""
         g_img, g_txt, g_scale, g_bias = grads
         k = len(micro_batches)
+        order = [k - 1, *range(k - 1)] if live is not None else list(range(k))
         e = self.engine
         ctx = e.coalesce_grad_reduction() if self.reduction == "coalesced" else contextlib.nullcontext()
         with ctx:
-            for i in range(k):
-                final = i == k - 1
+            for n, i in enumerate(order):
+                final = n == k - 1
                 e.set_gradient_accumulation_boundary(final)
-                if live is not None and final:
-                    out = live
+                if live is not None and i == k - 1:
+                    out, live = live, None
                 else:
                     restore_rng(rng_states[i], self.device)
                     out = self._forward(micro_batches[i])
                 img, txt = out["image_features"].float(), out["text_features"].float()
+                # The temperature (and bias) gradient enters exactly once per step, with the final chunk; the
+                # others back-propagate it times zero (an exact +0 to its gradient), so that every chunk's
+                # backward runs through the same outputs (ZeRO-3's per-output backward hooks then fetch the
+                # same modules in every chunk, and its fetch trace repeats).
+                weight = 1.0 if final else 0.0
                 surrogate = (img * g_img[i]).sum() + (txt * g_txt[i]).sum()
-                if final:  # the temperature (and bias) gradient enters exactly once per step
-                    surrogate = surrogate + out["logit_scale"].float().reshape(()) * g_scale
-                    if g_bias is not None:
-                        surrogate = surrogate + out["logit_bias"].float().reshape(()) * g_bias
+                surrogate = surrogate + out["logit_scale"].float().reshape(()) * (g_scale * weight)
+                if g_bias is not None:
+                    surrogate = surrogate + out["logit_bias"].float().reshape(()) * (g_bias * weight)
                 e.backward(surrogate)
+                del out, img, txt, surrogate
         e.set_gradient_accumulation_boundary(True)
 
     def __call__(

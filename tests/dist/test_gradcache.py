@@ -299,8 +299,8 @@ def plain_run(shared_dir, world, stage, k, patches="all") -> list[dict]:
 EXPECTED_PATCHES = {
     (1, 2): ["local_flush", "overflow_check", "grad_hooks", "grad_norm"],
     (2, 2): ["overflow_check", "grad_hooks", "grad_norm"],
-    (1, 3): ["zero3_params", "zero3_gather", "zero3_norm", "universal_zero3"],
-    (2, 3): ["zero3_params", "zero3_gather", "zero3_norm", "universal_zero3"],
+    (1, 3): ["zero3_params", "zero3_traces", "zero3_gather", "zero3_norm", "universal_zero3"],
+    (2, 3): ["zero3_params", "zero3_traces", "zero3_gather", "zero3_norm", "universal_zero3"],
 }
 
 

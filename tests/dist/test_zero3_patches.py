@@ -1,12 +1,14 @@
-"""ZeRO-3's host-time patches (zero3_params, zero3_gather, zero3_norm) against DeepSpeed's own paths.
+"""ZeRO-3's patches (zero3_params, zero3_traces, zero3_gather, zero3_norm) against DeepSpeed's own paths.
 
 Two ranks, ZeRO-3, fp32, the gradient cache at K = 2, three steps, with the patches as a user selects them
 (``--engine-patches``): all against none (DeepSpeed's paths: the reference). The persistence threshold is
 lowered so that the tiny model's matrices are partitioned and fetched per block and its vectors stay
 persistent (the shipped 1e5 keeps every tensor of this model whole): both of the patched paths run.
 
-- zero3_params and zero3_gather move no number: gradients, fp32 weights, the persistent tensors the next
-  forward reads and Adam's moments are bit for bit DeepSpeed's.
+- zero3_params, zero3_traces and zero3_gather move no number: gradients, fp32 weights, the persistent tensors
+  the next forward reads and Adam's moments are bit for bit DeepSpeed's. zero3_traces' purpose is checked
+  too: both fetch traces (no-grad forwards; forward + backward units) are recorded in the first step and never
+  invalidated, where DeepSpeed's single trace mixes the two kinds of unit.
 - zero3_norm sums the same float64 squares in another order: the reported norm is within the float64
   bound of two summation orders of every gradient element (tests/tolerances.py), and without clipping the
   weights do not depend on it at all (bit for bit). With clipping the clip factor may move by float32
@@ -29,7 +31,7 @@ pytestmark = [pytest.mark.dist]
 K, STEPS, WORLD = 2, 3, 2
 # Below the tiny model's matrices (>= 64 x 64 = 4096 elements), above its vectors (<= 256)
 PERSISTENCE_THRESHOLD = 1000
-ZERO3_PATCHES = ["zero3_params", "zero3_gather", "zero3_norm"]
+ZERO3_PATCHES = ["zero3_params", "zero3_traces", "zero3_gather", "zero3_norm"]
 
 
 def _run(rank, world, patches, clip):
@@ -68,6 +70,7 @@ def _run(rank, world, patches, clip):
         "persistent_values": [],
         "all_available": [],
         "exp_avg": [],
+        "invalidations": [],  # trace invalidations so far, after each step
     }
     dispatcher = coordinator.iter_params
     if getattr(dispatcher, "dsclip_dispatcher", False):
@@ -79,6 +82,12 @@ def _run(rank, world, patches, clip):
             for m in engine.module.modules()
             for r in (False, True)
         )
+    # every invalidation of a ZeRO-3 fetch trace (DeepSpeed's coordinator and, with zero3_traces, the no-grad one)
+    invalidations = [0]
+    offload = opt.parameter_offload
+    for coord in (offload.param_coordinator, getattr(offload, "dsclip_no_grad_coordinator", None)):
+        if coord is not None:
+            coord._invalidate_trace = counted(coord._invalidate_trace, invalidations)
     for s in range(STEPS):
         images, tokens = make_batches(world, K, seed=300 + s)
         torch.manual_seed(11 + s)
@@ -94,8 +103,17 @@ def _run(rank, world, patches, clip):
         out["all_available"].append(all(values[n].ds_status == ZeroParamStatus.AVAILABLE for n in persistent))
         state = opt.optimizer.state
         out["exp_avg"].append({i: st["exp_avg"].clone() for i, st in enumerate(state.values())})
+        out["invalidations"].append(invalidations[0])
     out["elements"] = sum(p.ds_numel for _, p in named)
     return out
+
+
+def counted(fn, counter):
+    def wrapper(*args, **kwargs):
+        counter[0] += 1
+        return fn(*args, **kwargs)
+
+    return wrapper
 
 
 def _check(ranks, clip):
@@ -112,6 +130,10 @@ def _check(ranks, clip):
             assert ours["post_step_fn"] == "_coalesced_post_step.<locals>._post_step"
         if "zero3_params" in expected:
             assert ours["same_lists"]
+        if "zero3_traces" in expected:  # recorded in the first step, never invalidated
+            assert ours["invalidations"] == [0] * STEPS, ours["invalidations"]
+            # DeepSpeed's single trace: the no-grad forward and the forward + backward units mix in it
+            assert theirs["invalidations"][-1] >= 1, theirs["invalidations"]
         assert theirs["norm_fn"] == "DeepSpeedZeroOptimizer_Stage3.get_grad_norm_direct"
         assert theirs["post_step_fn"] == "DeepSpeedZeroOptimizer_Stage3._post_step"
         assert all(ours["all_available"]) and all(theirs["all_available"])
