@@ -167,6 +167,9 @@ def _plan(a) -> dict:
             "zero2 K=2": ("zero2_{p}", {}, {}, b, 2),
             "zero3 K=1": ("zero3_{p}", THIN_PERSIST, {}, 2 * b, 1),
             "zero3 K=2": ("zero3_{p}", THIN_PERSIST, {}, b, 2),
+            # one fetch trace for both kinds of forward (DeepSpeed's), and DeepSpeed's paths throughout
+            "zero3 K=2 -zero3_traces": ("zero3_{p}", THIN_PERSIST, {"engine_patches": "all,-zero3_traces"}, b, 2),
+            "zero3 K=2 patches-off": ("zero3_{p}", THIN_PERSIST, PATCHES_OFF, b, 2),
         }
     chosen = a.variants.split(",") if a.variants else list(VARIANTS)
     if a.profile:
