@@ -14,7 +14,8 @@ The patch gives the no-grad forwards a coordinator of their own, built with the 
 the engine's in-flight registry and all-gather stream, and routes each unit to one of the two at the start of
 its root forward (a forward pre-hook that runs before DeepSpeed's): grad enabled -> DeepSpeed's coordinator,
 no grad -> the second one. Each then sees one kind of unit, repeated, and completes its trace after one step.
-Evaluation forwards (no grad) use the second one as well. Which coordinator fetches a weight changes when it
+Evaluation forwards (no grad) use the second one as well. A model with frozen parameters (LiT) keeps
+DeepSpeed's single trace (see ``applies``). Which coordinator fetches a weight changes when it
 is gathered, not its value: gradients and weights are bit for bit DeepSpeed's (tests/dist/test_zero3_patches.py),
 and the big-batch reference tests at ZeRO-3, K = 2 and 4, run with it (tests/dist/test_gradcache.py).
 """
@@ -46,6 +47,10 @@ def applies(engine) -> bool:
         and hasattr(offload, "param_coordinator")
         and hasattr(offload.param_coordinator, _P + "inflight_param_registry")
         and getattr(offload, "module", None) is engine.module
+        # Frozen parameters (LiT's --lock-image / --lock-text) keep DeepSpeed's single trace: with them the
+        # two traces were seen to leave a persistent tensor released before its backward (tests/dist/test_lock.py
+        # at ZeRO-3, K = 2), a path not understood yet.
+        and all(p.requires_grad for p in engine.module.parameters())
     )
 
 
