@@ -111,6 +111,7 @@ def _rank_steps(rank, world, stage):
         "grads": grads,
         "counts": counts,
         "state_numel": int(t.item()),
+        "patches": list(bundle.patches.active),
     }
 
 
@@ -137,6 +138,8 @@ def test_locked_towers_zero_world2_gradcache_checkpointing(stage):
     assert "text.token_embedding.weight" in locked and "text.blocks.0.attn.qkv.weight" in locked
     assert "text.blocks.0.norm1.weight" not in locked and "text.blocks.1.attn.qkv.weight" not in locked
     assert "logit_scale" not in locked
+    # with frozen parameters ZeRO-3 keeps DeepSpeed's single fetch trace (patches/zero3_traces.applies)
+    assert "zero3_traces" not in r["patches"]
     c = r["counts"]
     assert c["locked"] == sum(r["initial"][n].numel() for n in locked) and c["trainable"] + c["locked"] == c["total"]
     for res in results:
