@@ -76,7 +76,7 @@ def _run(rank, world, patches, clip):
     if getattr(dispatcher, "dsclip_dispatcher", False):
         # zero3_params: every module of the engine, own and subtree parameters, the same objects in the same
         # order as DeepSpeed's walk gives (external parameters included: both read them live)
-        deepspeed_iter = dispatcher.deepspeed_iter_params
+        deepspeed_iter = dispatcher.__wrapped__
         out["same_lists"] = all(
             [id(p) for p in dispatcher(m, r)] == [id(p) for p in deepspeed_iter(m, r)]
             for m in engine.module.modules()

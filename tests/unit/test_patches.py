@@ -122,3 +122,19 @@ def test_preflight_refuses_accum_freq_on_a_deepspeed_without_coalesced_reduction
     assert capsys.readouterr().out.count("outside the range") == 1
     with pytest.raises(ConfigError, match="unknown patch 'flush'"):
         preflight._check_deepspeed(make_run_config({"name": "t", "engine_patches": "all,-flush"}), rank=0)
+
+
+def test_zero3_params_dispatcher_keeps_the_version_guard_true_for_the_next_engine(monkeypatch):
+    # a second ZeRO-3 engine in one process (bench/gpu_bench.py builds several) fingerprints iter_params after
+    # the first engine put its dispatcher there: the guard must still see DeepSpeed's function
+    import deepspeed.runtime.zero.parameter_offload as offload
+    import deepspeed.runtime.zero.partitioned_param_coordinator as coordinator
+
+    from dsclip.engine.patches import zero3_params
+
+    monkeypatch.setattr(coordinator, "iter_params", coordinator.iter_params)
+    monkeypatch.setattr(offload, "iter_params", offload.iter_params)
+    assert mismatched_target(zero3_params.TARGETS) is None
+    zero3_params._install_dispatcher()
+    assert getattr(coordinator.iter_params, "dsclip_dispatcher", False)
+    assert mismatched_target(zero3_params.TARGETS) is None

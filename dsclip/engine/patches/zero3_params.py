@@ -67,6 +67,8 @@ def _install_dispatcher() -> None:
         return iter(own)
 
     iter_params.dsclip_dispatcher = True
-    iter_params.deepspeed_iter_params = deepspeed_iter_params
+    # the version guard of a later engine in this process (bench/gpu_bench.py builds several) fingerprints
+    # DeepSpeed's function, not this dispatcher
+    iter_params.__wrapped__ = deepspeed_iter_params
     coordinator.iter_params = iter_params
     offload.iter_params = iter_params
