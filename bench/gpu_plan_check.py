@@ -150,8 +150,12 @@ def probe_main(a) -> int:
                 outside_allocator_gb=outside / GiB,
                 peak_gb=(torch.cuda.max_memory_reserved() + outside) / GiB,
             )
-    except torch.OutOfMemoryError as e:
-        result["oom"] = str(e).splitlines()[0][:200]
+    except torch.OutOfMemoryError as e:  # what was asked for, what was free, and where: the report says why
+        import traceback
+
+        result["oom"] = " ".join(str(e).split())[:700]
+        frames = traceback.extract_tb(e.__traceback__)[-4:]
+        result["oom_at"] = " < ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(frames))
     print(json.dumps(result), flush=True)
     return 0
 
@@ -204,7 +208,9 @@ def main(argv=None) -> int:
     def fits(m: int) -> bool:
         results[m] = run_child(a, "--probe", str(m))
         r = results[m]
-        print(f"probe {m}: " + (f"fits, {r['step_s']:.3f} s/step" if r["fits"] else "does not fit"), flush=True)
+        oom = f"does not fit: {r.get('oom')} at {r.get('oom_at')}"
+        verdict = f"fits, {r['step_s']:.3f} s/step" if r["fits"] else oom
+        print(f"probe {m}: {verdict}", flush=True)
         return r["fits"]
 
     largest, smallest_failing, tried = probe_sizes(predicted_max, fits, a.memory_tolerance, a.max_probes)

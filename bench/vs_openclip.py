@@ -256,7 +256,10 @@ def dsclip_engine(
         torch.manual_seed(0)
         return create_model(cfg, **(model_kwargs or {}))
 
-    bundle = build_engine(ds, rc.train, rc.optim, factory, total_steps=10**6, steps_per_epoch=10**6)
+    bundle = build_engine(
+        ds, rc.train, rc.optim, factory, total_steps=10**6, steps_per_epoch=10**6,
+        grad_checkpointing=rc.model.grad_checkpointing,  # as loop.py passes it (the run config alone does nothing)
+    )  # fmt: skip
     return bundle.engine, bundle, rc
 
 

@@ -62,3 +62,24 @@ def test_largest_planned_is_the_edge_of_the_plan(edge):
 def test_compare_is_relative_to_the_measurement():
     assert PC.compare(110.0, 100.0) == pytest.approx(0.10)
     assert PC.compare(75.0, 100.0) == pytest.approx(-0.25)
+
+
+def _engine_checkpointing(rank, world, grad_checkpointing):
+    import vs_openclip as V
+
+    from dsclip.model import get_model_config
+
+    engine, _, _ = V.dsclip_engine(
+        "fp32", 2, 1, get_model_config("demo"), world, extra={"deepspeed_config": "ds_configs/zero3_fp32.json"},
+        grad_checkpointing=grad_checkpointing,
+    )  # fmt: skip
+    model = engine.module
+    return model.visual.grad_checkpointing, model.text.grad_checkpointing
+
+
+def test_the_bench_engine_checkpoints_when_asked():
+    # the probes of the bigg stage asked for --grad-checkpointing and ran without it (the same peak memory on
+    # the H200, 2026-12-04): bench's engine builder must hand the flag to build_engine, as dsclip train does
+    from tests.distutil import run_world
+
+    assert run_world(_engine_checkpointing, 1, True) == [(True, True)]
