@@ -164,7 +164,20 @@ def dsclip_run(name, cfg, bs, steps, dev, compile_blocks=False, engine_patches="
     mem = peak_mem_gb(dev)
     engine.destroy()
     del engine, step, bundle
+    restore_torch_linear()
     return sps, mem
+
+
+def restore_torch_linear():
+    """Put torch's ``F.linear`` back after a ZeRO-3 engine. Its ``zero.Init`` replaces it process-wide with
+    DeepSpeed's autograd linear (``memory_efficient_linear``, "This will persist unless manually reset"), so
+    every trainer run after the first ZeRO-3 one, ZeRO-2 and OpenCLIP included, ran DeepSpeed's linear (the
+    H200 run of 2026-12-04: ViT-H-14's ZeRO-2 row came after two ZeRO-3 engines)."""
+    from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses as Patched
+
+    original = getattr(Patched, "linear_bk", None)
+    if original is not None:
+        torch.nn.functional.linear = original
 
 
 TRAINERS = {
@@ -183,6 +196,11 @@ TRAINERS = {
     "dsclip_zero3_k2": functools.partial(dsclip_run, ds_json="zero3_{p}", accum=2),
     "dsclip_zero3_noleaf_k2": functools.partial(
         dsclip_run, ds_json="zero3_{p}", accum=2, zero={"leaf_module": {"classes": []}}
+    ),
+    # DeepSpeed's knob for its autograd linear (a Python Function per nn.Linear call, bias added apart from
+    # the GEMM): torch's linear instead, which holds each gathered weight until its backward
+    "dsclip_zero3_linear_off_k2": functools.partial(
+        dsclip_run, ds_json="zero3_{p}", accum=2, zero={"memory_efficient_linear": False}
     ),
 }
 

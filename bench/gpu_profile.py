@@ -4,7 +4,8 @@ Variants, same synthetic batches, bf16 (the device machine; ``--device cpu`` run
   openclip          OpenCLIP model, torch.autocast bf16, fp32 weights, fused AdamW (open_clip_train's step)
   dsclip-autocast   dsclip's model in the same plain-torch loop: isolates the architecture
   dsclip-bf16       dsclip's model with bf16 weights in the plain loop (what DeepSpeed's bf16 computes in)
-  dsclip-engine     the real thing: DeepSpeed ZeRO-2 bf16 engine + GradCacheStep (K=1)
+  dsclip-engine     the real thing: DeepSpeed ZeRO-2 bf16 engine + GradCacheStep (K=1; --ds-json zero3_{p}
+                    and --accum-freq 2: ZeRO-3 with the gradient cache, issue #29)
 Each: median step time over ``--steps`` after warm-up; then a torch.profiler table (top kernels by
 device time) for openclip and dsclip-engine, and device-busy time / wall time per step.
 """
@@ -60,15 +61,23 @@ def openclip_step_fn(name, cfg, dev):
     return plain_step_fn(model, dev, autocast=dev.type == "cuda", weights_dtype=torch.float32)
 
 
-def engine_step_fn(cfg, bs, dev):
+def engine_step_fn(cfg, bs, dev, ds_json="zero2_{p}", accum=1):
+    """dsclip's engine step on ``bs`` rows: ``accum`` micro-batches (the gradient cache), the shipped
+    ``ds_configs/{ds_json}.json`` (``{p}``: the precision)."""
     from dsclip.engine.build import autocast_dtype
     from dsclip.losses import build_loss
     from dsclip.train.gradcache import GradCacheStep
 
     precision = "bf16" if dev.type == "cuda" else "fp32"
-    engine, bundle, _ = V.dsclip_engine(precision, bs, 1, cfg, 1, device_type=dev.type)
-    gc = GradCacheStep(engine, build_loss("infonce"), compute_dtype=autocast_dtype(bundle))
-    return lambda batch: gc([batch], grad_norm=False)  # a step between logged steps, as 99 in 100 of `dsclip train`
+    extra = {"deepspeed_config": f"ds_configs/{ds_json.format(p=precision)}.json"}
+    mb = bs // accum
+    engine, bundle, _ = V.dsclip_engine(precision, mb, accum, cfg, 1, extra=extra, device_type=dev.type)
+    gc = GradCacheStep(engine, build_loss("infonce"), compute_dtype=autocast_dtype(bundle), accum_freq=accum)
+
+    def step(batch):  # a step between logged steps, as 99 in 100 of `dsclip train`
+        gc([(batch[0][i * mb : (i + 1) * mb], batch[1][i * mb : (i + 1) * mb]) for i in range(accum)], grad_norm=False)
+
+    return step
 
 
 def time_steps(step, batches, dev) -> float:
@@ -145,6 +154,8 @@ def main(argv=None) -> int:
     ap.add_argument("--top", type=int, default=18)
     ap.add_argument("--no-profile", action="store_true", help="step times only")
     ap.add_argument("--variants", default="openclip,dsclip-autocast,dsclip-bf16,dsclip-engine")
+    ap.add_argument("--ds-json", default="zero2_{p}", help="dsclip-engine's ds_configs/ JSON ({p}: the precision)")
+    ap.add_argument("--accum-freq", type=int, default=1, help="dsclip-engine's micro-batches per step (--batch rows)")
     ap.add_argument("--sort", help="profiler table order (default: self device time; e.g. self_cpu_time_total)")
     ap.add_argument(
         "--cprofile", type=int, default=0, help="lines of a cProfile of dsclip-engine's host side (0: none)"
@@ -165,7 +176,7 @@ def main(argv=None) -> int:
         "openclip": lambda: openclip_step_fn(a.model, cfg, dev),
         "dsclip-autocast": lambda: plain_step_fn(create_model(cfg), dev, dev.type == "cuda", torch.float32),
         "dsclip-bf16": lambda: plain_step_fn(create_model(cfg), dev, False, bf16),
-        "dsclip-engine": lambda: engine_step_fn(cfg, a.batch, dev),
+        "dsclip-engine": lambda: engine_step_fn(cfg, a.batch, dev, a.ds_json, a.accum_freq),
     }
     steps = {}
     for name in a.variants.split(","):
