@@ -586,15 +586,17 @@ def _plan_cpu_memory(
 
 def _measured_gflops() -> dict[str, float]:
     # forward GFLOPs per sample of each architecture with a measured MFU, counted as plans count them
-    return {m.model: forward_flops(load_arch(m.model, count_params=False))["total"] / 1e9 for m in MEASURED}
+    models = {m.model for m in MEASURED}
+    return {name: forward_flops(load_arch(name, count_params=False))["total"] / 1e9 for name in models}
 
 
 def _plan_speed(plan: Plan, arch: Arch, keep_last_graph: bool) -> None:
     fwd = forward_flops(arch)
     if plan.mfu is None:  # measured where dsclip has a measurement (dsclip.plan_efficiency), said where from
         plan.mfu, plan.mfu_source = plan_mfu(
-            plan.model, plan.zero, plan.precision, fwd["total"] / 1e9, _measured_gflops()
-        )
+            plan.model, plan.zero, plan.precision, fwd["total"] / 1e9, _measured_gflops(),
+            accum_freq=plan.accum_freq, grad_checkpointing=plan.grad_checkpointing,
+        )  # fmt: skip
     elif not plan.mfu_source:
         plan.mfu_source = "given (--mfu)"
     local, mfu = plan.local_batch, plan.mfu

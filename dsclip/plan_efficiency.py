@@ -12,11 +12,14 @@ How a figure is chosen for a plan:
   GEMM sizes: ViT-B-32 28.8 %, ViT-L-14 45.1 %); a larger model than any measured takes the largest's
   figure, which its bigger GEMMs usually exceed (so the prediction errs slow);
 * ZeRO-3: the model's own ZeRO-3 row; else its ZeRO-2 figure scaled by ZeRO-3's measured share of
-  ZeRO-2's MFU on the nearest model measured at both (bench/gpu_bench.py's zero3 trainers, gpu_h200.sh
-  stage ``zero3``); while no ZeRO-3 row exists (none yet), ZeRO-2's figure as it is, and the plan says so
-  (on CPU, bench/results/zero3-host_cpu2_2026-12-03.md measured ZeRO-3's host time per step at 2.8x
-  ZeRO-2's; a GPU hides that only while a step's arithmetic outlasts it);
+  ZeRO-2's MFU on the nearest model measured at both in one run (bench/gpu_bench.py's zero3 trainers,
+  gpu_h200.sh stage ``zero3``: 0.30 at ViT-L-14 on one H200, 2026-12-04);
 * fp32 has no measurement: the assumed figure.
+
+A row measured with the gradient cache (K > 1) or activation checkpointing did more arithmetic than the
+MFU counts (pass 2 re-forwards K - 1 of K chunks; checkpointing re-forwards everything). The figure moves
+between runs at the same hardware utilisation: a row's MFU times its executed / counted FLOPs, divided by
+the plan's (:func:`executed_share`), and the source says so.
 """
 
 from __future__ import annotations
@@ -38,30 +41,68 @@ class MeasuredMFU:
     mfu: float
     gpu: str
     source: str  # bench/results/ file holding the row
+    accum_freq: int = 1  # the gradient cache's micro-batches per step
+    grad_checkpointing: bool = False
 
     def describe(self) -> str:
+        shape = f"micro-batch {self.micro_batch}" + (f" x K {self.accum_freq}" if self.accum_freq > 1 else "")
+        ckpt = ", --grad-checkpointing" if self.grad_checkpointing else ""
         return (
-            f"{self.model} ZeRO-{self.zero} {self.precision} micro-batch {self.micro_batch}: {self.mfu:.1%} "
+            f"{self.model} ZeRO-{self.zero} {self.precision} {shape}{ckpt}: {self.mfu:.1%} "
             f"({self.samples_per_s:,.0f} samples/s on one {self.gpu}, {self.source})"
         )
 
 
+def executed_share(accum_freq: int, grad_checkpointing: bool) -> float:
+    """Executed FLOPs over the FLOPs MFU counts (forward + 2x backward): the gradient cache's pass 2
+    re-forwards K - 1 of K chunks (the last chunk's graph is kept, dsclip/train/gradcache.py), activation
+    checkpointing re-forwards everything once more; a forward is a third of the counted FLOPs."""
+    k = max(accum_freq, 1)
+    return 1.0 + ((k - 1) / k + (1.0 if grad_checkpointing else 0.0)) / 3.0
+
+
+_GPU_1201 = "bench/results/gpu-h200_h200_2026-12-01.md"
+_GPU_1204 = "bench/results/gpu-h200_h200_2026-12-04.md"
 MEASURED: tuple[MeasuredMFU, ...] = (
-    MeasuredMFU("ViT-B-32", 2, "bf16", 512, 5043, 0.288, "H200", "bench/results/gpu-h200_h200_2026-12-01.md"),
-    MeasuredMFU("ViT-L-14", 2, "bf16", 128, 675, 0.451, "H200", "bench/results/gpu-h200_h200_2026-12-01.md"),
+    MeasuredMFU("ViT-B-32", 2, "bf16", 512, 5043, 0.288, "H200", _GPU_1201),
+    MeasuredMFU("ViT-L-14", 2, "bf16", 128, 675, 0.451, "H200", _GPU_1201),
+    # ZeRO-3 against ZeRO-2 in one run, the gradient cache at K = 2 (ViT-H-14's ZeRO-2 row of that run ran
+    # after DeepSpeed had replaced torch's linear process-wide, so it is not taken)
+    MeasuredMFU("ViT-L-14", 2, "bf16", 64, 550, 0.363, "H200", _GPU_1204, accum_freq=2),
+    MeasuredMFU("ViT-L-14", 3, "bf16", 64, 163, 0.108, "H200", _GPU_1204, accum_freq=2),
+    MeasuredMFU("ViT-H-14", 3, "bf16", 32, 72, 0.103, "H200", _GPU_1204, accum_freq=2),
+    MeasuredMFU("ViT-bigG-14", 3, "bf16", 64, 39.7, 0.159, "H200", _GPU_1204),
 )
 
 
-def _base_figure(rows, model: str, forward_gflops: float, measured_gflops: dict[str, float]) -> tuple[MeasuredMFU, str]:
-    """The row a plan of ``model`` takes among ``rows`` and how it was chosen ("" for the model's own)."""
+def _own(rows, model: str, accum_freq: int, grad_checkpointing: bool) -> MeasuredMFU | None:
+    """The model's row run most like the plan (the same K and checkpointing first), or None."""
     same = [m for m in rows if m.model == model]
-    if same:
-        return same[0], ""
+    if not same:
+        return None
+    return min(same, key=lambda m: (m.accum_freq != accum_freq) + (m.grad_checkpointing != grad_checkpointing))
+
+
+def _base_figure(rows, model: str, forward_gflops: float, measured_gflops: dict[str, float], k: int, ckpt: bool):
+    """The row a plan of ``model`` takes among ``rows`` and how it was chosen ("" for the model's own)."""
+    own = _own(rows, model, k, ckpt)
+    if own is not None:
+        return own, ""
     largest = max(rows, key=lambda m: measured_gflops[m.model])
     if forward_gflops >= measured_gflops[largest.model]:
-        return largest, "the largest model measured"
+        return _own(rows, largest.model, k, ckpt), "the largest model measured"
     nearest = min(rows, key=lambda m: abs(math.log(measured_gflops[m.model] / forward_gflops)))
-    return nearest, "the measured model nearest in FLOPs per sample"
+    return _own(rows, nearest.model, k, ckpt), "the measured model nearest in FLOPs per sample"
+
+
+def _rerun(row: MeasuredMFU, mfu: float, accum_freq: int, grad_checkpointing: bool) -> tuple[float, str]:
+    """``mfu`` (taken from ``row``) for a run with the plan's K and checkpointing, at the row's hardware
+    utilisation; the note says so when they differ."""
+    if (max(row.accum_freq, 1), row.grad_checkpointing) == (max(accum_freq, 1), grad_checkpointing):
+        return mfu, ""
+    factor = executed_share(row.accum_freq, row.grad_checkpointing) / executed_share(accum_freq, grad_checkpointing)
+    plan = f"K {max(accum_freq, 1)}" + (", --grad-checkpointing" if grad_checkpointing else "")
+    return round(mfu * factor, 4), f"; x {factor:.2f} for this plan's re-forwards ({plan}) at the same utilisation"
 
 
 def plan_mfu(
@@ -71,31 +112,38 @@ def plan_mfu(
     forward_gflops: float,
     measured_gflops: dict[str, float],
     measured: tuple[MeasuredMFU, ...] | None = None,
+    accum_freq: int = 1,
+    grad_checkpointing: bool = False,
 ) -> tuple[float, str]:
     """(MFU, where it comes from) for a plan. ``measured_gflops`` maps each measured architecture to its
     forward GFLOPs per sample (computed by the planner, so the comparison uses one FLOP count);
-    ``measured``: the table (default :data:`MEASURED`).
+    ``measured``: the table (default :data:`MEASURED`); ``accum_freq`` and ``grad_checkpointing``: the
+    plan's (a row run otherwise is moved to them by :func:`executed_share`).
 
     ZeRO-3: the model's own ZeRO-3 row where there is one; else its ZeRO-1/2 figure (as for ZeRO-2) times
-    ZeRO-3's measured share of ZeRO-2's MFU on the measured model nearest in FLOPs that has both; else
-    the ZeRO-2 figure as it is, and the source says ZeRO-3 was not measured."""
+    ZeRO-3's measured share of ZeRO-2's MFU on the measured model nearest in FLOPs that has both in one
+    run (the same K and checkpointing); else the ZeRO-2 figure as it is, and the source says ZeRO-3 was
+    not measured."""
+    k, ckpt = accum_freq, grad_checkpointing
     if precision == "fp32":
         return ASSUMED_MFU, f"assumed {ASSUMED_MFU:g} (no fp32 measurement; give --mfu)"
     rows = [m for m in (MEASURED if measured is None else measured) if m.precision in ("bf16", "fp16")]
     zero3 = [m for m in rows if m.zero == 3]
     if zero == 3:
-        own = [m for m in zero3 if m.model == model]
-        if own:
-            return own[0].mfu, f"measured, {own[0].describe()}"
+        own = _own(zero3, model, k, ckpt)
+        if own is not None:
+            mfu, moved = _rerun(own, own.mfu, k, ckpt)
+            return mfu, f"measured, {own.describe()}{moved}"
     base = [m for m in rows if m.zero in (1, 2)]
-    pick, how = _base_figure(base, model, forward_gflops, measured_gflops)
+    pick, how = _base_figure(base, model, forward_gflops, measured_gflops, k, ckpt)
     mfu = pick.mfu
     source = f"measured, {pick.describe()}" if not how else (
         f"from {how}, {pick.describe()}; {model} is {forward_gflops:.0f} against "
         f"{measured_gflops[pick.model]:.0f} forward GFLOPs per sample"
     )  # fmt: skip
     if zero == 3:
-        pairs = [(z, b) for z in zero3 for b in base if b.model == z.model]
+        like = {(b.model, b.accum_freq, b.grad_checkpointing): b for b in base}
+        pairs = [(z, like[key]) for z in zero3 if (key := (z.model, z.accum_freq, z.grad_checkpointing)) in like]
         if pairs:
             z, b = min(pairs, key=lambda zb: abs(math.log(measured_gflops[zb[0].model] / forward_gflops)))
             share = z.mfu / b.mfu
@@ -103,4 +151,5 @@ def plan_mfu(
             source += f"; x {share:.2f}, ZeRO-3's share of ZeRO-2's MFU measured on {z.model} ({z.describe()})"
         else:
             source += NO_ZERO3_NOTE
-    return mfu, source
+    mfu, moved = _rerun(pick, mfu, k, ckpt)
+    return mfu, source + moved
