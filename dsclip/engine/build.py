@@ -7,6 +7,7 @@ The model code never imports DeepSpeed; everything DeepSpeed-specific (ZeRO-3 co
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -26,6 +27,7 @@ from dsclip.dist import rank_world
 from dsclip.engine import optim, world
 from dsclip.engine.compile import compile_towers
 from dsclip.engine.ds_config import TrainArgs, precision_of, zero_stage
+from dsclip.engine.input_grads import needs_input_grads, require_input_grads
 from dsclip.engine.optim import OptimArgs
 from dsclip.engine.patches import PatchReport, install_patches, parse_selection
 from dsclip.engine.patches.fingerprint import deepspeed_version
@@ -60,6 +62,20 @@ def construction_context(ds_config: dict):
     if zero_stage(ds_config) == 3:
         return deepspeed.zero.Init(config_dict_or_path=ds_config)
     return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def init_redone_after():
+    """Construction under ``zero.Init`` whose caller re-runs the weight init (or loads the weights) next:
+    the model's warning that partitioned layers kept torch's default init does not apply, so it is not
+    printed on every rank of every ZeRO-3 run."""
+    clip_log = logging.getLogger("dsclip.model.clip")
+    level = clip_log.level
+    clip_log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        clip_log.setLevel(level)
 
 
 def enable_activation_checkpointing(model: nn.Module, ds_config: dict) -> None:
@@ -97,7 +113,7 @@ def build_engine(
     selection = parse_selection(train.engine_patches)  # a typo fails before any work
     deepspeed.init_distributed(dist_backend="nccl" if device_type() == "cuda" else "gloo")
     release_shm_workspace()  # DeepSpeed's CPU all-reduce segment would outlive the run in /dev/shm
-    with construction_context(ds_config):
+    with construction_context(ds_config), init_redone_after():  # init_weights(gather=...) below
         model = model_factory()
     if zero_stage(ds_config) == 3:
         # zero.Init partitions each layer as soon as it is built, so the model's own weight init ran on
@@ -105,6 +121,8 @@ def build_engine(
         model.init_weights(gather=lambda ps: deepspeed.zero.GatheredParameters(ps, modifier_rank=0))
     if after_construction is not None:
         after_construction(model)
+    if zero_stage(ds_config) == 3 and needs_input_grads(model):  # LiT's locked towers (input_grads.py)
+        require_input_grads(model)
     if grad_checkpointing:
         enable_activation_checkpointing(model, ds_config)
     if train.torchcompile:

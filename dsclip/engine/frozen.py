@@ -10,11 +10,12 @@ forward is collective: every rank runs it (the gradient cache's pass 1 does, on 
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 
 import deepspeed
 from torch import nn
+
+from dsclip.engine.build import init_redone_after
 
 # What the frozen engine takes from the run's DeepSpeed config: batch triad, precision, ZeRO-3 knobs.
 _KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size", "bf16", "fp16")
@@ -34,16 +35,9 @@ def build_frozen_zero3(
     """``model_factory()`` partitioned as it is built, ``load(model)`` (collective: fills the weights),
     frozen, in eval mode, wrapped in a ZeRO-3 engine without optimizer. Call on every rank."""
     cfg = frozen_ds_config(ds_config)
-    # The model's own random init is skipped for partitioned layers (and logged as a warning); the
-    # weights all come from ``load`` next, so that warning does not apply here.
-    clip_log = logging.getLogger("dsclip.model.clip")
-    level = clip_log.level
-    clip_log.setLevel(logging.ERROR)
-    try:
-        with deepspeed.zero.Init(config_dict_or_path=cfg):
-            model = model_factory()
-    finally:
-        clip_log.setLevel(level)
+    # The model's own random init is skipped for partitioned layers; the weights all come from ``load`` next
+    with deepspeed.zero.Init(config_dict_or_path=cfg), init_redone_after():
+        model = model_factory()
     load(model)
     model.requires_grad_(False)
     engine, _, _, _ = deepspeed.initialize(model=model, config=cfg)

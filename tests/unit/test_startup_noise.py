@@ -26,3 +26,16 @@ def test_untested_optimizer_warning_dropped_other_warnings_kept(caplog):
         logger.warning("**** You are using ZeRO with an untested optimizer, proceed with caution *****")
         logger.warning("some other DeepSpeed warning")
     assert [r.getMessage() for r in caplog.records] == ["some other DeepSpeed warning"]
+
+
+def test_the_partitioned_init_warning_is_not_printed_where_the_init_is_redone(caplog):
+    # build_engine and the frozen teacher build under zero.Init and re-run the init (or load) right after,
+    # so the model's "call model.init_weights(gather=...)" advice is noise there; elsewhere it stays
+    from dsclip.engine.build import init_redone_after
+
+    logger = logging.getLogger("dsclip.model.clip")
+    with caplog.at_level(logging.WARNING, logger="dsclip.model.clip"):
+        with init_redone_after():
+            logger.warning("53 layers were partitioned (ZeRO-3 zero.Init) before the OpenCLIP init could run")
+        logger.warning("outside")
+    assert [r.getMessage() for r in caplog.records] == ["outside"]

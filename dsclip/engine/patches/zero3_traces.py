@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import torch
 
+from dsclip.engine.input_grads import input_grads_covered
+
 NAME = "zero3_traces"
 SUMMARY = "ZeRO-3 + gradient cache: no-grad forwards get their own fetch trace, so both traces complete and prefetch"
 VERIFIED = ("0.19.8",)
@@ -47,10 +49,10 @@ def applies(engine) -> bool:
         and hasattr(offload, "param_coordinator")
         and hasattr(offload.param_coordinator, _P + "inflight_param_registry")
         and getattr(offload, "module", None) is engine.module
-        # Frozen parameters (LiT's --lock-image / --lock-text) keep DeepSpeed's single trace: with them the
-        # two traces were seen to leave a persistent tensor released before its backward (tests/dist/test_lock.py
-        # at ZeRO-3, K = 2), a path not understood yet.
-        and all(p.requires_grad for p in engine.module.parameters())
+        # Frozen parameters (LiT's --lock-image / --lock-text) need the trainable modules' inputs to require
+        # grad (dsclip/engine/input_grads.py, installed by build_engine): without that, DeepSpeed reduced a
+        # module's weights before their gradients existed, with either trace layout
+        and input_grads_covered(engine.module)
     )
 
 
