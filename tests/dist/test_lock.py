@@ -1,7 +1,8 @@
 """LiT / partial locking on 2 gloo ranks under ZeRO-2 and ZeRO-3, with the gradient cache (K=2, and K=1 under
-ZeRO-3, where the first step used to fail: dsclip/engine/input_grads.py) and activation checkpointing: locked tensors are bit-for-bit unchanged after several steps, every unlocked
-one moved, locked parameters have no optimizer state, and the unlocked gradients equal an independent
-single-process big-batch reference with the same locking."""
+ZeRO-3, where the first step used to fail: dsclip/engine/input_grads.py) and activation checkpointing:
+locked tensors are bit-for-bit unchanged after several steps, every unlocked one moved, locked parameters
+have no optimizer state, and the unlocked gradients equal an independent single-process big-batch
+reference with the same locking."""
 
 from __future__ import annotations
 
