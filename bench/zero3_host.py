@@ -142,7 +142,10 @@ def _rank(rank, world, a, plan):
             run(data[b, k][s % 2], 2 + s)
         prof.disable()
         out = io.StringIO()
-        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(a.lines)
+        stats = pstats.Stats(prof, stream=out).sort_stats("tottime")
+        stats.print_stats(a.lines)
+        for name in a.callers_of:  # who calls it, and how often (e.g. get_rank: DeepSpeed's log guards)
+            stats.print_callers(name)
         return out.getvalue()
     times = {n: [] for n in runs}
     names = list(runs)
@@ -191,6 +194,7 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", default="", help=f"comma list of {list(VARIANTS)} (default: all)")
     ap.add_argument("--gradcache", action="store_true", help="K = 2 against K = 1 on the same rows (item 4)")
     ap.add_argument("--profile", default="", help="cProfile one variant instead of timing them")
+    ap.add_argument("--callers-of", action="append", default=[], help="with --profile: print this function's callers")
     ap.add_argument("--lines", type=int, default=40)
     a = ap.parse_args(argv)
     from tests.distutil import run_world
