@@ -12,15 +12,16 @@
 #      shipped JSON, and with DeepSpeed's autograd linear off) against ZeRO-2 at ViT-L-14 and ViT-H-14, bf16,
 #      gradient cache K = 2 (issue #29). Stage zero3_profile (~2 min, not in the default set): the ZeRO-3
 #      step's kernel time against its wall time, and its host cProfile (bench/gpu_profile.py).
-#      The next lease for issue #29: STAGES="zero3 zero3_profile bigg" (~9 min).
+#      The next lease for issue #29, as two calls (one call may run 10 min): STAGES="zero3 zero3_profile"
+#      (~5 min), then at once STAGES="bigg" (~6 min).
 #   4. input (~2 min, not in the default set: the four above already fill ~10 min): bench/gpu_input.py, the GPU
 #      input path (issue #28): nvJPEG images/s alone, and `dsclip train --model ViT-B-32` from real-photo shards
 #      with --data-decode gpu and 8 workers against synthetic in-memory batches. Needs scikit-image's photos
 #      (in the device image). Run it alone or in place of a stage: STAGES="input" bash bench/gpu_h200.sh
-#   5. bigg (~4 min, not in the default set either): bench/gpu_plan_check.py, ViT-bigG-14 under ZeRO-3 with
+#   5. bigg (~6 min, not in the default set either): bench/gpu_plan_check.py, ViT-bigG-14 under ZeRO-3 with
 #      --grad-checkpointing (issue #29): the largest micro-batch that fits (probes at dsclip plan's answer and
-#      one 15 % step from it), its peak memory, step time and MFU against the plan's.  STAGES="bigg input"
-#      runs both left-out stages in one ~6 min lease.
+#      one 15 % step from it), its peak memory, step time and MFU against the plan's. Measured 2026-12-04
+#      (results/gpu-h200_h200_2026-12-04.md): zero3 150 s, input 95 s, bigg's OOM probes 70 s.
 
 # (Measured once and not repeated each lease: bench/utilisation.py --device cuda, the GEMM rate at the ViT
 # block shapes; bench/gpu_bench.py's loss-memory rows, --loss-sizes 32768,65536,131072.)
@@ -80,7 +81,9 @@ stage zero3_profile 150 "$PY" bench/gpu_profile.py --model ViT-L-14 --batch 128 
 # the GPU input path (issue #28): nvJPEG alone; real-photo shards with --data-decode gpu vs synthetic batches
 stage input 170 "$PY" bench/gpu_input.py --workers 8 --steps 96 --out "$OUT/input.json"
 # dsclip plan against a measured bigG run (issue #29; targets: memory within 15 %, step time within 25 %)
-stage bigg 300 "$PY" bench/gpu_plan_check.py --model ViT-bigG-14 --zero 3 --grad-checkpointing --steps 2 \
-  --max-probes 2 --probe-timeout 140 --json-out "$OUT/bigg.json"
+# (2026-12-04 its probes ran without checkpointing, a bench bug since fixed; with it the plan's micro-batch
+# 1,297 takes ~12-25 s a step, so each probe is two warm-up steps and one timed step)
+stage bigg 360 "$PY" bench/gpu_plan_check.py --model ViT-bigG-14 --zero 3 --grad-checkpointing --steps 1 \
+  --max-probes 2 --probe-timeout 170 --json-out "$OUT/bigg.json"
 rm -rf "$OUT/runs"  # checkpoints stay on the machine; the logs above hold the numbers
 echo "results: $OUT/summary.txt"
