@@ -131,10 +131,22 @@ def record_forwards(step) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def _rank_step(
-    rank, world, stage, k, mode, patch_dropout, keep_last, compile_backend=None, patches="all", zero3_leaves=True
+    rank,
+    world,
+    stage,
+    k,
+    mode,
+    patch_dropout,
+    keep_last,
+    compile_backend=None,
+    patches="all",
+    zero3_leaves=True,
+    persistence_threshold=None,
 ):
     """One gradient-cache step. ``mode``: "auto" (what dsclip train does) or "naive" (engine.backward K times
-    with no boundary handling at all, what forks of OpenCLIP do); ``patches``: --engine-patches."""
+    with no boundary handling at all, what forks of OpenCLIP do); ``patches``: --engine-patches;
+    ``persistence_threshold``: ZeRO-3's ``stage3_param_persistence_threshold`` instead of the shipped 1e5 (under
+    which every tensor of the tiny model stays whole on every rank)."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad, z3_leaf_parameter
     from timm.models.vision_transformer import Block
 
@@ -150,6 +162,8 @@ def _rank_step(
     )
     if not zero3_leaves:  # stock ZeRO-3: one fetch and one gradient hook per tensor
         ds["zero_optimization"]["leaf_module"] = {"classes": []}
+    if persistence_threshold is not None:
+        ds["zero_optimization"]["stage3_param_persistence_threshold"] = persistence_threshold
     bundle = build_engine(
         ds, cfg.train, cfg.optim, lambda: make_model(patch_dropout), total_steps=10, steps_per_epoch=10
     )
@@ -185,6 +199,7 @@ def _rank_step(
 
     return {
         "loss": result.loss,
+        "partitioned": sum(not getattr(p, "ds_persist", True) for p in engine.module.parameters()),
         "grads": grads,
         "weights": weights,
         "same_embeddings": same_embeddings,
@@ -316,6 +331,16 @@ def test_gradcache_equals_big_batch(world, stage, k, shared_dir):
     expected = [n for n in EXPECTED_PATCHES[(world, stage)] if passes_check(n)]  # all, on a verified DeepSpeed
     assert all(r["patches"] == expected for r in results), results[0]["patches"]
     assert all(r["reduction"] == "coalesced" for r in results)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_gradcache_equals_big_batch_zero3_with_weights_partitioned(k):
+    """The shipped ZeRO-3 threshold keeps the tiny model's tensors whole on every rank; here every tensor is
+    partitioned (threshold 0), so each block is gathered for its forward, its re-forward and its backward, and
+    the gradients are reduce-scattered: still the big batch's gradients and update."""
+    results = run_world(_rank_step, 2, 3, k, "auto", 0.0, True, None, "all", True, 0)
+    assert all(r["partitioned"] == len(r["grads"]) for r in results)  # nothing persistent
+    assert_matches(results, reference_step(results[0]["initial"], 2, k), 2, k)
 
 
 def test_zero3_leaf_blocks_compute_what_stock_zero3_computes(shared_dir):
