@@ -161,6 +161,8 @@ def main(argv=None) -> int:
         "--cprofile", type=int, default=0, help="lines of a cProfile of dsclip-engine's host side (0: none)"
     )
     a = ap.parse_args(argv)
+    if a.accum_freq < 1 or a.batch % a.accum_freq:
+        ap.error(f"--accum-freq {a.accum_freq} must divide --batch {a.batch} (the step's rows)")
     known = ("openclip", "dsclip-autocast", "dsclip-bf16", "dsclip-engine")
     unknown = sorted(set(a.variants.split(",")) - set(known))
     if unknown:

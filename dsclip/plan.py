@@ -42,7 +42,7 @@ from dsclip.losses.config import LOSS_FLAGS, TRAIN_TILE_SIZE
 from dsclip.losses.config import LOSS_NAMES as LOSS_MODES
 from dsclip.model import get_model_config, resolve_model_config
 from dsclip.model.lock import LockConfig, check_lock_config
-from dsclip.plan_efficiency import MEASURED, plan_mfu
+from dsclip.plan_efficiency import MEASURED, extra_forwards, plan_mfu
 
 GiB = 2**30
 ROOT = Path(__file__).resolve().parents[1]
@@ -603,9 +603,7 @@ def _plan_speed(plan: Plan, arch: Arch, keep_last_graph: bool) -> None:
     plan.forward_gflops_per_sample = {k: round(v / 1e9, 2) for k, v in fwd.items()}
     lf = loss_flops(plan.loss, local, plan.batch_size, arch.embed_dim) / local
     model_flops = 3 * fwd["total"] + lf  # forward + backward (2x), the MFU convention
-    k = max(plan.accum_freq, 1)
-    reforward = (k - 1) / k if keep_last_graph else 1.0  # gradient cache pass 2 re-forwards the chunks
-    executed = model_flops + fwd["total"] * (reforward + (1.0 if plan.grad_checkpointing else 0.0))
+    executed = model_flops + fwd["total"] * extra_forwards(plan.accum_freq, plan.grad_checkpointing, keep_last_graph)
     plan.train_gflops_per_sample = round(model_flops / 1e9, 2)
     plan.executed_gflops_per_sample = round(executed / 1e9, 2)
     plan.step_time_s = round(model_flops * local / (mfu * plan.peak_tflops * 1e12), 3)

@@ -53,12 +53,18 @@ class MeasuredMFU:
         )
 
 
-def executed_share(accum_freq: int, grad_checkpointing: bool) -> float:
-    """Executed FLOPs over the FLOPs MFU counts (forward + 2x backward): the gradient cache's pass 2
-    re-forwards K - 1 of K chunks (the last chunk's graph is kept, dsclip/train/gradcache.py), activation
-    checkpointing re-forwards everything once more; a forward is a third of the counted FLOPs."""
+def extra_forwards(accum_freq: int, grad_checkpointing: bool, keep_last_graph: bool = True) -> float:
+    """Forwards per sample beyond the one MFU counts: the gradient cache's pass 2 re-forwards K - 1 of K
+    chunks (all K without the kept last graph, dsclip/train/gradcache.py), activation checkpointing
+    re-forwards everything once more."""
     k = max(accum_freq, 1)
-    return 1.0 + ((k - 1) / k + (1.0 if grad_checkpointing else 0.0)) / 3.0
+    reforward = (k - 1) / k if keep_last_graph else 1.0
+    return reforward + (1.0 if grad_checkpointing else 0.0)
+
+
+def executed_share(accum_freq: int, grad_checkpointing: bool) -> float:
+    """Executed FLOPs over the FLOPs MFU counts (forward + 2x backward): a forward is a third of them."""
+    return 1.0 + extra_forwards(accum_freq, grad_checkpointing) / 3.0
 
 
 _GPU_1201 = "bench/results/gpu-h200_h200_2026-12-01.md"
@@ -98,9 +104,9 @@ def _base_figure(rows, model: str, forward_gflops: float, measured_gflops: dict[
 def _rerun(row: MeasuredMFU, mfu: float, accum_freq: int, grad_checkpointing: bool) -> tuple[float, str]:
     """``mfu`` (taken from ``row``) for a run with the plan's K and checkpointing, at the row's hardware
     utilisation; the note says so when they differ."""
-    if (max(row.accum_freq, 1), row.grad_checkpointing) == (max(accum_freq, 1), grad_checkpointing):
-        return mfu, ""
     factor = executed_share(row.accum_freq, row.grad_checkpointing) / executed_share(accum_freq, grad_checkpointing)
+    if factor == 1.0:  # run like the plan (equal shares come only from equal K and checkpointing)
+        return mfu, ""
     plan = f"K {max(accum_freq, 1)}" + (", --grad-checkpointing" if grad_checkpointing else "")
     return round(mfu * factor, 4), f"; x {factor:.2f} for this plan's re-forwards ({plan}) at the same utilisation"
 

@@ -30,11 +30,15 @@ def needs_input_grads(model: nn.Module) -> bool:
     return flags == {True, False}
 
 
+def _trains(module: nn.Module) -> bool:
+    return any(p.requires_grad for p in module.parameters())
+
+
 def input_grads_covered(model: nn.Module) -> bool:
     """No parameter is frozen, or every module with trainable parameters has the hook."""
     if not needs_input_grads(model):
         return True
-    return all(m.__dict__.get(HOOKED) for m in model.modules() if any(p.requires_grad for p in m.parameters()))
+    return all(m.__dict__.get(HOOKED) for m in model.modules() if _trains(m))
 
 
 def require_input_grads(model: nn.Module) -> int:
@@ -43,7 +47,7 @@ def require_input_grads(model: nn.Module) -> int:
     number of modules hooked."""
     hooked = 0
     for module in model.modules():
-        if module.__dict__.get(HOOKED) or not any(p.requires_grad for p in module.parameters()):
+        if module.__dict__.get(HOOKED) or not _trains(module):
             continue
         module.register_forward_pre_hook(_inputs_require_grad, prepend=True, with_kwargs=True)
         module.__dict__[HOOKED] = True

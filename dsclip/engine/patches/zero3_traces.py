@@ -14,8 +14,8 @@ The patch gives the no-grad forwards a coordinator of their own, built with the 
 the engine's in-flight registry and all-gather stream, and routes each unit to one of the two at the start of
 its root forward (a forward pre-hook that runs before DeepSpeed's): grad enabled -> DeepSpeed's coordinator,
 no grad -> the second one. Each then sees one kind of unit, repeated, and completes its trace after one step.
-Evaluation forwards (no grad) use the second one as well. A model with frozen parameters (LiT) keeps
-DeepSpeed's single trace (see ``applies``). Which coordinator fetches a weight changes when it
+Evaluation forwards (no grad) use the second one as well. A model with frozen parameters (LiT) gets it only
+with dsclip/engine/input_grads.py's hooks in place (see ``applies``). Which coordinator fetches a weight changes when it
 is gathered, not its value: gradients and weights are bit for bit DeepSpeed's (tests/dist/test_zero3_patches.py),
 and the big-batch reference tests at ZeRO-3, K = 2 and 4, run with it (tests/dist/test_gradcache.py).
 """
