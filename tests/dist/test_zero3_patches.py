@@ -1,14 +1,17 @@
-"""ZeRO-3's patches (zero3_params, zero3_traces, zero3_gather, zero3_norm) against DeepSpeed's own paths.
+"""ZeRO-3's patches (zero3_params, zero3_traces, zero3_gather, zero3_norm, zero3_release) against DeepSpeed's
+own paths.
 
 Two ranks, ZeRO-3, fp32, the gradient cache at K = 2, three steps, with the patches as a user selects them
 (``--engine-patches``): all against none (DeepSpeed's paths: the reference). The persistence threshold is
 lowered so that the tiny model's matrices are partitioned and fetched per block and its vectors stay
 persistent (the shipped 1e5 keeps every tensor of this model whole): both of the patched paths run.
 
-- zero3_params, zero3_traces and zero3_gather move no number: gradients, fp32 weights, the persistent tensors
-  the next forward reads and Adam's moments are bit for bit DeepSpeed's. zero3_traces' purpose is checked
-  too: both fetch traces (no-grad forwards; forward + backward units) are recorded in the first step and never
-  invalidated, where DeepSpeed's single trace mixes the two kinds of unit.
+- zero3_params, zero3_traces, zero3_gather and zero3_release move no number: gradients, fp32 weights, the
+  persistent tensors the next forward reads and Adam's moments are bit for bit DeepSpeed's. zero3_traces'
+  purpose is checked too: both fetch traces (no-grad forwards; forward + backward units) are recorded in the
+  first step and never invalidated, where DeepSpeed's single trace mixes the two kinds of unit. So is
+  zero3_release's: its direct path took every release of the training steps (DeepSpeed's
+  ``Init._partition_param`` is not reached).
 - zero3_norm sums the same float64 squares in another order: the reported norm is within the float64
   bound of two summation orders of every gradient element (tests/tolerances.py), and without clipping the
   weights do not depend on it at all (bit for bit). With clipping the clip factor may move by float32
@@ -31,10 +34,11 @@ pytestmark = [pytest.mark.dist]
 K, STEPS, WORLD = 2, 3, 2
 # Below the tiny model's matrices (>= 64 x 64 = 4096 elements), above its vectors (<= 256)
 PERSISTENCE_THRESHOLD = 1000
-ZERO3_PATCHES = ["zero3_params", "zero3_traces", "zero3_gather", "zero3_norm"]
+ZERO3_PATCHES = ["zero3_params", "zero3_traces", "zero3_gather", "zero3_norm", "zero3_release"]
 
 
 def _run(rank, world, patches, clip):
+    from deepspeed.runtime.zero import partition_parameters
     from deepspeed.runtime.zero import partitioned_param_coordinator as coordinator
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
@@ -88,6 +92,9 @@ def _run(rank, world, patches, clip):
     for coord in (offload.param_coordinator, getattr(offload, "dsclip_no_grad_coordinator", None)):
         if coord is not None:
             coord._invalidate_trace = counted(coord._invalidate_trace, invalidations)
+    # zero3_release: DeepSpeed's per-parameter partition path, counted from here on (the steps)
+    partition_calls = [0]
+    partition_parameters.Init._partition_param = counted(partition_parameters.Init._partition_param, partition_calls)
     for s in range(STEPS):
         images, tokens = make_batches(world, K, seed=300 + s)
         torch.manual_seed(11 + s)
@@ -105,6 +112,7 @@ def _run(rank, world, patches, clip):
         out["exp_avg"].append({i: st["exp_avg"].clone() for i, st in enumerate(state.values())})
         out["invalidations"].append(invalidations[0])
     out["elements"] = sum(p.ds_numel for _, p in named)
+    out["deepspeed_partition_calls"] = partition_calls[0]
     return out
 
 
@@ -134,6 +142,9 @@ def _check(ranks, clip):
             assert ours["invalidations"] == [0] * STEPS, ours["invalidations"]
             # DeepSpeed's single trace: the no-grad forward and the forward + backward units mix in it
             assert theirs["invalidations"][-1] >= 1, theirs["invalidations"]
+        if "zero3_release" in expected:  # every release of the steps took the direct path
+            assert ours["deepspeed_partition_calls"] == 0, ours["deepspeed_partition_calls"]
+        assert theirs["deepspeed_partition_calls"] > 0  # the count sees DeepSpeed's path where it runs
         assert theirs["norm_fn"] == "DeepSpeedZeroOptimizer_Stage3.get_grad_norm_direct"
         assert theirs["post_step_fn"] == "DeepSpeedZeroOptimizer_Stage3._post_step"
         assert all(ours["all_available"]) and all(theirs["all_available"])

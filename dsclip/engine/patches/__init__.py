@@ -15,9 +15,10 @@ the pattern onnxruntime's ``_ds_modifier.py`` uses for the same ZeRO-1/2 methods
   where it is not, DeepSpeed's path runs without a line (nothing is wrong with the installed DeepSpeed).
 
 ``build_engine`` calls :func:`install_patches` right after ``deepspeed.initialize``; every patch is scoped to
-that engine (instance attributes of the engine, its optimizer and its modules). One function DeepSpeed looks
-up as a module global, ZeRO-3's ``iter_params``, gets a dispatcher instead (``zero3_params``): it answers
-for the modules an engine with that patch marked and hands every other module to DeepSpeed's own function.
+that engine (instance attributes of the engine, its optimizer, its modules and their parameters). One
+function DeepSpeed looks up as a module global, ZeRO-3's ``iter_params``, gets a dispatcher instead
+(``zero3_params``): it answers for the modules an engine with that patch marked and hands every other module
+to DeepSpeed's own function.
 ``--engine-patches`` (run config ``engine_patches``) selects them: ``all`` (default), ``none``, a comma list
 of names, or ``all,-NAME`` to leave some out. The rank line and run_config.yaml list what is
 active. Outside this package nothing touches a private DeepSpeed name.
@@ -37,6 +38,7 @@ from dsclip.engine.patches import (
     zero3_gather,
     zero3_norm,
     zero3_params,
+    zero3_release,
     zero3_traces,
 )
 from dsclip.engine.patches.fingerprint import deepspeed_version, mismatched_target
@@ -66,6 +68,7 @@ PATCHES: tuple[Patch, ...] = tuple(
         zero3_traces,
         zero3_gather,
         zero3_norm,
+        zero3_release,
     )
 )
 # Patches that act later than build_engine, where the engine does what they repair (a universal load):
