@@ -197,10 +197,10 @@ TRAINERS = {
     "dsclip_zero3_noleaf_k2": functools.partial(
         dsclip_run, ds_json="zero3_{p}", accum=2, zero={"leaf_module": {"classes": []}}
     ),
-    # DeepSpeed's knob for its autograd linear (a Python Function per nn.Linear call, bias added apart from
-    # the GEMM): torch's linear instead, which holds each gathered weight until its backward
-    "dsclip_zero3_linear_off_k2": functools.partial(
-        dsclip_run, ds_json="zero3_{p}", accum=2, zero={"memory_efficient_linear": False}
+    # the shipped JSON runs torch's linear (memory_efficient_linear: false, since 2026-12-05); DeepSpeed's
+    # default, its autograd linear (a Python Function per nn.Linear call, the bias added apart from the GEMM)
+    "dsclip_zero3_linear_on_k2": functools.partial(
+        dsclip_run, ds_json="zero3_{p}", accum=2, zero={"memory_efficient_linear": True}
     ),
 }
 

@@ -39,9 +39,12 @@ import vs_openclip as V  # noqa: E402
 DEPTHS = {"H": "ViT-H-14", "bigG": "ViT-bigG-14"}
 THIN_PERSIST = {"stage3_param_persistence_threshold": 256}
 NO_LEAF = {"leaf_module": {"classes": []}}
+LINEAR_ON = {"memory_efficient_linear": True}  # DeepSpeed's default: its autograd linear in place of F.linear
+STOCK = NO_LEAF | LINEAR_ON  # DeepSpeed's defaults for what the shipped JSONs change
 PATCHES_OFF = {"engine_patches": "none"}
 # name → (DeepSpeed JSON, zero_optimization overrides, run-config values). "zero3" is the shipped JSON (leaf
-# modules on) with dsclip's engine patches (the zero3_* ones: dsclip/engine/patches/), as `dsclip train` runs it.
+# modules, torch's linear) with dsclip's engine patches (the zero3_* ones: dsclip/engine/patches/), as `dsclip
+# train` runs it.
 VARIANTS = {
     "zero2": ("zero2_{p}", {}, {}),
     "zero3": ("zero3_{p}", THIN_PERSIST, {}),
@@ -49,17 +52,18 @@ VARIANTS = {
     # each ZeRO-3 patch left out alone: what it saves
     **{
         f"zero3 -{name}": ("zero3_{p}", THIN_PERSIST, {"engine_patches": f"all,-{name}"})
-        for name in ("zero3_params", "zero3_gather", "zero3_norm")
+        for name in ("zero3_params", "zero3_gather", "zero3_norm", "zero3_release")
     },
-    "zero3 no-leaf (stock)": ("zero3_{p}", THIN_PERSIST | NO_LEAF, PATCHES_OFF),
+    "zero3 stock": ("zero3_{p}", THIN_PERSIST | STOCK, PATCHES_OFF),  # no leaves, DeepSpeed's linear, no patches
+    "zero3 linear-on": ("zero3_{p}", THIN_PERSIST | LINEAR_ON, {}),
+    "zero3 no-leaf": ("zero3_{p}", THIN_PERSIST | NO_LEAF, {}),
     "zero3 persist-all": ("zero3_{p}", NO_LEAF | {"stage3_param_persistence_threshold": 10**9}, {}),
     "zero3 prefetch 0": ("zero3_{p}", THIN_PERSIST | {"stage3_prefetch_bucket_size": 0}, {}),
-    "zero3 linear-off": ("zero3_{p}", THIN_PERSIST | {"memory_efficient_linear": False}, {}),
     "zero3 allreduce-fetch": ("zero3_{p}", THIN_PERSIST | {"stage3_use_all_reduce_for_fetch_params": True}, {}),
     "zero3 live 1e8": ("zero3_{p}", THIN_PERSIST | {"stage3_max_live_parameters": 10**8}, {}),
-    "zero3 no-leaf linear-off": ("zero3_{p}", THIN_PERSIST | NO_LEAF | {"memory_efficient_linear": False}, {}),
 }
 PHASES = ("forward", "backward", "step")
+TORCH_LINEAR = None  # torch's F.linear, taken in each rank before any engine is built
 
 
 def thin_config(depth: str) -> dict:
@@ -104,13 +108,20 @@ def _trainer(rank, world, precision, batch, k, cfg, json_name, zero, values):
     from dsclip.train.loop import step_seed
 
     extra = {"deepspeed_config": f"ds_configs/{json_name}.json", **values}
+    # Each engine steps with the F.linear its own run would have. A ZeRO-3 engine whose JSON leaves
+    # memory_efficient_linear at DeepSpeed's default has zero.Init replace torch's F.linear process-wide with
+    # DeepSpeed's autograd linear, never put back; without this every engine built or stepped after it in this
+    # process (ZeRO-2 too) ran DeepSpeed's linear: the rows before 2026-12-05 did.
+    torch.nn.functional.linear = TORCH_LINEAR
     engine, bundle, _ = V.dsclip_engine(precision, batch, k, cfg, world, extra, {"zero_optimization": zero})
+    own_linear, torch.nn.functional.linear = torch.nn.functional.linear, TORCH_LINEAR
     step_fn = GradCacheStep(engine, build_loss("infonce"), compute_dtype=autocast_dtype(bundle), accum_freq=k)
     clock = PhaseClock(engine)
     engine.train()
 
     def run(chunk, n):
         torch.manual_seed(step_seed(0, n, rank))
+        torch.nn.functional.linear = own_linear
         step_fn(chunk, grad_norm=False)  # between logged steps, as most are
 
     return run, clock
@@ -119,6 +130,10 @@ def _trainer(rank, world, precision, batch, k, cfg, json_name, zero, values):
 def _rank(rank, world, a, plan):
     """plan: name → (json, zero overrides, run-config values, micro-batch, K). Returns name → list of per-step
     phase dicts."""
+    global TORCH_LINEAR
+    import torch
+
+    TORCH_LINEAR = torch.nn.functional.linear  # before any zero.Init
     V.one_thread()
     cfg = thin_config(a.depth)
     p = a.precision
@@ -142,7 +157,7 @@ def _rank(rank, world, a, plan):
             run(data[b, k][s % 2], 2 + s)
         prof.disable()
         out = io.StringIO()
-        stats = pstats.Stats(prof, stream=out).sort_stats("tottime")
+        stats = pstats.Stats(prof, stream=out).sort_stats(a.sort)
         stats.print_stats(a.lines)
         for name in a.callers_of:  # who calls it, and how often (e.g. get_rank: DeepSpeed's log guards)
             stats.print_callers(name)
@@ -196,6 +211,7 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", default="", help="cProfile one variant instead of timing them")
     ap.add_argument("--callers-of", action="append", default=[], help="with --profile: print this function's callers")
     ap.add_argument("--lines", type=int, default=40)
+    ap.add_argument("--sort", default="tottime", help="with --profile: pstats order (tottime, cumulative)")
     a = ap.parse_args(argv)
     from tests.distutil import run_world
 

@@ -175,6 +175,28 @@ def model_state_bytes(
     return out
 
 
+def held_weight_bytes(params: int, gpus: int, zero: int, precision: str, grad_checkpointing: bool, ds_config: dict):
+    """16-bit weights that autograd keeps alive from the forward to each layer's backward under ZeRO-3 with
+    torch's ``F.linear`` (the shipped ``memory_efficient_linear: false``).
+
+    torch's linear saves a view of its weight for the backward, so a gathered weight that ZeRO-3 releases
+    after the forward stays allocated until its backward: the whole model's 16-bit weights at the turn from
+    forward to backward. DeepSpeed's autograd linear (``memory_efficient_linear: true``, its default) saves the
+    parameter itself, whose gathered copy a release frees. Nothing is held with activation checkpointing (the
+    forward keeps no graph) or on one GPU (the "gathered" weight is a view of the rank's whole partition).
+    Measured on two CPU ranks (bench/zero3_held_weights.py, bench/results/zero3-host_cpu2_2026-12-05.md): with
+    ZeRO-3 releasing every weight after its forward, 235 MB of the 285 MB of partitioned weights stayed
+    resident with torch's linear, none with DeepSpeed's; with checkpointing none with either. With the
+    shipped prefetch settings DeepSpeed had re-gathered that whole 150 M-parameter model for its backward
+    before the forward ended, with either linear. The sum counts the held weights at the forward's end, where
+    a real step's activations peak too.
+    """
+    linear_off = ds_config.get("zero_optimization", {}).get("memory_efficient_linear", True) is False
+    if zero < 3 or gpus <= 1 or grad_checkpointing or not linear_off:
+        return 0.0
+    return float(params) * (2 if precision in ("bf16", "fp16") else 4)
+
+
 def bucket_bytes(ds_config: dict, precision: str) -> float:
     """Communication buffers DeepSpeed allocates from the JSON's bucket sizes (elements -> bytes)."""
     z = ds_config.get("zero_optimization", {})
@@ -476,10 +498,11 @@ def _plan_memory(
     unlocked = model_state_bytes(arch.params, plan.gpus, plan.zero, precision, arch.largest_layer_params)
     plan.locked_saving_gb = round((sum(unlocked.values()) - sum(states.values())) / GiB, 3)
     buckets = bucket_bytes(ds_cfg, precision)
+    held = held_weight_bytes(arch.params, plan.gpus, plan.zero, precision, plan.grad_checkpointing, ds_cfg)
     cache = embedding_cache_bytes(local, arch.embed_dim)
     losses = {m: loss_bytes(m, local, plan.batch_size, arch.embed_dim, tile) for m in LOSS_MODES}
     act = activation_bytes(arch, precision, plan.grad_checkpointing)
-    fixed = sum(states.values()) + buckets + cache + losses[loss] + reserve_gb * GiB
+    fixed = sum(states.values()) + buckets + held + cache + losses[loss] + reserve_gb * GiB
     budget = plan.gpu_memory_gb * GiB - fixed
     # per sample of micro-batch: one chunk's graph at its backward peak, whatever K (held_activation_bytes)
     max_micro = int(budget // held_activation_bytes(act, 1)) if budget > 0 else 0
@@ -496,6 +519,8 @@ def _plan_memory(
 
     mem = {k: v / GiB for k, v in states.items()}
     mem["comm_buckets"] = buckets / GiB
+    if held:
+        mem["weights held to their backward (torch's linear)"] = held / GiB
     mem["embedding_cache"] = cache / GiB
     mem[f"loss ({loss})"] = losses[loss] / GiB
     mem["activations"] = held_activation_bytes(act, max(micro, 1)) / GiB
@@ -697,6 +722,7 @@ def largest_batch(
     fixed = (
         sum(model_state_bytes(arch.params, gpus, zero, precision, arch.largest_layer_params).values())
         + bucket_bytes(ds_cfg, precision)
+        + held_weight_bytes(arch.params, gpus, zero, precision, grad_checkpointing, ds_cfg)
         + reserve_gb * GiB
         + held_activation_bytes(act, micro_batch)
     )

@@ -140,11 +140,12 @@ def _rank_step(
     keep_last,
     compile_backend=None,
     patches="all",
-    zero3_leaves=True,
+    stock=(),
     persistence_threshold=None,
 ):
     """One gradient-cache step. ``mode``: "auto" (what dsclip train does) or "naive" (engine.backward K times
     with no boundary handling at all, what forks of OpenCLIP do); ``patches``: --engine-patches;
+    ``stock``: the shipped ZeRO-3 settings (STOCK_ZERO3) put back to DeepSpeed's defaults;
     ``persistence_threshold``: ZeRO-3's ``stage3_param_persistence_threshold`` instead of the shipped 1e5 (under
     which every tensor of the tiny model stays whole on every rank)."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad, z3_leaf_parameter
@@ -160,8 +161,8 @@ def _rank_step(
     ds = resolve_ds_config(
         load_ds_json(cfg.train.deepspeed_config), cfg.train, cfg.optim, world_size=world, device_type="cpu"
     )
-    if not zero3_leaves:  # stock ZeRO-3: one fetch and one gradient hook per tensor
-        ds["zero_optimization"]["leaf_module"] = {"classes": []}
+    for setting in stock:
+        ds["zero_optimization"][setting] = STOCK_ZERO3[setting]
     if persistence_threshold is not None:
         ds["zero_optimization"]["stage3_param_persistence_threshold"] = persistence_threshold
     bundle = build_engine(
@@ -214,6 +215,8 @@ def _rank_step(
         == sum(p.requires_grad and not z3_leaf_parameter(p) for p in engine.module.parameters()),
         "leaf_blocks": len(getattr(engine.optimizer, "_leaf_module_hooks", [])),
         "blocks": sum(isinstance(m, Block) for m in engine.module.modules()),
+        # torch's, or DeepSpeed's autograd linear that its zero.Init puts in place (memory_efficient_linear)
+        "linear": torch.nn.functional.linear.__name__,
     }
 
 
@@ -309,13 +312,17 @@ def plain_run(shared_dir, world, stage, k, patches="all") -> list[dict]:
     return torch.load(shared_build(shared_dir, name, build), weights_only=False)
 
 
+# DeepSpeed's defaults for the settings the shipped ZeRO-3 JSONs change in how the step computes
+# (docs/zero-and-precision.md has the measurements behind each)
+STOCK_ZERO3 = {"leaf_module": {"classes": []}, "memory_efficient_linear": True}
+
 # What each ZeRO stage and world gets with --engine-patches all (dsclip/engine/patches/): local_flush at
 # one rank only; the zero3_* patches at any world; universal_zero3 is listed for ZeRO-3 (it acts on a universal load)
 EXPECTED_PATCHES = {
     (1, 2): ["local_flush", "overflow_check", "grad_hooks", "grad_norm"],
     (2, 2): ["overflow_check", "grad_hooks", "grad_norm"],
-    (1, 3): ["zero3_params", "zero3_traces", "zero3_gather", "zero3_norm", "universal_zero3"],
-    (2, 3): ["zero3_params", "zero3_traces", "zero3_gather", "zero3_norm", "universal_zero3"],
+    (1, 3): ["zero3_params", "zero3_traces", "zero3_gather", "zero3_norm", "zero3_release", "universal_zero3"],
+    (2, 3): ["zero3_params", "zero3_traces", "zero3_gather", "zero3_norm", "zero3_release", "universal_zero3"],
 }
 
 
@@ -327,6 +334,7 @@ def test_gradcache_equals_big_batch(world, stage, k, shared_dir):
     assert all(r["hooks_restored"] for r in results)
     # the shipped ZeRO-3 JSONs make each transformer block one ZeRO-3 leaf (one fetch, one gradient hook)
     assert all(r["leaf_blocks"] == (r["blocks"] if stage == 3 else 0) and r["blocks"] > 0 for r in results)
+    assert all(r["linear"] == "linear" for r in results)  # torch's F.linear, ZeRO-3 too (memory_efficient_linear)
     assert_matches(results, reference_step(results[0]["initial"], world, k), world, k)
     expected = [n for n in EXPECTED_PATCHES[(world, stage)] if passes_check(n)]  # all, on a verified DeepSpeed
     assert all(r["patches"] == expected for r in results), results[0]["patches"]
@@ -338,19 +346,29 @@ def test_gradcache_equals_big_batch_zero3_with_weights_partitioned(k):
     """The shipped ZeRO-3 threshold keeps the tiny model's tensors whole on every rank; here every tensor is
     partitioned (threshold 0), so each block is gathered for its forward, its re-forward and its backward, and
     the gradients are reduce-scattered: still the big batch's gradients and update."""
-    results = run_world(_rank_step, 2, 3, k, "auto", 0.0, True, None, "all", True, 0)
+    results = run_world(_rank_step, 2, 3, k, "auto", 0.0, True, None, "all", (), 0)
     assert all(r["partitioned"] == len(r["grads"]) for r in results)  # nothing persistent
     assert_matches(results, reference_step(results[0]["initial"], 2, k), 2, k)
 
 
-def test_zero3_leaf_blocks_compute_what_stock_zero3_computes(shared_dir):
-    """The shipped ZeRO-3 JSONs' one setting that changes how the step runs (each timm Block one ZeRO-3 leaf:
-    one gather and one gradient hook per block) against stock ZeRO-3, two ranks, K = 2: the same loss,
-    gradients and updated weights, to the derived tolerance of assert_matches (the reduction order may differ)."""
+@pytest.mark.parametrize("setting", sorted(STOCK_ZERO3))
+def test_zero3_shipped_settings_compute_what_stock_zero3_computes(setting, shared_dir):
+    """Each setting of the shipped ZeRO-3 JSONs that changes how the step computes, against DeepSpeed's default
+    for it, two ranks, K = 2: the same loss, gradients and updated weights, to the derived tolerance of
+    assert_matches (the reduction order, and torch's fused linear against DeepSpeed's matmul + bias, may
+    round differently).
+
+    - ``leaf_module``: each timm Block one ZeRO-3 leaf (one gather and one gradient hook per block) against
+      one per tensor;
+    - ``memory_efficient_linear: false``: torch's ``F.linear`` against DeepSpeed's autograd linear, which
+      zero.Init puts in place of it process-wide."""
     shipped = plain_run(shared_dir, 2, 3, 2)
-    stock = run_world(_rank_step, 2, 3, 2, "auto", 0.0, True, None, "all", False)
-    assert all(r["leaf_blocks"] == 0 and r["hooks_restored"] for r in stock)
-    assert all(r["leaf_blocks"] == r["blocks"] > 0 for r in shipped)
+    stock = run_world(_rank_step, 2, 3, 2, "auto", 0.0, True, None, "all", (setting,))
+    assert all(r["leaf_blocks"] == r["blocks"] > 0 and r["linear"] == "linear" for r in shipped)
+    if setting == "leaf_module":
+        assert all(r["leaf_blocks"] == 0 and r["hooks_restored"] for r in stock)
+    else:
+        assert all(r["linear"] == "zero3_linear_wrap" for r in stock)
     ref = (shipped[0]["loss"], shipped[0]["grads"], shipped[0]["weights"])
     assert_matches(stock, ref, 2, 2)
 

@@ -578,3 +578,27 @@ def test_printed_command_with_demo_data_passes_dsclip_trains_checks(tmp_path, ca
         assert cfg.optim.lr == 5.0e-4 and cfg.optim.warmup == 10000  # dsclip train's (OpenCLIP's) defaults
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # bf16 is checked against the CPU here
     preflight.check(cfg)
+
+
+def test_zero3_with_torchs_linear_counts_the_weights_held_to_their_backward():
+    """The shipped ZeRO-3 JSONs run torch's F.linear (memory_efficient_linear: false), whose saved weight view
+    keeps each released gathered weight until its backward: without checkpointing, on more than one GPU, the
+    whole model's 16-bit weights (bench/zero3_held_weights.py measures it on two CPU ranks)."""
+    name, shipped = P.shipped_ds_config(3, "bf16")
+    assert shipped["zero_optimization"]["memory_efficient_linear"] is False, name
+    deepspeeds = {"zero_optimization": {"stage": 3}}  # DeepSpeed's default: its autograd linear
+    n = 1_000_000
+    assert P.held_weight_bytes(n, 8, 3, "bf16", False, shipped) == 2 * n
+    assert P.held_weight_bytes(n, 8, 3, "fp32", False, shipped) == 4 * n
+    for args in ((8, 3, "bf16", True, shipped), (1, 3, "bf16", False, shipped), (8, 2, "bf16", False, shipped)):
+        assert P.held_weight_bytes(n, *args) == 0, args  # checkpointing, one GPU, ZeRO-2
+    assert P.held_weight_bytes(n, 8, 3, "bf16", False, deepspeeds) == 0
+    # in the plan: a line of its own, in the total, and not with checkpointing
+    kw = dict(gpus=8, gpu_memory_gb=80, batch_size=256, zero=3, loss="infonce_tiled")
+    plain = P.make_plan("ViT-L-14", **kw)
+    held = plain.memory_gb["weights held to their backward (torch's linear)"]
+    assert held == pytest.approx(2 * P.load_arch("ViT-L-14").params / P.GiB, rel=1e-3)
+    ckpt = P.make_plan("ViT-L-14", grad_checkpointing=True, **kw)
+    assert not any("held" in k for k in ckpt.memory_gb)
+    states = sum(v for k, v in plain.memory_gb.items() if k in ("params", "grads", "optimizer", "gathered_layers"))
+    assert plain.memory_gb["total"] >= states + held
