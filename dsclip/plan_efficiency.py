@@ -73,7 +73,9 @@ MEASURED: tuple[MeasuredMFU, ...] = (
     MeasuredMFU("ViT-B-32", 2, "bf16", 512, 5043, 0.288, "H200", _GPU_1201),
     MeasuredMFU("ViT-L-14", 2, "bf16", 128, 675, 0.451, "H200", _GPU_1201),
     # ZeRO-3 against ZeRO-2 in one run, the gradient cache at K = 2 (ViT-H-14's ZeRO-2 row of that run ran
-    # after DeepSpeed had replaced torch's linear process-wide, so it is not taken)
+    # after DeepSpeed had replaced torch's linear process-wide, so it is not taken). The ZeRO-3 rows ran
+    # DeepSpeed's linear, the JSONs' setting then; the shipped ones run torch's since 2026-12-05
+    # (docs/zero-and-precision.md), so these may err slow until the next GPU run.
     MeasuredMFU("ViT-L-14", 2, "bf16", 64, 550, 0.363, "H200", _GPU_1204, accum_freq=2),
     MeasuredMFU("ViT-L-14", 3, "bf16", 64, 163, 0.108, "H200", _GPU_1204, accum_freq=2),
     MeasuredMFU("ViT-H-14", 3, "bf16", 32, 72, 0.103, "H200", _GPU_1204, accum_freq=2),
