@@ -520,7 +520,7 @@ def _plan_memory(
     mem = {k: v / GiB for k, v in states.items()}
     mem["comm_buckets"] = buckets / GiB
     if held:
-        mem["weights held to their backward (torch's linear)"] = held / GiB
+        mem["held_weights (torch's linear)"] = held / GiB
     mem["embedding_cache"] = cache / GiB
     mem[f"loss ({loss})"] = losses[loss] / GiB
     mem["activations"] = held_activation_bytes(act, max(micro, 1)) / GiB
