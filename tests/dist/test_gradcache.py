@@ -321,8 +321,24 @@ STOCK_ZERO3 = {"leaf_module": {"classes": []}, "memory_efficient_linear": True}
 EXPECTED_PATCHES = {
     (1, 2): ["local_flush", "overflow_check", "grad_hooks", "grad_norm"],
     (2, 2): ["overflow_check", "grad_hooks", "grad_norm"],
-    (1, 3): ["zero3_params", "zero3_traces", "zero3_gather", "zero3_norm", "zero3_release", "universal_zero3"],
-    (2, 3): ["zero3_params", "zero3_traces", "zero3_gather", "zero3_norm", "zero3_release", "universal_zero3"],
+    (1, 3): [
+        "zero3_params",
+        "zero3_traces",
+        "zero3_gather",
+        "zero3_norm",
+        "zero3_release",
+        "zero3_hook_fns",
+        "universal_zero3",
+    ],
+    (2, 3): [
+        "zero3_params",
+        "zero3_traces",
+        "zero3_gather",
+        "zero3_norm",
+        "zero3_release",
+        "zero3_hook_fns",
+        "universal_zero3",
+    ],
 }
 
 

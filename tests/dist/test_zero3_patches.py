@@ -1,17 +1,17 @@
-"""ZeRO-3's patches (zero3_params, zero3_traces, zero3_gather, zero3_norm, zero3_release) against DeepSpeed's
-own paths.
+"""ZeRO-3's patches (zero3_params, zero3_traces, zero3_gather, zero3_norm, zero3_release, zero3_hook_fns)
+against DeepSpeed's own paths.
 
 Two ranks, ZeRO-3, fp32, the gradient cache at K = 2, three steps, with the patches as a user selects them
 (``--engine-patches``): all against none (DeepSpeed's paths: the reference). The persistence threshold is
 lowered so that the tiny model's matrices are partitioned and fetched per block and its vectors stay
 persistent (the shipped 1e5 keeps every tensor of this model whole): both of the patched paths run.
 
-- zero3_params, zero3_traces, zero3_gather and zero3_release move no number: gradients, fp32 weights, the
-  persistent tensors the next forward reads and Adam's moments are bit for bit DeepSpeed's. zero3_traces'
-  purpose is checked too: both fetch traces (no-grad forwards; forward + backward units) are recorded in the
-  first step and never invalidated, where DeepSpeed's single trace mixes the two kinds of unit. So is
-  zero3_release's: its direct path took every release of the training steps (DeepSpeed's
-  ``Init._partition_param`` is not reached).
+- zero3_params, zero3_traces, zero3_gather, zero3_release and zero3_hook_fns move no number: gradients, fp32
+  weights, the persistent tensors the next forward reads and Adam's moments are bit for bit DeepSpeed's. What
+  each is for is checked too: zero3_traces' two fetch traces (no-grad forwards; forward + backward units) are
+  recorded in the first step and never invalidated, where DeepSpeed's single trace mixes the two kinds of
+  unit; zero3_release's direct path took every release of the training steps (DeepSpeed's
+  ``Init._partition_param`` is not reached); every hooked module applies zero3_hook_fns' unbound functions.
 - zero3_norm sums the same float64 squares in another order: the reported norm is within the float64
   bound of two summation orders of every gradient element (tests/tolerances.py), and without clipping the
   weights do not depend on it at all (bit for bit). With clipping the clip factor may move by float32
@@ -34,7 +34,7 @@ pytestmark = [pytest.mark.dist]
 K, STEPS, WORLD = 2, 3, 2
 # Below the tiny model's matrices (>= 64 x 64 = 4096 elements), above its vectors (<= 256)
 PERSISTENCE_THRESHOLD = 1000
-ZERO3_PATCHES = ["zero3_params", "zero3_traces", "zero3_gather", "zero3_norm", "zero3_release"]
+ZERO3_PATCHES = ["zero3_params", "zero3_traces", "zero3_gather", "zero3_norm", "zero3_release", "zero3_hook_fns"]
 
 
 def _run(rank, world, patches, clip):
@@ -113,6 +113,9 @@ def _run(rank, world, patches, clip):
         out["invalidations"].append(invalidations[0])
     out["elements"] = sum(p.ds_numel for _, p in named)
     out["deepspeed_partition_calls"] = partition_calls[0]
+    # zero3_hook_fns: the backward-hook functions every hooked module applies, by kind
+    fns = [m.__dict__.get(a) for m in engine.module.modules() for a in ("pre_bwd_fn", "post_bwd_fn")]
+    out["hook_fns"] = sorted({f.__name__ for f in fns if f is not None})
     return out
 
 
@@ -145,6 +148,10 @@ def _check(ranks, clip):
         if "zero3_release" in expected:  # every release of the steps took the direct path
             assert ours["deepspeed_partition_calls"] == 0, ours["deepspeed_partition_calls"]
         assert theirs["deepspeed_partition_calls"] > 0  # the count sees DeepSpeed's path where it runs
+        deepspeeds = ["PostBackwardFunctionModule", "PreBackwardFunctionForModule"]
+        assert theirs["hook_fns"] == deepspeeds
+        if "zero3_hook_fns" in expected:
+            assert ours["hook_fns"] == ["Unbound" + n for n in deepspeeds]
         assert theirs["norm_fn"] == "DeepSpeedZeroOptimizer_Stage3.get_grad_norm_direct"
         assert theirs["post_step_fn"] == "DeepSpeedZeroOptimizer_Stage3._post_step"
         assert all(ours["all_available"]) and all(theirs["all_available"])

@@ -36,6 +36,7 @@ from dsclip.engine.patches import (
     overflow_check,
     universal_zero3,
     zero3_gather,
+    zero3_hook_fns,
     zero3_norm,
     zero3_params,
     zero3_release,
@@ -69,6 +70,7 @@ PATCHES: tuple[Patch, ...] = tuple(
         zero3_gather,
         zero3_norm,
         zero3_release,
+        zero3_hook_fns,
     )
 )
 # Patches that act later than build_engine, where the engine does what they repair (a universal load):
