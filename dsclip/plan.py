@@ -175,15 +175,18 @@ def model_state_bytes(
     return out
 
 
-def held_weight_bytes(params: int, gpus: int, zero: int, precision: str, grad_checkpointing: bool, ds_config: dict):
-    """16-bit weights that autograd keeps alive from the forward to each layer's backward under ZeRO-3 with
+def held_weight_bytes(
+    params: int, gpus: int, zero: int, precision: str, grad_checkpointing: bool, ds_config: dict
+) -> float:
+    """Gathered weights that autograd keeps alive from the forward to each layer's backward under ZeRO-3 with
     torch's ``F.linear`` (the shipped ``memory_efficient_linear: false``).
 
     torch's linear saves a view of its weight for the backward, so a gathered weight that ZeRO-3 releases
-    after the forward stays allocated until its backward: the whole model's 16-bit weights at the turn from
-    forward to backward. DeepSpeed's autograd linear (``memory_efficient_linear: true``, its default) saves the
-    parameter itself, whose gathered copy a release frees. Nothing is held with activation checkpointing (the
-    forward keeps no graph) or on one GPU (the "gathered" weight is a view of the rank's whole partition).
+    after the forward stays allocated until its backward: the whole model's weights (2 B each in bf16/fp16,
+    4 B in fp32) at the turn from forward to backward. DeepSpeed's autograd linear
+    (``memory_efficient_linear: true``, its default) saves the parameter itself, whose gathered copy a release
+    frees. Nothing is held with activation checkpointing (the forward keeps no graph) or on one GPU (the
+    "gathered" weight is a view of the rank's whole partition).
     Measured on two CPU ranks (bench/zero3_held_weights.py, bench/results/zero3-host_cpu2_2026-12-05.md): with
     ZeRO-3 releasing every weight after its forward, 235 MB of the 285 MB of partitioned weights stayed
     resident with torch's linear, none with DeepSpeed's; with checkpointing none with either. With the
