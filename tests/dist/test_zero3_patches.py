@@ -25,7 +25,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.dist.test_gradcache import LR, make_batches, make_cfg, make_model, rank_chunks
+from tests.dist.test_gradcache import LR, ZERO3_PATCHES, make_batches, make_cfg, make_model, rank_chunks
 from tests.dist.test_local_flush import same_bits
 from tests.distutil import run_world
 from tests.tolerances import unit_roundoff, worst_case
@@ -34,7 +34,6 @@ pytestmark = [pytest.mark.dist]
 K, STEPS, WORLD = 2, 3, 2
 # Below the tiny model's matrices (>= 64 x 64 = 4096 elements), above its vectors (<= 256)
 PERSISTENCE_THRESHOLD = 1000
-ZERO3_PATCHES = ["zero3_params", "zero3_traces", "zero3_gather", "zero3_norm", "zero3_release", "zero3_hook_fns"]
 
 
 def _run(rank, world, patches, clip):
