@@ -14,8 +14,8 @@ resident after the forward is mostly weights. Per rank, one timed step after two
 * ``fwd_bwd_peak_mb``: the high-water mark over forward + backward, above the resident set before it.
 
 The shipped prefetch settings re-gather the whole of this model for its backward before the forward ends, so
-both linears hold everything there; ``--release-all`` (``stage3_prefetch_bucket_size: 0`` and
-``stage3_max_reuse_distance: 0``) makes ZeRO-3 release every weight after its forward, which is what a model
+both linears hold everything there; the second half of the table runs with ``stage3_prefetch_bucket_size: 0``
+and ``stage3_max_reuse_distance: 0``, which make ZeRO-3 release every weight after its forward, as a model
 larger than the prefetch window sees for its early blocks.
 
     MALLOC_MMAP_THRESHOLD_=131072 PYTHONPATH=$PWD OMP_NUM_THREADS=1 .venv/bin/python bench/zero3_held_weights.py
@@ -40,6 +40,8 @@ def _rss_mb() -> float:
 
 
 def _rank(rank, world, linear_off: bool, ckpt: bool, release_all: bool) -> dict:
+    import torch
+
     from dsclip.engine.build import autocast_dtype
     from dsclip.losses import build_loss
     from dsclip.model import get_model_config
@@ -78,7 +80,7 @@ def _rank(rank, world, linear_off: bool, ckpt: bool, release_all: bool) -> dict:
     engine.forward, engine.backward = timed_forward, timed_backward
     for img, txt in V.synthetic_batches(3, 2, cfg, seed=1 + rank):
         step([(img, txt)], grad_norm=False)
-    out["linear"] = __import__("torch").nn.functional.linear.__name__
+    out["linear"] = torch.nn.functional.linear.__name__
     out.pop("base")
     return out
 

@@ -49,17 +49,14 @@ def applies(engine) -> bool:
 
 
 def install(engine) -> None:
-    seen = set()
-    for param in engine.module.parameters():
-        if id(param) not in seen:
-            seen.add(id(param))
-            param.partition = _direct_release(param, param.partition)
+    for param in engine.module.parameters():  # each shared parameter once
+        param.partition = _direct_release(param, param.partition)
 
 
 def _direct_release(param, deepspeed_partition):
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus, free_param
 
-    available, not_available = ZeroParamStatus.AVAILABLE, ZeroParamStatus.NOT_AVAILABLE
+    available = ZeroParamStatus.AVAILABLE
 
     def releasable(p) -> bool:
         # the branch of Init._partition_param that returns after free_param: shard present, nothing to copy
@@ -77,8 +74,7 @@ def _direct_release(param, deepspeed_partition):
             return deepspeed_partition(param_list, hierarchy, has_been_updated, free_data)
         for p in (param,) if param_list is None else param_list:
             if releasable(p):
-                free_param(p)
-                p.ds_status = not_available  # free_param sets it too; Init._partition does, after it
+                free_param(p)  # and NOT_AVAILABLE, the status Init._partition would set
             else:
                 deepspeed_partition([p], hierarchy, has_been_updated, free_data)
 
