@@ -660,14 +660,16 @@ def _shutdown_at_exit() -> None:
 #            EXIT_TERMINATED (143 = 128 + SIGTERM); never requeued.
 #   SIGTERM again, more than TERM_REPEAT_S after the first one (or after SIGUSR1): stop now (default
 #            action). SLURM delivers one scancel twice within milliseconds (to the step and through
-#            srun's forwarding), which must not count as a second request.
+#            srun's forwarding), which must not count as a second request. Once the stop's checkpoint is
+#            safe (stop_saved), "now" exits with the stop's own code (85/143) instead of dying of the
+#            signal: a launcher would report the death (-15, pdsh 241) as a failure of a job that saved.
 # TERM wins over USR1 when ranks disagree (someone cancelled the job).
 
 EXIT_TERMINATED = 128 + signal.SIGTERM
 TERM_REPEAT_S = 1.0
 STOP_NONE, STOP_REQUEUE, STOP_TERMINATE = None, "requeue", "terminate"
 
-_preempt = {"signum": None, "usr1": False, "term": False, "first_at": None}
+_preempt = {"signum": None, "usr1": False, "term": False, "first_at": None, "saved_code": None}
 
 
 def install_preemption_handler(signals=PREEMPT_SIGNALS) -> None:
@@ -678,6 +680,12 @@ def install_preemption_handler(signals=PREEMPT_SIGNALS) -> None:
         now = time.monotonic()
         first = _preempt["first_at"]
         if signum == signal.SIGTERM and first is not None and now - first > TERM_REPEAT_S:
+            code = _preempt["saved_code"]
+            if code is not None:  # asked twice after the stop's save: nothing is left to lose, end with its code
+                supervise.report_exit(code)
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
             signal.signal(signal.SIGTERM, signal.SIG_DFL)  # asked twice: stop now
             os.kill(os.getpid(), signal.SIGTERM)
             return
@@ -693,6 +701,12 @@ def install_preemption_handler(signals=PREEMPT_SIGNALS) -> None:
     # A rank whose supervisor dies stops as on SIGTERM.
     supervise.release_stop_signals()
     supervise.watch_supervisor()
+
+
+def stop_saved(code: int) -> None:
+    """The stop's checkpoint is safe and this rank now exits with ``code``: a second SIGTERM from here on ends
+    the process at once with that code rather than by the signal."""
+    _preempt["saved_code"] = int(code)
 
 
 def local_stop_flags() -> tuple[float, float]:

@@ -198,12 +198,21 @@ def _pdsh_hosts(argv: list[str]) -> list[str]:
 
 def remote_signal_command(job: PdshJob, sig: int) -> list[str]:
     """pdsh over the job's hosts: the stop signal to the children of the ``launch.py`` that has this job's
-    world info (the ranks: launch.py starts them directly; their data workers are theirs, not launch.py's)."""
+    world info and that host's node rank (the ranks: launch.py starts them directly; their data workers are
+    theirs, not launch.py's)."""
     name = signal.Signals(sig).name.removeprefix("SIG")
     # The launch.py process itself (not the remote shell pdsh ran it from, nor this command's own shell):
     # argv anchored at the python binary; the brackets keep the pattern from matching its own text;
-    # world_info is base64, whose '+' is escaped for the extended regex.
-    pattern = "^[^ ]*python[^ ]* -u -m deepspeed[.]launcher[.]launch --world_info=" + job.world_info.replace("+", "[+]")
+    # world_info is base64, whose '+' is escaped for the extended regex. DeepSpeed's runner starts it with
+    # `--node_rank=%n`, which pdsh replaces by the host's index in the -w list; this command passes the same
+    # list, so on each host the pattern names that host's launch.py only. Without it, hosts that share a
+    # process table (several "hosts" on one machine, as in tests/cluster.sh) each signalled every host's
+    # ranks: one SIGTERM per host, and one arriving more than TERM_REPEAT_S after the first meant "stop now".
+    pattern = (
+        "^[^ ]*python[^ ]* -u -m deepspeed[.]launcher[.]launch --world_info="
+        + job.world_info.replace("+", "[+]")
+        + " --node_rank=%n( |$)"
+    )
     script = f"for p in $(pgrep -f -- '{pattern}'); do pkill -{name} -P $p; done; true"
     return ["pdsh", "-S", "-w", job.hosts, script]
 

@@ -119,6 +119,8 @@ def _train(cfg: RunConfig) -> dict:
         preempted or cfg.checkpoint.save_frequency or cfg.checkpoint.save_every_n_steps
     ):
         save_if_good(run, step)
+    if preempted:  # saved (or, after a bad step, the last good checkpoint kept): a second SIGTERM may end us now
+        world.stop_saved(world.exit_code(preempted))
     if not preempted and run.guard.good_to_save:
         # a finished run: its last step's finite loss is all that will vouch for the final weights, so the
         # checkpoint --keep-last kept back for safety (Checkpointer.certify) is released

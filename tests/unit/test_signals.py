@@ -13,7 +13,7 @@ from dsclip.engine import world
 def handlers(monkeypatch):
     import signal
 
-    for k, v in {"signum": None, "usr1": False, "term": False, "first_at": None}.items():
+    for k, v in {"signum": None, "usr1": False, "term": False, "first_at": None, "saved_code": None}.items():
         monkeypatch.setitem(world._preempt, k, v)
     old = {s: signal.getsignal(s) for s in world.PREEMPT_SIGNALS}
     world.install_preemption_handler()
@@ -67,3 +67,28 @@ print("survived the second TERM", flush=True)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == -15, (r.returncode, r.stdout, r.stderr)
     assert r.stdout.strip() == "alive after the first signal"
+
+
+@pytest.mark.parametrize("first, code", [("TERM", 143), ("USR1", 85)])
+def test_a_second_term_after_the_stops_save_exits_with_the_stops_code(first, code):
+    """After the stop's checkpoint is safe (the loop calls world.stop_saved), a second SIGTERM still ends the
+    process at once, but with the stop's code: a death by the signal made DeepSpeed's launch.py report -15 and
+    pdsh 241, a failure, for a job that had saved."""
+    import subprocess
+    import sys
+
+    code_py = f"""
+import os, signal, time
+from dsclip.engine import world
+world.install_preemption_handler()
+os.kill(os.getpid(), signal.SIG{first})
+time.sleep(world.TERM_REPEAT_S + 0.3)
+world.stop_saved(world.exit_code(world.stop_reason(world.local_stop_flags())))
+print("saved", flush=True)
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(5)
+print("survived the second TERM", flush=True)
+"""
+    r = subprocess.run([sys.executable, "-c", code_py], capture_output=True, text=True, timeout=60)
+    assert r.returncode == code, (r.returncode, r.stdout, r.stderr)
+    assert r.stdout.strip() == "saved"

@@ -174,8 +174,60 @@ def test_pdsh_host_list_is_read_as_pdsh_leaves_it():
     cmd = remote_signal_command(PdshJob((1, "node1,node2", "eyJh+/b=")), signal.SIGUSR1)
     assert cmd[:4] == ["pdsh", "-S", "-w", "node1,node2"]
     # only launch.py itself (argv from the python binary), base64's '+' escaped; its children get USR1
-    assert "'^[^ ]*python[^ ]* -u -m deepspeed[.]launcher[.]launch --world_info=eyJh[+]/b='" in cmd[4]
+    # pdsh puts each host's index in the -w list for %n
+    assert (
+        "'^[^ ]*python[^ ]* -u -m deepspeed[.]launcher[.]launch --world_info=eyJh[+]/b= --node_rank=%n( |$)'" in cmd[4]
+    )
     assert "pkill -USR1 -P $p" in cmd[4]
+
+
+FAKE_LAUNCH = """
+import subprocess, sys, time
+rank = subprocess.Popen(["sleep", "60"])  # the "rank" DeepSpeed's launch.py would start
+print(rank.pid, flush=True)
+rank.wait()
+"""
+
+
+def test_the_pdsh_stop_signal_reaches_only_each_hosts_own_ranks(tmp_path):
+    """Two hosts on one machine (tests/cluster.sh's ssh hosts share a process table): each host's command,
+    with %n as pdsh fills it in, signals the ranks of that host's launch.py and not the other's. Before, each
+    host signalled both hosts' ranks, so every rank got one SIGTERM per host, seconds apart when a host was
+    slow, and the later one counted as "stop now" (the pdsh SIGTERM test then exited 241 instead of 143)."""
+    from dsclip.launch.supervise import PdshJob, remote_signal_command
+
+    pkg = tmp_path / "deepspeed" / "launcher"
+    pkg.mkdir(parents=True)
+    for d in (tmp_path / "deepspeed", pkg):
+        (d / "__init__.py").write_text("")
+    (pkg / "launch.py").write_text(FAKE_LAUNCH)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    world_info = "eyJub2RlMSI6IFswXX0+="  # base64, with the '+' the pattern must escape
+    launchers, ranks = [], []
+    try:
+        for node in (
+            0,
+            1,
+        ):  # DeepSpeed's runner: python -u -m deepspeed.launcher.launch --world_info=B64 --node_rank=%n
+            cmd = [sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world_info}"]
+            p = subprocess.Popen(
+                [*cmd, f"--node_rank={node}", "--master_addr=node1"], env=env, stdout=subprocess.PIPE, text=True
+            )
+            launchers.append(p)
+            ranks.append(int(p.stdout.readline()))
+        script = remote_signal_command(PdshJob((1, "node1,node2", world_info)), signal.SIGTERM)[4]
+        subprocess.run(["bash", "-c", script.replace("%n", "1")], check=True, timeout=30)  # node2's turn
+        assert launchers[1].wait(timeout=30) == 0  # its rank got SIGTERM, so this launch.py finished
+        assert launchers[0].poll() is None and os.path.exists(f"/proc/{ranks[0]}")  # node1's rank untouched
+    finally:
+        for p in launchers:
+            p.kill()
+            p.wait()
+        for pid in ranks:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def test_a_rank_reports_its_exit_code_only_to_a_supervisor_on_this_machine(tmp_path):
