@@ -58,6 +58,9 @@ VARIANTS = {
     "zero3 linear-on": ("zero3_{p}", THIN_PERSIST | LINEAR_ON, {}),
     "zero3 no-leaf": ("zero3_{p}", THIN_PERSIST | NO_LEAF, {}),
     "zero3 persist-all": ("zero3_{p}", NO_LEAF | {"stage3_param_persistence_threshold": 10**9}, {}),
+    # the shipped JSON (leaf blocks) with every tensor resident: no gather, no release in the forward and
+    # backward, so what is left over ZeRO-2 is ZeRO-3's per-module hooks and its gradient path
+    "zero3 resident": ("zero3_{p}", {"stage3_param_persistence_threshold": 10**9}, {}),
     "zero3 prefetch 0": ("zero3_{p}", THIN_PERSIST | {"stage3_prefetch_bucket_size": 0}, {}),
     "zero3 allreduce-fetch": ("zero3_{p}", THIN_PERSIST | {"stage3_use_all_reduce_for_fetch_params": True}, {}),
     "zero3 live 1e8": ("zero3_{p}", THIN_PERSIST | {"stage3_max_live_parameters": 10**8}, {}),
