@@ -61,9 +61,22 @@ VARIANTS = {
     # the shipped JSON (leaf blocks) with every tensor resident: no gather, no release in the forward and
     # backward, so what is left over ZeRO-2 is ZeRO-3's per-module hooks and its gradient path
     "zero3 resident": ("zero3_{p}", {"stage3_param_persistence_threshold": 10**9}, {}),
+    # a diagnostic bound, not a way to train: the same, with DeepSpeed's four per-module hooks taken off the
+    # leaf blocks after the warm-up (STRIP_LEAF_HOOKS). With every tensor resident they fetch and release
+    # nothing; the blocks' gradients are still reduced (DeepSpeed's full backward hook stays). What this
+    # saves is what a leaner per-block path could at most save of the hooks' own cost.
+    "zero3 resident -leaf-hooks": ("zero3_{p}", {"stage3_param_persistence_threshold": 10**9}, {}),
     "zero3 prefetch 0": ("zero3_{p}", THIN_PERSIST | {"stage3_prefetch_bucket_size": 0}, {}),
     "zero3 allreduce-fetch": ("zero3_{p}", THIN_PERSIST | {"stage3_use_all_reduce_for_fetch_params": True}, {}),
     "zero3 live 1e8": ("zero3_{p}", THIN_PERSIST | {"stage3_max_live_parameters": 10**8}, {}),
+}
+STRIP_LEAF_HOOKS = {"zero3 resident -leaf-hooks"}
+# DeepSpeed's per-module ZeRO-3 hooks (parameter_offload.py, _register_deepspeed_module), by function name
+ZERO3_MODULE_HOOKS = {
+    "_pre_forward_module_hook",
+    "_post_forward_module_hook",
+    "_pre_backward_module_hook",
+    "_post_backward_module_hook",
 }
 PHASES = ("forward", "backward", "step")
 TORCH_LINEAR = None  # torch's F.linear, taken in each rank before any engine is built
@@ -83,6 +96,7 @@ class PhaseClock:
     """CPU seconds spent inside ``engine.forward`` / ``backward`` / ``step`` (instance attributes wrap them)."""
 
     def __init__(self, engine):
+        self.engine = engine
         self.spent = dict.fromkeys(PHASES, 0.0)
         for name in PHASES:
             setattr(engine, name, self._timed(name, getattr(engine, name)))
@@ -151,6 +165,8 @@ def _rank(rank, world, a, plan):
         for s in range(2):
             run(data[b, k][s], s)
         clock.take()
+        if n in STRIP_LEAF_HOOKS:
+            strip_leaf_hooks(clock.engine)
     if a.profile:
         run, clock = runs[a.profile]
         *_, b, k = plan[a.profile]
@@ -177,6 +193,26 @@ def _rank(rank, world, a, plan):
             phases = clock.take()
             times[n].append(phases | {"other": total - sum(phases.values()), "total": total})
     return times
+
+
+def strip_leaf_hooks(engine) -> int:
+    """Remove DeepSpeed's ZeRO-3 module hooks from the engine's leaf modules (the "-leaf-hooks" bound only)."""
+    from deepspeed.utils import z3_leaf_module
+
+    from dsclip.engine.patches.fingerprint import unwrap
+
+    removed = 0
+    for module in engine.module.modules():
+        if not z3_leaf_module(module):
+            continue
+        for hooks in (module._forward_pre_hooks, module._forward_hooks):
+            for hook_id, hook in list(hooks.items()):
+                if getattr(unwrap(hook), "__name__", "") in ZERO3_MODULE_HOOKS:
+                    del hooks[hook_id]
+                    removed += 1
+    if removed != 4 * sum(1 for m in engine.module.modules() if z3_leaf_module(m)):
+        raise RuntimeError(f"expected DeepSpeed's 4 hooks per leaf module, removed {removed}")
+    return removed
 
 
 def _plan(a) -> dict:
