@@ -119,8 +119,6 @@ def _train(cfg: RunConfig) -> dict:
         preempted or cfg.checkpoint.save_frequency or cfg.checkpoint.save_every_n_steps
     ):
         save_if_good(run, step)
-    if preempted:  # saved (or, after a bad step, the last good checkpoint kept): a second SIGTERM may end us now
-        world.stop_saved(world.exit_code(preempted))
     if not preempted and run.guard.good_to_save:
         # a finished run: its last step's finite loss is all that will vouch for the final weights, so the
         # checkpoint --keep-last kept back for safety (Checkpointer.certify) is released
@@ -133,6 +131,10 @@ def _train(cfg: RunConfig) -> dict:
             cfg.run_dir, exit_code=world.exit_code(preempted), stop=preempted, step=step, checkpoint=latest_tag(run)
         )
     barrier()
+    if preempted:
+        # the checkpoint (or, after a bad step, the last good one) and exit_status.json are settled on every
+        # rank: a second SIGTERM from here on ends this rank with the stop's code, not by the signal
+        world.stop_saved(world.exit_code(preempted))
     # whatever ended training (the last epoch, --max-steps, the end of the data, a preemption, after its
     # checkpoint is safe): the configured evaluations run once more unless they just ran (collective)
     summary.update(run.evaluator.final(run.engine, step, max(step - 1, 0) // run.plan.steps_per_epoch))
