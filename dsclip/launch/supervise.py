@@ -46,6 +46,7 @@ This module imports neither torch nor DeepSpeed: the supervisor is a small proce
 from __future__ import annotations
 
 import ctypes
+import glob
 import os
 import re
 import signal
@@ -299,7 +300,8 @@ class Supervisor:
         signal.signal(signal.SIGINT, self._on_int)
         env = dict(os.environ)
         env[ENV] = token(self.me)
-        self.status_file = os.path.join(tempfile.gettempdir(), f"dsclip-launch-{self.me}.status")
+        self.status_file = status_path(tempfile.gettempdir(), self.me)
+        clear_stale_status_files(tempfile.gettempdir(), self.me)
         env[STATUS_ENV] = self.status_file
         # the launcher sets RANK/LOCAL_RANK per rank; an inherited pair would hide which processes are ranks
         for k in ("RANK", "LOCAL_RANK"):
@@ -406,6 +408,40 @@ def report_exit(code: int, env=None) -> None:
         os.replace(tmp, path)
     except OSError:  # the supervisor then exits with the launcher's code, as before
         pass
+
+
+def status_path(folder: str, supervisor_pid: int) -> str:
+    return os.path.join(folder, f"dsclip-launch-{supervisor_pid}.status")
+
+
+def clear_stale_status_files(folder: str, me: int) -> list[str]:
+    """Remove status files left by supervisors that were killed before they could read them (SIGKILL, OOM):
+    the one at this supervisor's own path (its pid reused) would otherwise speak for ranks that never wrote,
+    and the others of processes that are gone only pile up. Returns the paths removed."""
+    removed = []
+    for path in glob.glob(os.path.join(folder, "dsclip-launch-*.status")):
+        m = re.fullmatch(r"dsclip-launch-(\d+)\.status", os.path.basename(path))
+        if m is None:
+            continue
+        pid = int(m.group(1))
+        if pid != me and _alive(pid):
+            continue
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except OSError:  # another supervisor removed it first, or it is not ours to remove
+            pass
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
 
 
 def _read_status(path: str) -> int | None:

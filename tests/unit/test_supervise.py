@@ -239,3 +239,20 @@ def test_a_rank_reports_its_exit_code_only_to_a_supervisor_on_this_machine(tmp_p
     supervise.report_exit(85, env={**mine, supervise.ENV: f"{pid}:{start}:another-boot"})  # a remote rank
     supervise.report_exit(85, env={supervise.STATUS_ENV: str(status)})  # not supervised
     assert not status.exists() and supervise._read_status(str(status)) is None
+
+
+def test_a_supervisor_clears_status_files_that_supervisors_killed_before_reading_them_left(tmp_path):
+    """A supervisor killed with SIGKILL leaves its ranks' status file behind. The one at a new supervisor's
+    own path (its pid reused) would speak for ranks that never wrote it; the others only pile up in /tmp."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a pid that no longer runs
+    me, live = os.getpid(), os.getppid()
+    files = {pid: Path(supervise.status_path(str(tmp_path), pid)) for pid in (me, gone.pid, live)}
+    for path in files.values():
+        path.write_text("143\n")
+    other = tmp_path / "dsclip-launch-notes.status"  # not a supervisor's: left alone
+    other.write_text("x")
+    removed = supervise.clear_stale_status_files(str(tmp_path), me)
+    assert sorted(removed) == sorted(str(files[p]) for p in (me, gone.pid))
+    assert not files[me].exists() and not files[gone.pid].exists()
+    assert files[live].exists() and other.exists()  # a running supervisor's file stays
