@@ -201,16 +201,15 @@ def strip_leaf_hooks(engine) -> int:
 
     from dsclip.engine.patches.fingerprint import unwrap
 
+    leaves = [m for m in engine.module.modules() if z3_leaf_module(m)]
     removed = 0
-    for module in engine.module.modules():
-        if not z3_leaf_module(module):
-            continue
+    for module in leaves:
         for hooks in (module._forward_pre_hooks, module._forward_hooks):
             for hook_id, hook in list(hooks.items()):
                 if getattr(unwrap(hook), "__name__", "") in ZERO3_MODULE_HOOKS:
                     del hooks[hook_id]
                     removed += 1
-    if removed != 4 * sum(1 for m in engine.module.modules() if z3_leaf_module(m)):
+    if removed != 4 * len(leaves):
         raise RuntimeError(f"expected DeepSpeed's 4 hooks per leaf module, removed {removed}")
     return removed
 

@@ -410,8 +410,11 @@ def report_exit(code: int, env=None) -> None:
         pass
 
 
+STATUS_PREFIX, STATUS_SUFFIX = "dsclip-launch-", ".status"  # one file per supervisor: PREFIX + pid + SUFFIX
+
+
 def status_path(folder: str, supervisor_pid: int) -> str:
-    return os.path.join(folder, f"dsclip-launch-{supervisor_pid}.status")
+    return os.path.join(folder, f"{STATUS_PREFIX}{supervisor_pid}{STATUS_SUFFIX}")
 
 
 def clear_stale_status_files(folder: str, me: int) -> list[str]:
@@ -419,29 +422,16 @@ def clear_stale_status_files(folder: str, me: int) -> list[str]:
     the one at this supervisor's own path (its pid reused) would otherwise speak for ranks that never wrote,
     and the others of processes that are gone only pile up. Returns the paths removed."""
     removed = []
-    for path in glob.glob(os.path.join(folder, "dsclip-launch-*.status")):
-        m = re.fullmatch(r"dsclip-launch-(\d+)\.status", os.path.basename(path))
-        if m is None:
-            continue
-        pid = int(m.group(1))
-        if pid != me and _alive(pid):
-            continue
+    for path in glob.glob(os.path.join(folder, f"{STATUS_PREFIX}*{STATUS_SUFFIX}")):
+        pid = os.path.basename(path)[len(STATUS_PREFIX) : -len(STATUS_SUFFIX)]
+        if not pid.isdigit() or (int(pid) != me and _stat(int(pid)) is not None):
+            continue  # not a supervisor's file, or one of a process that still runs
         try:
             os.unlink(path)
             removed.append(path)
         except OSError:  # another supervisor removed it first, or it is not ours to remove
             pass
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's live process
-        return True
-    return True
 
 
 def _read_status(path: str) -> int | None:
