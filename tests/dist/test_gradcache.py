@@ -318,7 +318,15 @@ STOCK_ZERO3 = {"leaf_module": {"classes": []}, "memory_efficient_linear": True}
 
 # What each ZeRO stage and world gets with --engine-patches all (dsclip/engine/patches/): local_flush at
 # one rank only; the zero3_* patches at any world; universal_zero3 is listed for ZeRO-3 (it acts on a universal load)
-ZERO3_PATCHES = ["zero3_params", "zero3_traces", "zero3_gather", "zero3_norm", "zero3_release", "zero3_hook_fns"]
+ZERO3_PATCHES = [
+    "zero3_params",
+    "zero3_traces",
+    "zero3_gather",
+    "zero3_norm",
+    "zero3_release",
+    "zero3_hook_fns",
+    "zero3_blocks",
+]
 EXPECTED_PATCHES = {
     (1, 2): ["local_flush", "overflow_check", "grad_hooks", "grad_norm"],
     (2, 2): ["overflow_check", "grad_hooks", "grad_norm"],

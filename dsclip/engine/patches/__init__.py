@@ -35,6 +35,7 @@ from dsclip.engine.patches import (
     local_flush,
     overflow_check,
     universal_zero3,
+    zero3_blocks,
     zero3_gather,
     zero3_hook_fns,
     zero3_norm,
@@ -71,6 +72,7 @@ PATCHES: tuple[Patch, ...] = tuple(
         zero3_norm,
         zero3_release,
         zero3_hook_fns,
+        zero3_blocks,
     )
 )
 # Patches that act later than build_engine, where the engine does what they repair (a universal load):
