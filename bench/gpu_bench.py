@@ -202,6 +202,11 @@ TRAINERS = {
     "dsclip_zero3_linear_on_k2": functools.partial(
         dsclip_run, ds_json="zero3_{p}", accum=2, zero={"memory_efficient_linear": True}
     ),
+    # DeepSpeed's four hooks on each leaf block instead of dsclip's two (zero3_blocks): whether dsclip's
+    # prefetch hides the gathers as well as DeepSpeed's queue does
+    "dsclip_zero3_no_blocks_k2": functools.partial(
+        dsclip_run, ds_json="zero3_{p}", accum=2, engine_patches="all,-zero3_blocks"
+    ),
 }
 
 

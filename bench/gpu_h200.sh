@@ -8,8 +8,9 @@
 #   2. bench/gpu_bench.py: dsclip vs open_clip_train samples/s, peak memory and MFU (bf16, fused AdamW,
 #      same synthetic batches, alternated) for ViT-B-32 and ViT-L-14; dsclip with its default engine patches
 #      and with none (--engine-patches none: DeepSpeed's own paths; issue #31's goal: default >= 1.15x).
-#   3. bench/gpu_bench.py --trainers dsclip_zero2_k2,dsclip_zero3_k2,dsclip_zero3_linear_on_k2: ZeRO-3 (the
-#      shipped JSON, with torch's linear, and with DeepSpeed's autograd linear, its default) against ZeRO-2
+#   3. bench/gpu_bench.py --trainers dsclip_zero2_k2,dsclip_zero3_k2,dsclip_zero3_linear_on_k2,
+#      dsclip_zero3_no_blocks_k2: ZeRO-3 (the shipped JSON, with torch's linear, with DeepSpeed's autograd
+#      linear, its default, and with DeepSpeed's hooks on the leaf blocks instead of zero3_blocks) against ZeRO-2
 #      at ViT-L-14 and ViT-H-14, bf16,
 #      gradient cache K = 2 (issue #29). Stage zero3_profile (~2 min, not in the default set): the ZeRO-3
 #      step's kernel time against its wall time, and its host cProfile (bench/gpu_profile.py).
@@ -75,7 +76,7 @@ stage gpu_bench 290 "$PY" bench/gpu_bench.py --models ViT-B-32=512,ViT-L-14=128 
 # 2026-11-30 / 12-01 leases, results/gpu-h200_h200_*.md, and are left out to keep this script under 10 min.)
 # (2026-12-04: 0.30x at ViT-L-14, 0.39x at ViT-H-14; stock ZeRO-3 without leaf blocks 0.17x, not repeated.)
 stage zero3 240 "$PY" bench/gpu_bench.py --models ViT-L-14=128,ViT-H-14=64 --rounds 1 --steps 6 \
-  --trainers dsclip_zero2_k2,dsclip_zero3_k2,dsclip_zero3_linear_on_k2 --assume-fits --loss-sizes ""
+  --trainers dsclip_zero2_k2,dsclip_zero3_k2,dsclip_zero3_linear_on_k2,dsclip_zero3_no_blocks_k2 --assume-fits --loss-sizes ""
 # where ZeRO-3's step goes on the GPU: kernel time against wall time, the top kernels, a cProfile of the host
 stage zero3_profile 150 "$PY" bench/gpu_profile.py --model ViT-L-14 --batch 128 --accum-freq 2 --steps 4 \
   --variants dsclip-engine --ds-json "zero3_{p}" --top 25 --cprofile 35

@@ -42,6 +42,7 @@ NO_LEAF = {"leaf_module": {"classes": []}}
 LINEAR_ON = {"memory_efficient_linear": True}  # DeepSpeed's default: its autograd linear in place of F.linear
 STOCK = NO_LEAF | LINEAR_ON  # DeepSpeed's defaults for what the shipped JSONs change
 PATCHES_OFF = {"engine_patches": "none"}
+NO_BLOCKS = {"engine_patches": "all,-zero3_blocks"}
 # name → (DeepSpeed JSON, zero_optimization overrides, run-config values). "zero3" is the shipped JSON (leaf
 # modules, torch's linear) with dsclip's engine patches (the zero3_* ones: dsclip/engine/patches/), as `dsclip
 # train` runs it.
@@ -59,13 +60,14 @@ VARIANTS = {
     "zero3 no-leaf": ("zero3_{p}", THIN_PERSIST | NO_LEAF, {}),
     "zero3 persist-all": ("zero3_{p}", NO_LEAF | {"stage3_param_persistence_threshold": 10**9}, {}),
     # the shipped JSON (leaf blocks) with every tensor resident: no gather, no release in the forward and
-    # backward, so what is left over ZeRO-2 is ZeRO-3's per-module hooks and its gradient path
-    "zero3 resident": ("zero3_{p}", {"stage3_param_persistence_threshold": 10**9}, {}),
+    # backward, so what is left over ZeRO-2 is ZeRO-3's per-module hooks and its gradient path. Both resident
+    # rows keep DeepSpeed's hooks on the blocks (zero3_blocks off), as measured before that patch existed
+    "zero3 resident": ("zero3_{p}", {"stage3_param_persistence_threshold": 10**9}, NO_BLOCKS),
     # a diagnostic bound, not a way to train: the same, with DeepSpeed's four per-module hooks taken off the
     # leaf blocks after the warm-up (STRIP_LEAF_HOOKS). With every tensor resident they fetch and release
     # nothing; the blocks' gradients are still reduced (DeepSpeed's full backward hook stays). What this
     # saves is what a leaner per-block path could at most save of the hooks' own cost.
-    "zero3 resident -leaf-hooks": ("zero3_{p}", {"stage3_param_persistence_threshold": 10**9}, {}),
+    "zero3 resident -leaf-hooks": ("zero3_{p}", {"stage3_param_persistence_threshold": 10**9}, NO_BLOCKS),
     "zero3 prefetch 0": ("zero3_{p}", THIN_PERSIST | {"stage3_prefetch_bucket_size": 0}, {}),
     "zero3 allreduce-fetch": ("zero3_{p}", THIN_PERSIST | {"stage3_use_all_reduce_for_fetch_params": True}, {}),
     "zero3 live 1e8": ("zero3_{p}", THIN_PERSIST | {"stage3_max_live_parameters": 10**8}, {}),

@@ -1,4 +1,4 @@
-"""ZeRO-3's patches (zero3_params, zero3_traces, zero3_gather, zero3_norm, zero3_release, zero3_hook_fns)
+"""ZeRO-3's patches (zero3_params, zero3_traces, zero3_gather, zero3_norm, zero3_release, zero3_hook_fns, zero3_blocks)
 against DeepSpeed's own paths.
 
 Two ranks, ZeRO-3, fp32, the gradient cache at K = 2, three steps, with the patches as a user selects them
