@@ -53,7 +53,15 @@ VARIANTS = {
     # each ZeRO-3 patch left out alone: what it saves
     **{
         f"zero3 -{name}": ("zero3_{p}", THIN_PERSIST, {"engine_patches": f"all,-{name}"})
-        for name in ("zero3_params", "zero3_gather", "zero3_norm", "zero3_release", "zero3_hook_fns", "zero3_blocks")
+        for name in (
+            "zero3_params",
+            "zero3_gather",
+            "zero3_norm",
+            "zero3_release",
+            "zero3_hook_fns",
+            "zero3_blocks",
+            "zero3_forward_flags",
+        )
     },
     "zero3 stock": ("zero3_{p}", THIN_PERSIST | STOCK, PATCHES_OFF),  # no leaves, DeepSpeed's linear, no patches
     "zero3 linear-on": ("zero3_{p}", THIN_PERSIST | LINEAR_ON, {}),

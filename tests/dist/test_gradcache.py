@@ -326,6 +326,7 @@ ZERO3_PATCHES = [
     "zero3_release",
     "zero3_hook_fns",
     "zero3_blocks",
+    "zero3_forward_flags",
 ]
 EXPECTED_PATCHES = {
     (1, 2): ["local_flush", "overflow_check", "grad_hooks", "grad_norm"],

@@ -59,7 +59,7 @@ class Handle:
     def wait(self):
         if not self.done:
             self.done = True
-            self.recorder.log.append(("wait", tuple(p.block_index for p in self.params)))
+            self.recorder.log.append(("wait", self.recorder.stream_now))
             for p in self.params:
                 p.ds_status = AVAILABLE
 
@@ -134,10 +134,10 @@ def test_recording_unit_gathers_each_use_and_releases_after_each_as_deepspeed_do
     assert hooks.counts["prefetched"] == 0
     assert hooks.counts["released_forward"] == 4 and hooks.counts["released_backward"] == 4
     assert not hooks.gathered and hooks.held == 0
-    # every gather ran on the all-gather stream; the compute stream waited for it after each wait
-    assert all(e[1] == "allgather" for e in rec.log if e[0] == "gather")
+    # every gather and every wait ran on the all-gather stream; the compute stream waited for it after each
+    assert all(e[1] == "allgather" for e in rec.log if e[0] in ("gather", "wait"))
     waits = [i for i, e in enumerate(rec.log) if e[0] == "wait"]
-    assert all(rec.log[i + 1] == ("wait_stream", "compute", "allgather") for i in waits)
+    assert len(waits) == 8 and all(rec.log[i + 1] == ("wait_stream", "compute", "allgather") for i in waits)
 
 
 def test_complete_trace_prefetches_within_the_window_and_keeps_blocks_for_their_backward():
@@ -151,6 +151,10 @@ def test_complete_trace_prefetches_within_the_window_and_keeps_blocks_for_their_
     assert hooks.counts["released_forward"] == 4  # the recording unit's only
     assert released_blocks(rec.log) == [0, 1, 2, 3] and hooks.counts["released_backward"] == 8
     assert hooks.counts["deviations"] == 0 and not hooks.gathered
+    # a prefetched block's wait too: on the all-gather stream, the compute stream waiting for it after
+    waits = [i for i, e in enumerate(rec.log) if e[0] == "wait"]
+    assert len(waits) == 3 and all(rec.log[i] == ("wait", "allgather") for i in waits)
+    assert all(rec.log[i + 1] == ("wait_stream", "compute", "allgather") for i in waits)
 
 
 def test_a_small_reuse_distance_releases_after_the_forward_and_prefetches_for_the_backward():
@@ -233,3 +237,23 @@ def test_a_block_whose_tensors_all_persist_is_never_gathered_or_released():
     assert all(1 not in g for g in gathered_blocks(rec.log)) and 1 not in released_blocks(rec.log)
     assert all(p.ds_status is AVAILABLE for p in blocks[1].parameters())
     assert hooks.counts["prefetched"] > 0 and not hooks.gathered
+
+
+def test_a_checkpointed_blocks_recompute_is_not_a_use_and_releases_nothing():
+    from functools import partial
+
+    from torch.utils.checkpoint import checkpoint
+
+    blocks, hooks, rec = hooked(3, window=NUMEL)
+    run = partial(checkpoint, use_reentrant=False)
+    for _ in range(2):
+        hooks.start_unit(None, ())
+        x = torch.randn(2, WIDTH, requires_grad=True)
+        for block in blocks:
+            x = run(block, x)
+        x.sum().backward()
+    # each block's forward ran again inside its backward (after the backward had gathered it): counted, but
+    # neither recorded as a use nor followed by a release, so the second unit follows its record
+    assert hooks.counts["recomputes"] == 6 and hooks.counts["deviations"] == 0
+    assert [u[1] for u in hooks.traces[True].uses] == [False] * 3 + [True] * 3
+    assert hooks.counts["released_backward"] == 6 and not hooks.gathered

@@ -36,6 +36,7 @@ from dsclip.engine.patches import (
     overflow_check,
     universal_zero3,
     zero3_blocks,
+    zero3_forward_flags,
     zero3_gather,
     zero3_hook_fns,
     zero3_norm,
@@ -73,6 +74,7 @@ PATCHES: tuple[Patch, ...] = tuple(
         zero3_release,
         zero3_hook_fns,
         zero3_blocks,
+        zero3_forward_flags,  # after zero3_blocks, whose blocks it reads
     )
 )
 # Patches that act later than build_engine, where the engine does what they repair (a universal load):

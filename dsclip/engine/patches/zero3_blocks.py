@@ -24,8 +24,8 @@ treats them):
   DeepSpeed's trace does). Once recorded, each use starts one coalesced gather of the next blocks, up to
   ``stage3_prefetch_bucket_size`` elements, holding at most ``stage3_max_live_parameters`` gathered. A unit
   that deviates from its record stops prefetching and records again, as DeepSpeed's trace invalidation does.
-- **GPU**: gathers run on DeepSpeed's all-gather stream and the compute stream waits for it after each
-  block's wait, as DeepSpeed's ``fetch_sub_module`` does (tests/dist/test_zero3_blocks.py checks the calls
+- **GPU**: gathers and their waits run on DeepSpeed's all-gather stream and the compute stream waits for it
+  after each block's wait, as DeepSpeed's ``fetch_sub_module`` does (tests/dist/test_zero3_blocks.py checks the calls
   against a recording accelerator; the overlap itself is for a GPU run to measure).
 - **nothing left behind**: at each root forward and before the optimizer step releases every parameter,
   gathers still in flight are waited for and every block gathered by these hooks is released (an exception
@@ -36,10 +36,13 @@ full backward hook on the block still reduces its gradients. tests/dist/test_zer
 bit for bit against DeepSpeed's hooks (K = 1 and 2, a frozen tower, evaluation forwards in between, small
 reuse and live limits) and what each rule is for. The other modules keep DeepSpeed's hooks and coordinator.
 
-Where it does not apply, DeepSpeed's hooks stay: activation checkpointing (a recomputed forward inside the
-backward would be taken for a forward), blocks compiled with ``--torchcompile``, parameter offload, ZeRO++
-(hpZ, quantized weights), DeepSpeed's fast leaf sharding, and frozen parameters without dsclip's input-grad
-hooks (dsclip/engine/input_grads.py).
+With activation checkpointing, a block's forward recomputed inside its backward (torch's non-reentrant
+checkpoint, as dsclip runs it under ZeRO-3) is told apart as DeepSpeed does (autograd's current graph task):
+the block, gathered when its backward started, is only made sure of; it is neither a use nor released.
+
+Where it does not apply, DeepSpeed's hooks stay: blocks compiled with ``--torchcompile``, parameter offload,
+ZeRO++ (hpZ, quantized weights), DeepSpeed's fast leaf sharding, and frozen parameters without dsclip's
+input-grad hooks (dsclip/engine/input_grads.py).
 """
 
 from __future__ import annotations
@@ -110,8 +113,9 @@ def applies(engine) -> bool:
             and not getattr(coordinator, "zero_quantized_nontrainable_weights", False)
             and not getattr(coordinator, "fast_sharding_for_leaf_module", False)
             and not getattr(offload, "zenflow", False)
-            # a checkpointed block's recomputation runs its forward inside the backward
-            and not any(getattr(m, "grad_checkpointing", False) for m in modules)
+            and not engine.is_deepcompile_enabled()  # DeepSpeed's compiler schedules the gathers itself
+            # how a checkpointed block's recomputation (its forward inside the backward) is told apart
+            and hasattr(torch._C, "_current_graph_task_id")
             and not any(getattr(m, "_compiled_call_impl", None) is not None for m in modules)
             # frozen parameters: every trainable block's input must require grad (its backward's end is
             # taken from that input's gradient)
@@ -143,14 +147,21 @@ def install(engine) -> None:
     offload.dsclip_block_hooks = hooks  # for tests and bench/
 
 
-class Block:
-    """One leaf block's gathered unit: its non-persistent parameters."""
+def in_backward() -> bool:
+    """Whether autograd is running a backward on this thread (DeepSpeed's test for a checkpoint's recompute)."""
+    return torch._C._current_graph_task_id() != -1
 
-    __slots__ = ("module", "partitioned", "numel", "elements")
+
+class Block:
+    """One leaf block: what its fetch gathers (every parameter not available, persistent ones too, as
+    DeepSpeed's fetch does) and what its releases drop (the non-persistent ones)."""
+
+    __slots__ = ("module", "params", "partitioned", "numel", "elements")
 
     def __init__(self, module):
         params = list(dict.fromkeys(module.parameters()))
         self.module = module
+        self.params = tuple(params)
         self.partitioned = tuple(p for p in params if not p.ds_persist)
         self.numel = sum(p.ds_numel for p in self.partitioned)  # what one gather of it moves
         self.elements = sum(p.ds_numel for p in params)  # what DeepSpeed's reuse distance counts
@@ -232,6 +243,12 @@ class BlockHooks:
     # the hooks -----------------------------------------------------------------------------------------------
     def before_forward(self, module, args) -> None:
         block = self.blocks[module]
+        if in_backward():
+            # activation checkpointing recomputes the block's forward for its backward, which has started (and
+            # gathered it): not a use of its own, no hooks (the recomputed graph's gradients never flow back)
+            self.ensure(block)
+            self.counts["recomputes"] += 1
+            return
         self.use(block, backward=False)
         if torch.is_grad_enabled():
             x = args[0] if args else None
@@ -242,6 +259,8 @@ class BlockHooks:
 
     def after_forward(self, module, args, out) -> None:
         block = self.blocks[module]
+        if in_backward():
+            return  # a recomputation: the weights stay for the backward that asked for it
         if not torch.is_grad_enabled():
             self.release(block, "forward")
             return
@@ -273,21 +292,24 @@ class BlockHooks:
 
     def ensure(self, block: Block) -> None:
         handle = self.inflight.pop(block, None)
-        if handle is not None:
-            handle.wait()
-        if any(p.ds_status is self.not_available for p in block.partitioned):
-            self.gather([block]).wait()
-            self.counts["gathers"] += 1
-        elif handle is None:
+        if handle is None and not any(p.ds_status is self.not_available for p in block.params):
             if block not in self.gathered:  # gathered by another path (DeepSpeed's GatheredParameters): ours now
                 self.gathered.add(block)
                 self.held += block.numel
             return  # already gathered: nothing to wait for
+        # as DeepSpeed's fetch_sub_module: the waits (and their copy-out) on the all-gather stream, then the
+        # compute stream waits for it
+        with self.accelerator.stream(self.stream):
+            if handle is not None:
+                handle.wait()
+            if any(p.ds_status is self.not_available for p in block.params):
+                self.gather([block]).wait()
+                self.counts["gathers"] += 1
         if not self.accelerator.resolves_data_dependency():
             self.accelerator.current_stream().wait_stream(self.stream)
 
     def gather(self, blocks: list[Block]):
-        params = [p for b in blocks for p in b.partitioned if p.ds_status is self.not_available]
+        params = [p for b in blocks for p in b.params if p.ds_status is self.not_available]
         with self.accelerator.stream(self.stream):
             handle = params[0].all_gather_coalesced(params)
         for b in blocks:
