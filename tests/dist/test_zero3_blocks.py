@@ -91,6 +91,11 @@ def _run(rank, world, patches, case):
     out["flags_active"] = "zero3_forward_flags" in bundle.patches.active
     inside = [m for b in engine.module.modules() if z3_leaf_module(b) for m in b.modules()]
     out["plain_inside"] = all(type(m._parameters) is dict for m in inside)
+    # DeepSpeed's gradient-reduction hook: torch's full backward hook on each trainable block, or called by ours
+    out["full_backward_hooks"] = sum(len(b._backward_hooks) for b in engine.module.modules() if z3_leaf_module(b))
+    out["trainable_blocks"] = sum(
+        any(p.requires_grad for p in b.parameters()) for b in engine.module.modules() if z3_leaf_module(b)
+    )
     flags = getattr(engine, "dsclip_forward_flags", [])
     seen_in_forward = []  # (through the engine's forward, flags all set), at each image-tower forward
     through_engine = [True]
@@ -137,6 +142,10 @@ def test_zero3_blocks_compute_what_deepspeeds_hooks_compute(case):
         assert ours["active"] and not theirs["active"]
         assert ours["flags_active"] and not theirs["flags_active"]  # it needs zero3_blocks
         assert ours["plain_inside"] and not theirs["plain_inside"]
+        assert ours["full_backward_hooks"] == 0 and theirs["full_backward_hooks"] == theirs["trainable_blocks"] > 0
+        # ... called by ours once per trainable block's backward: K forward+backward units a step
+        units = STEPS * CASES[case]["k"]
+        assert ours["counts"]["reduced"] == units * ours["trainable_blocks"], ours["counts"]
         # set in the engine's forwards, not in a tower's forward called directly (nor are DeepSpeed's), not after
         assert ours["flags_in_forward"] and all(engine == flagged for engine, flagged in ours["flags_in_forward"])
         assert not ours["flags_after"]

@@ -10,31 +10,35 @@ cache (bench/results/zero3-resident_cpu2_2026-12-05.md): host time a GPU waits f
 removes it.
 
 This patch takes DeepSpeed's four hooks off each leaf block and gives it one forward pre-hook and one
-post-hook, working per block (a block's non-persistent parameters are one unit, as DeepSpeed's leaf fetch
-treats them):
+post-hook, working per block (what DeepSpeed's leaf fetch gathers: all of the block's parameters that are not
+available; what its release drops: the non-persistent ones):
 
 - **gather**: before the block's forward, and when its backward starts (a hook on its output's gradient).
-- **release**: after a forward without a graph; after its backward (a hook on its input's gradient, which
-  torch runs after DeepSpeed's gradient-reduction hook on the block, so the gradients are reduced first, as
-  with DeepSpeed's own release); after a forward with a graph unless its backward comes within
-  ``stage3_max_reuse_distance`` (DeepSpeed's rule: the elements of the blocks used in between) or a prefetch
-  has already reached it.
+- **reduce, then release**: the block's backward has ended when the gradient of its input exists (a hook on
+  that input; a block with trainable weights whose input does not require grad gets a fresh leaf input that
+  does, as dsclip/engine/input_grads.py does for frozen towers). There the hook calls DeepSpeed's own
+  gradient-reduction hook for the block (DeepSpeed registers it as the block's full backward hook, which
+  torch would call at that same moment through autograd functions wrapped around the block's inputs and
+  outputs on every forward; the patch takes it off the block and calls it itself), then releases the weights.
+  The weights are also released after a forward without a graph, and after a forward with a graph unless its
+  backward comes within ``stage3_max_reuse_distance`` (DeepSpeed's rule: the elements of the blocks used in
+  between) or a prefetch has already reached it.
 - **prefetch**: the order of block uses (forward, then backward) is recorded per kind of unit (with and
   without a graph, as dsclip's zero3_traces separates them; a unit runs from one root forward to the next, as
   DeepSpeed's trace does). Once recorded, each use starts one coalesced gather of the next blocks, up to
   ``stage3_prefetch_bucket_size`` elements, holding at most ``stage3_max_live_parameters`` gathered. A unit
   that deviates from its record stops prefetching and records again, as DeepSpeed's trace invalidation does.
 - **GPU**: gathers and their waits run on DeepSpeed's all-gather stream and the compute stream waits for it
-  after each block's wait, as DeepSpeed's ``fetch_sub_module`` does (tests/dist/test_zero3_blocks.py checks the calls
-  against a recording accelerator; the overlap itself is for a GPU run to measure).
+  after each block's wait, as DeepSpeed's ``fetch_sub_module`` does (tests/unit/test_zero3_blocks_rules.py
+  checks the calls against a recording accelerator; the overlap itself is for a GPU run to measure).
 - **nothing left behind**: at each root forward and before the optimizer step releases every parameter,
   gathers still in flight are waited for and every block gathered by these hooks is released (an exception
   in the middle of a forward leaves nothing gathered for the next one).
 
 What is computed does not change: a block's weights are the same gathered tensors, and DeepSpeed's own
-full backward hook on the block still reduces its gradients. tests/dist/test_zero3_blocks.py checks the run
-bit for bit against DeepSpeed's hooks (K = 1 and 2, a frozen tower, evaluation forwards in between, small
-reuse and live limits) and what each rule is for. The other modules keep DeepSpeed's hooks and coordinator.
+reduction hook reduces its gradients. tests/dist/test_zero3_blocks.py checks the run bit for bit against
+DeepSpeed's hooks (K = 1 and 2, a frozen tower, evaluation forwards in between, small reuse and live limits,
+activation checkpointing) and what each rule is for. The other modules keep DeepSpeed's hooks and coordinator.
 
 With activation checkpointing, a block's forward recomputed inside its backward (torch's non-reentrant
 checkpoint, as dsclip runs it under ZeRO-3) is told apart as DeepSpeed does (autograd's current graph task):
@@ -67,7 +71,7 @@ TARGETS = {
     _O + "partition_all_parameters": frozenset({"b5a95f70abee"}),  # filled in below (wrapped: our leftovers first)
     _C + "fetch_sub_module": frozenset({"77fc1f959e5d"}),  # the fetch, wait and stream rules followed
     _C + "release_sub_module": frozenset({"8b6ade55f009"}),  # the release rules followed
-    # the leaf blocks' full backward hook (the gradient reduction this patch's release must follow)
+    # the leaf blocks' full backward hook: DeepSpeed's gradient reduction, which this patch calls itself
     "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3.create_reduce_and_remove_grad_hooks": frozenset(
         {"2169caabf983"}
     ),
@@ -76,6 +80,7 @@ _P = "_PartitionedParameterCoordinator__"  # the coordinator's name-mangled sett
 DEEPSPEED_HOOKS = frozenset(
     {"_pre_forward_module_hook", "_post_forward_module_hook", "_pre_backward_module_hook", "_post_backward_module_hook"}
 )
+REDUCE_HOOK = "reduce_leaf_module_grads"  # DeepSpeedZeroOptimizer_Stage3.create_reduce_and_remove_grad_hooks
 SETTINGS = ("prefetch_bucket_sz", "max_n_available_params", "max_reuse_dist_in_numel", "allgather_stream")
 
 
@@ -121,6 +126,13 @@ def applies(engine) -> bool:
             # taken from that input's gradient)
             and input_grads_covered(engine.module)
             and all(len(deepspeed_hooks(b)) == 4 for b in blocks)
+            # at most one full backward hook per block, DeepSpeed's gradient reduction (none on a frozen block),
+            # and no backward pre-hook
+            and all(
+                [getattr(unwrap(h), "__name__", "") for h in b._backward_hooks.values()] in ([REDUCE_HOOK], [])
+                and not b._backward_pre_hooks
+                for b in blocks
+            )
             and all(hasattr(p, "ds_status") for b in blocks for p in b.parameters())
         )
     except AttributeError:
@@ -133,6 +145,11 @@ def install(engine) -> None:
     for block in hooks.blocks:
         for hook_dict, hook_id in deepspeed_hooks(block):
             del hook_dict[hook_id]
+        # DeepSpeed's gradient reduction for the block, called from the block's input-gradient hook (the moment
+        # torch would call it) instead of through torch's wrapping of the block's inputs and outputs
+        for hook_id, reduce in list(block._backward_hooks.items()):
+            del block._backward_hooks[hook_id]
+            hooks.blocks[block].reduce = reduce
         block.register_forward_pre_hook(hooks.before_forward)
         block.register_forward_hook(hooks.after_forward)
     # before DeepSpeed's own root pre-hook (its reset_step): a unit's leftovers are ours to settle
@@ -156,12 +173,14 @@ class Block:
     """One leaf block: what its fetch gathers (every parameter not available, persistent ones too, as
     DeepSpeed's fetch does) and what its releases drop (the non-persistent ones)."""
 
-    __slots__ = ("module", "params", "partitioned", "numel", "elements")
+    __slots__ = ("module", "params", "partitioned", "numel", "elements", "trains", "reduce")
 
     def __init__(self, module):
         params = list(dict.fromkeys(module.parameters()))
         self.module = module
         self.params = tuple(params)
+        self.trains = any(p.requires_grad for p in params)
+        self.reduce = None  # DeepSpeed's gradient-reduction hook for the block, set by install
         self.partitioned = tuple(p for p in params if not p.ds_persist)
         self.numel = sum(p.ds_numel for p in self.partitioned)  # what one gather of it moves
         self.elements = sum(p.ds_numel for p in params)  # what DeepSpeed's reuse distance counts
@@ -250,12 +269,19 @@ class BlockHooks:
             self.counts["recomputes"] += 1
             return
         self.use(block, backward=False)
-        if torch.is_grad_enabled():
-            x = args[0] if args else None
-            # the gradient of the block's input as given (before torch wraps it for DeepSpeed's full backward
-            # hook) exists once that hook has reduced the block's gradients: the block's backward has ended
-            if isinstance(x, torch.Tensor) and x.requires_grad:
-                x.register_hook(lambda grad, block=block: self.release(block, "backward"))
+        if not torch.is_grad_enabled() or not args or not isinstance(args[0], torch.Tensor):
+            return None
+        x = args[0]
+        changed = False
+        if not x.requires_grad and block.trains and x.is_floating_point():
+            # the block's backward must end on a gradient of its input (dsclip/engine/input_grads.py's reason):
+            # a fresh leaf; the weight gradients are the same numbers
+            x, changed = x.detach().requires_grad_(True), True
+        if x.requires_grad:
+            # the gradient of the block's input exists once the block's backward is done: reduce its gradients
+            # (DeepSpeed's hook, where torch would have called it), then release its weights
+            x.register_hook(lambda grad, block=block: self.backward_ended(block, grad))
+        return (x, *args[1:]) if changed else None
 
     def after_forward(self, module, args, out) -> None:
         block = self.blocks[module]
@@ -275,6 +301,12 @@ class BlockHooks:
 
     def backward_starts(self, block: Block) -> None:
         self.use(block, backward=True)
+
+    def backward_ended(self, block: Block, grad) -> None:
+        if block.reduce is not None:
+            block.reduce(block.module, (grad,), ())  # DeepSpeed's reads the block's parameters' .grad only
+            self.counts["reduced"] += 1
+        self.release(block, "backward")
 
     # fetch, prefetch, release --------------------------------------------------------------------------------
     def use(self, block: Block, backward: bool) -> None:
