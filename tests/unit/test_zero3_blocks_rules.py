@@ -69,6 +69,7 @@ def make_chain(n, recorder):
     for i, block in enumerate(blocks):
         for p in block.parameters():
             p.ds_status, p.ds_persist, p.ds_numel, p.block_index = NA, False, p.numel(), i
+            p.ds_active_sub_modules = set()
 
             def gather(params, p=p):
                 params = list(params)
@@ -257,3 +258,19 @@ def test_a_checkpointed_blocks_recompute_is_not_a_use_and_releases_nothing():
     assert hooks.counts["recomputes"] == 6 and hooks.counts["deviations"] == 0
     assert [u[1] for u in hooks.traces[True].uses] == [False] * 3 + [True] * 3
     assert hooks.counts["released_backward"] == 6 and not hooks.gathered
+
+
+def test_a_parameter_another_module_is_using_is_not_released():
+    blocks, hooks, rec = hooked(2, window=NUMEL)
+    blocks[1].weight.ds_active_sub_modules.add(99)  # DeepSpeed's coordinator holds it for module 99
+    unit(blocks, hooks, grad=False)
+    assert blocks[1].weight.ds_status is AVAILABLE and blocks[1].bias.ds_status is NA
+    assert blocks[0].weight.ds_status is NA
+
+
+def test_the_patch_does_not_apply_where_a_block_shares_a_parameter_with_a_module_outside_it():
+    blocks = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(2))
+    model = nn.ModuleDict({"blocks": blocks, "head": nn.Linear(WIDTH, WIDTH)})
+    assert zero3_blocks.blocks_own_their_parameters(model, list(blocks))
+    model["head"].weight = blocks[1].weight  # tied
+    assert not zero3_blocks.blocks_own_their_parameters(model, list(blocks))

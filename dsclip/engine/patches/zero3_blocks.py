@@ -134,9 +134,24 @@ def applies(engine) -> bool:
                 for b in blocks
             )
             and all(hasattr(p, "ds_status") for b in blocks for p in b.parameters())
+            and blocks_own_their_parameters(engine.module, blocks)
         )
     except AttributeError:
         return False
+
+
+def blocks_own_their_parameters(model, blocks) -> bool:
+    """No parameter of a block is also a parameter of a module outside it (tied weights): such a parameter's
+    gathers and releases would have to be shared with DeepSpeed's coordinator."""
+    inside = {id(m) for b in blocks for m in b.modules()}
+    in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    return not any(
+        id(p) in in_blocks
+        for m in model.modules()
+        if id(m) not in inside
+        for p in m._parameters.values()
+        if p is not None
+    )
 
 
 def install(engine) -> None:
@@ -382,7 +397,8 @@ class BlockHooks:
         if handle is not None:
             handle.wait()
         for p in block.partitioned:
-            if p.ds_status is self.available:
+            # DeepSpeed's __release_param rule: a parameter some other module is using stays
+            if p.ds_status is self.available and not p.ds_active_sub_modules:
                 p.partition()
         self.gathered.discard(block)
         self.held -= block.numel
