@@ -68,7 +68,7 @@ _O = "deepspeed.runtime.zero.parameter_offload:DeepSpeedZeRoOffload."
 _C = "deepspeed.runtime.zero.partitioned_param_coordinator:PartitionedParameterCoordinator."
 TARGETS = {
     _O + "_register_deepspeed_module": frozenset({"4eede10c50d5"}),  # the four hooks taken off
-    _O + "partition_all_parameters": frozenset({"b5a95f70abee"}),  # filled in below (wrapped: our leftovers first)
+    _O + "partition_all_parameters": frozenset({"b5a95f70abee"}),  # wrapped: our leftovers are settled first
     _C + "fetch_sub_module": frozenset({"77fc1f959e5d"}),  # the fetch, wait and stream rules followed
     _C + "release_sub_module": frozenset({"8b6ade55f009"}),  # the release rules followed
     # the leaf blocks' full backward hook: DeepSpeed's gradient reduction, which this patch calls itself
@@ -140,10 +140,15 @@ def applies(engine) -> bool:
         return False
 
 
+def modules_inside(blocks) -> set[int]:
+    """ids of the blocks and of every module inside them."""
+    return {id(m) for b in blocks for m in b.modules()}
+
+
 def blocks_own_their_parameters(model, blocks) -> bool:
     """No parameter of a block is also a parameter of a module outside it (tied weights): such a parameter's
     gathers and releases would have to be shared with DeepSpeed's coordinator."""
-    inside = {id(m) for b in blocks for m in b.modules()}
+    inside = modules_inside(blocks)
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
     return not any(
         id(p) in in_blocks
@@ -245,7 +250,8 @@ class BlockHooks:
         self.cursor = 0  # uses so far in this unit
         self.horizon = 0  # uses considered for prefetch so far in this unit
         self.deviated = False
-        self.inflight: dict[Block, object] = {}  # block -> its gather's handle (shared by a coalesced prefetch)
+        self.inflight: dict[Block, object] = {}  # block -> its gather's handle (a shared handle: the first
+        # wait completes it, the others return at once)
         self.gathered: set[Block] = set()  # gathered or in flight by these hooks, not yet released
         self.held = 0  # their elements
         self.peak_held = 0
@@ -267,10 +273,8 @@ class BlockHooks:
         self.deviated = False
 
     def settle(self) -> None:
-        """Wait for every gather of ours still in flight and release every block we hold."""
-        for handle in list(self.inflight.values()):
-            handle.wait()  # a shared handle: the first wait completes it, the others return at once
-        self.inflight.clear()
+        """Release every block we hold, waiting first for its gather if still in flight (every block in flight
+        is held: gather() holds it)."""
         for block in list(self.gathered):
             self.release(block, "leftover")
 
@@ -340,9 +344,7 @@ class BlockHooks:
     def ensure(self, block: Block) -> None:
         handle = self.inflight.pop(block, None)
         if handle is None and not any(p.ds_status is self.not_available for p in block.params):
-            if block not in self.gathered:  # gathered by another path (DeepSpeed's GatheredParameters): ours now
-                self.gathered.add(block)
-                self.held += block.numel
+            self.hold(block)  # if gathered by another path (DeepSpeed's GatheredParameters): ours now
             return  # already gathered: nothing to wait for
         # as DeepSpeed's fetch_sub_module: the waits (and their copy-out) on the all-gather stream, then the
         # compute stream waits for it
@@ -360,11 +362,14 @@ class BlockHooks:
         with self.accelerator.stream(self.stream):
             handle = params[0].all_gather_coalesced(params)
         for b in blocks:
-            if b not in self.gathered:
-                self.gathered.add(b)
-                self.held += b.numel
-        self.peak_held = max(self.peak_held, self.held)
+            self.hold(b)
         return handle
+
+    def hold(self, block: Block) -> None:
+        if block not in self.gathered:
+            self.gathered.add(block)
+            self.held += block.numel
+            self.peak_held = max(self.peak_held, self.held)
 
     def prefetch(self, trace: Trace) -> None:
         uses = trace.uses

@@ -53,8 +53,9 @@ def applies(engine) -> bool:
 def install(engine) -> None:
     from deepspeed.runtime.zero.parameter_offload import ZeROOrderedDict
 
-    blocks = engine.optimizer.parameter_offload.dsclip_block_hooks.blocks
-    inside = {id(m) for block in blocks for m in block.modules()}
+    from dsclip.engine.patches.zero3_blocks import modules_inside
+
+    inside = modules_inside(engine.optimizer.parameter_offload.dsclip_block_hooks.blocks)
     flags = []
     for module in engine.module.modules():
         params = module._parameters
