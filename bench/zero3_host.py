@@ -57,12 +57,21 @@ VARIANTS = {
             "zero3_params",
             "zero3_gather",
             "zero3_norm",
+            "zero3_step_views",
             "zero3_release",
             "zero3_hook_fns",
             "zero3_blocks",
             "zero3_forward_flags",
+            "zero3_local_flush",  # this one and the next apply at --world 1 only
+            "zero3_local_persist",
         )
     },
+    # the three step patches (issue #29, one-rank flush and step) left out together: ZeRO-3 as it was before them
+    "zero3 -flush/persist/views": (
+        "zero3_{p}",
+        THIN_PERSIST,
+        {"engine_patches": "all,-zero3_local_flush,-zero3_local_persist,-zero3_step_views"},
+    ),
     "zero3 stock": ("zero3_{p}", THIN_PERSIST | STOCK, PATCHES_OFF),  # no leaves, DeepSpeed's linear, no patches
     "zero3 linear-on": ("zero3_{p}", THIN_PERSIST | LINEAR_ON, {}),
     "zero3 no-leaf": ("zero3_{p}", THIN_PERSIST | NO_LEAF, {}),

@@ -317,12 +317,14 @@ def plain_run(shared_dir, world, stage, k, patches="all") -> list[dict]:
 STOCK_ZERO3 = {"leaf_module": {"classes": []}, "memory_efficient_linear": True}
 
 # What each ZeRO stage and world gets with --engine-patches all (dsclip/engine/patches/): local_flush at
-# one rank only; the zero3_* patches at any world; universal_zero3 is listed for ZeRO-3 (it acts on a universal load)
+# one rank only (ZeRO-3: zero3_local_flush, zero3_local_persist); the other zero3_* patches at any world;
+# universal_zero3 is listed for ZeRO-3 (it acts on a universal load)
 ZERO3_PATCHES = [
     "zero3_params",
     "zero3_traces",
     "zero3_gather",
     "zero3_norm",
+    "zero3_step_views",
     "zero3_release",
     "zero3_hook_fns",
     "zero3_blocks",
@@ -331,7 +333,7 @@ ZERO3_PATCHES = [
 EXPECTED_PATCHES = {
     (1, 2): ["local_flush", "overflow_check", "grad_hooks", "grad_norm"],
     (2, 2): ["overflow_check", "grad_hooks", "grad_norm"],
-    (1, 3): [*ZERO3_PATCHES, "universal_zero3"],
+    (1, 3): [*ZERO3_PATCHES, "zero3_local_flush", "zero3_local_persist", "universal_zero3"],
     (2, 3): [*ZERO3_PATCHES, "universal_zero3"],
 }
 

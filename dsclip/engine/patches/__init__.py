@@ -39,9 +39,12 @@ from dsclip.engine.patches import (
     zero3_forward_flags,
     zero3_gather,
     zero3_hook_fns,
+    zero3_local_flush,
+    zero3_local_persist,
     zero3_norm,
     zero3_params,
     zero3_release,
+    zero3_step_views,
     zero3_traces,
 )
 from dsclip.engine.patches.fingerprint import deepspeed_version, mismatched_target
@@ -71,10 +74,13 @@ PATCHES: tuple[Patch, ...] = tuple(
         zero3_traces,
         zero3_gather,
         zero3_norm,
+        zero3_step_views,
         zero3_release,
         zero3_hook_fns,
         zero3_blocks,
         zero3_forward_flags,  # after zero3_blocks, whose blocks it reads
+        zero3_local_flush,
+        zero3_local_persist,  # after zero3_gather, whose post-step it wraps
     )
 )
 # Patches that act later than build_engine, where the engine does what they repair (a universal load):
