@@ -705,8 +705,23 @@ def install_preemption_handler(signals=PREEMPT_SIGNALS) -> None:
 
 def stop_saved(code: int) -> None:
     """The stop's checkpoint is safe and this rank now exits with ``code``: a second SIGTERM from here on ends
-    the process at once with that code rather than by the signal."""
+    the process at once with that code rather than by the signal, and one that comes while the interpreter
+    shuts down is ignored (see :func:`_ignore_stop_signals_at_exit`)."""
+    if _preempt["saved_code"] is None:
+        atexit.register(_ignore_stop_signals_at_exit)
     _preempt["saved_code"] = int(code)
+
+
+def _ignore_stop_signals_at_exit() -> None:
+    """After the atexit callbacks CPython puts every signal with a Python handler back to its default action
+    (``_PySignal_Fini``), and then tears the modules down, which for a rank (process groups, DeepSpeed, data
+    workers) takes long enough for a late SIGTERM to arrive: it killed the rank with -15 after its save, and
+    DeepSpeed's launch.py reported -15 (pdsh 241) for a job that had saved (tests/e2e/test_launch.py's pdsh
+    SIGTERM case, intermittently). An ignored signal keeps its disposition through that teardown, so the
+    rank ends with the stop's own code; SIGKILL, which launchers send 30 s after SIGTERM, still ends it."""
+    if _preempt["saved_code"] is not None:
+        for s in PREEMPT_SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
 
 
 def local_stop_flags() -> tuple[float, float]:

@@ -92,3 +92,58 @@ print("survived the second TERM", flush=True)
     r = subprocess.run([sys.executable, "-c", code_py], capture_output=True, text=True, timeout=60)
     assert r.returncode == code, (r.returncode, r.stdout, r.stderr)
     assert r.stdout.strip() == "saved"
+
+
+@pytest.mark.parametrize("late", ["TERM", "USR1"])
+def test_a_stop_signal_during_shutdown_after_the_stops_save_keeps_the_stops_code(late):
+    """Once the atexit callbacks have run, CPython gives every signal with a Python handler its default action
+    back, and the modules' teardown (process groups, DeepSpeed) still takes a while: a SIGTERM then killed a rank
+    that had saved with -15 (pdsh 241, a failed job). Here the late signal comes from an object torn down with
+    the script's globals, after that reset: the process must still end with the stop's code."""
+    import subprocess
+    import sys
+
+    code_py = f"""
+import os, signal, sys, time
+from dsclip.engine import world
+world.install_preemption_handler()
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(world.TERM_REPEAT_S + 0.3)
+world.stop_saved(world.exit_code(world.stop_reason(world.local_stop_flags())))
+
+class LateSignal:
+    def __del__(self):  # runs when the interpreter clears this module, after the handlers went back to default
+        os.kill(os.getpid(), signal.SIG{late})
+        time.sleep(0.5)
+        print("alive after the late signal", flush=True)
+
+late = LateSignal()
+print("saved", flush=True)
+sys.exit(143)
+"""
+    r = subprocess.run([sys.executable, "-c", code_py], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 143, (r.returncode, r.stdout, r.stderr)
+    assert r.stdout.split() == ["saved", "alive", "after", "the", "late", "signal"]
+
+
+def test_a_stop_signal_during_shutdown_without_a_save_keeps_its_default_action():
+    """Only a stop whose checkpoint is safe ignores signals at shutdown: a process that never saved still dies
+    of a SIGTERM there, as before."""
+    import subprocess
+    import sys
+
+    code_py = """
+import os, signal, time
+from dsclip.engine import world
+world.install_preemption_handler()
+
+class LateSignal:
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.5)
+        print("alive after the late signal", flush=True)
+
+late = LateSignal()
+"""
+    r = subprocess.run([sys.executable, "-c", code_py], capture_output=True, text=True, timeout=60)
+    assert r.returncode == -15, (r.returncode, r.stdout, r.stderr)
