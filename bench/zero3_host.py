@@ -85,6 +85,9 @@ VARIANTS = {
     # nothing; the blocks' gradients are still reduced (DeepSpeed's full backward hook stays). What this
     # saves is what a leaner per-block path could at most save of the hooks' own cost.
     "zero3 resident -leaf-hooks": ("zero3_{p}", {"stage3_param_persistence_threshold": 10**9}, NO_BLOCKS),
+    # every tensor resident with every patch on: at one rank a partition is the whole tensor, so this keeps
+    # ZeRO-3's memory as it is and drops its fetches and releases (bench/results/zero3-local-flush_cpu2_2026-12-05.md)
+    "zero3 resident-all": ("zero3_{p}", {"stage3_param_persistence_threshold": 10**9}, {}),
     "zero3 prefetch 0": ("zero3_{p}", THIN_PERSIST | {"stage3_prefetch_bucket_size": 0}, {}),
     "zero3 allreduce-fetch": ("zero3_{p}", THIN_PERSIST | {"stage3_use_all_reduce_for_fetch_params": True}, {}),
     "zero3 live 1e8": ("zero3_{p}", THIN_PERSIST | {"stage3_max_live_parameters": 10**8}, {}),
