@@ -11,7 +11,7 @@ the gradients (``safe_get_full_grad``), the gradient norm, whether the step was 
 Adam's moments and the persistent tensors the next forward reads, after each of several steps (the
 partitions are reused across steps). The run with ``--engine-patches all`` is compared with
 ``all,-zero3_local_flush,-zero3_local_persist`` (every other patch the same, so these two are the only
-difference), in one process, the two engines one after the other:
+difference), every case and both modes in one process, the engines one after the other:
 
 - ``fp32``: K = 3, clipping on (the step rescales the flat partition in place), matrices partitioned and
   vectors persistent, as the shipped threshold does for the real model;
@@ -54,8 +54,9 @@ REFERENCE = "all,-zero3_local_flush,-zero3_local_persist"
 MODES = ("all", REFERENCE)
 
 
-def _run_modes(rank, world, case):
-    return {mode: _run(case, mode) for mode in MODES}
+def _run_cases(rank, world):
+    """Every case, both modes, in this one process (one spawn for the whole file: CI's minutes)."""
+    return {case: {mode: _run(case, mode) for mode in MODES} for case in CASES}
 
 
 def _run(case, patches):
@@ -148,11 +149,19 @@ def _run(case, patches):
     return out
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_zero3_one_rank_patches_are_bitwise_deepspeeds_paths(case):
+def test_zero3_one_rank_patches_are_bitwise_deepspeeds_paths():
+    (results,) = run_world(_run_cases, 1)
+    assert list(results) == list(CASES)
+    for case, result in results.items():
+        try:
+            check_case(case, result)
+        except AssertionError as e:
+            raise AssertionError(f"case {case!r}: {e}") from e
+
+
+def check_case(case, result):
     from dsclip.engine.patches import passes_check
 
-    (result,) = run_world(_run_modes, 1, case)
     ours, theirs = result["all"], result[REFERENCE]
     spec = CASES[case]
     # on a DeepSpeed whose sources are not the verified ones the patches stay out: the comparison then holds
