@@ -7,7 +7,7 @@ shard and the whole tensor must be rebuilt. At one rank there is nothing to rebu
 "gather" (``NoGatherCoalescedHandle``) makes the parameter a view of its own partition
 (``param.data = ds_tensor.view(ds_shape)``), and the optimizer writes the update into that partition (the
 flat 16-bit buffer ``ds_tensor`` is a slice of). So the release and the gather are a round trip of
-per-tensor Python: on CPU, thin model at ViT-H-14's depth, about half of ZeRO-3's step time at one rank
+per-tensor Python: on CPU, thin model at ViT-H-14's depth, ~40 % of ZeRO-3's step time at one rank
 (bench/results/zero3-local-flush_cpu2_2026-12-05.md), host time a one-GPU ZeRO-3 run (bigG on one H200)
 waits for.
 
