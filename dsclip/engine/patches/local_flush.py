@@ -152,6 +152,12 @@ def install(engine) -> None:
     opt.get_grad_norm_direct = _flat_grad_norm(opt, opt.get_grad_norm_direct)
 
 
+def all_at(tensors, base: int, byte_offsets: list[int]) -> bool:
+    """Every tensor's storage starts ``byte_offsets[i]`` bytes after ``base``: each still is its slice of a flat
+    buffer (what a step's re-pointing of tensors at their slices would leave)."""
+    return len(tensors) == len(byte_offsets) and all(t.data_ptr() == base + o for t, o in zip(tensors, byte_offsets))
+
+
 def _skip_if_views_in_place(opt, update, layouts):
     """``_update_model_bit16_weights`` that does nothing when every parameter already is its view.
 
@@ -164,9 +170,8 @@ def _skip_if_views_in_place(opt, update, layouts):
     ]
 
     def update_model_bit16_weights(group_index: int) -> None:
-        params, offsets = opt.bit16_groups[group_index], byte_offsets[group_index]
         base = opt.bit16_groups_flat[group_index].data_ptr()
-        if len(params) != len(offsets) or any(p.data_ptr() != base + o for p, o in zip(params, offsets)):
+        if not all_at(opt.bit16_groups[group_index], base, byte_offsets[group_index]):
             update(group_index)
 
     return update_model_bit16_weights

@@ -55,7 +55,8 @@ TARGETS = {
 PARTITIONS = _M + "param_id_to_grad_partition"  # ds_id -> this rank's slice of grad_partitions_flat_buffer
 
 
-def _partition_world(opt, param) -> int:
+def partition_world(opt, param) -> int:
+    """How many ranks share ``param``'s partitions (DeepSpeed's partition group for it)."""
     group = opt._get_param_partition_group(param)
     return dist.get_world_size(group=group) if dist.is_initialized() else 1
 
@@ -78,7 +79,7 @@ def applies(engine) -> bool:
             and opt.autoep_folding_tp_group is None
             and float(opt.gradient_predivide_factor) == 1.0
             and all(getattr(p, "ds_zero_placement_family", "replicated") == "replicated" for p in params)
-            and all(_partition_world(opt, p) == 1 for p in params)
+            and all(partition_world(opt, p) == 1 for p in params)
         )
     except AttributeError:  # another optimizer class, or a DeepSpeed without these attributes
         return False

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
+from dsclip.engine.patches.zero3_local_flush import partition_world
+
 NAME = "zero3_local_persist"
 SUMMARY = "one rank, ZeRO-3: persistent tensors kept in place across the step, not released and re-gathered"
 VERIFIED = ("0.19.8",)
@@ -68,15 +70,10 @@ def applies(engine) -> bool:
             and engine.zero_hpz_partition_size() <= 1  # ZeRO++ hpZ: secondary partitions
             and not engine.zero_quantized_weights()  # ZeRO++ qwZ
             and _world(opt) == 1
-            and all(_partition_world(p) == 1 for p in persistent)
+            and all(partition_world(opt, p) == 1 for p in persistent)
         )
     except AttributeError:
         return False
-
-
-def _partition_world(param) -> int:
-    group = getattr(param, "ds_process_group", None)
-    return dist.get_world_size(group=group) if dist.is_initialized() else 1
 
 
 def can_be_view_of_partition(param) -> bool:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from dsclip.engine.patches.local_flush import all_at
 from dsclip.engine.patches.zero3_norm import flat_range
 
 NAME = "zero3_step_views"
@@ -86,9 +87,9 @@ def _skip_if_in_place(opt, deepspeed_unflatten):
         offsets.append(starts if all(part.dtype == flat.dtype for part in parts) else None)
 
     def unflatten_partitioned_parameters(sub_group_id: int) -> None:
-        parts, starts = opt.fp16_partitioned_groups[sub_group_id], offsets[sub_group_id]
+        starts = offsets[sub_group_id]
         base = opt.fp16_partitioned_groups_flat[sub_group_id].data_ptr()
-        if starts is None or len(parts) != len(starts) or any(p.data_ptr() != base + s for p, s in zip(parts, starts)):
+        if starts is None or not all_at(opt.fp16_partitioned_groups[sub_group_id], base, starts):
             deepspeed_unflatten(sub_group_id)
 
     return unflatten_partitioned_parameters
