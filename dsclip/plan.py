@@ -30,6 +30,7 @@ measurements:
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import math
 import shlex
@@ -42,7 +43,7 @@ from dsclip.losses.config import LOSS_FLAGS, TRAIN_TILE_SIZE
 from dsclip.losses.config import LOSS_NAMES as LOSS_MODES
 from dsclip.model import get_model_config, resolve_model_config
 from dsclip.model.lock import LockConfig, check_lock_config
-from dsclip.plan_efficiency import MEASURED, extra_forwards, plan_mfu
+from dsclip.plan_efficiency import MEASURED, extra_forwards, offload_seconds, plan_mfu
 
 GiB = 2**30
 ROOT = Path(__file__).resolve().parents[1]
@@ -127,17 +128,28 @@ def load_arch(
         patch_dropout=patch_dropout,
     )
     if count_params:
-        from dsclip.model import create_model  # lazy: torch + timm, which `dsclip plan --help` must not load (#33)
-        from dsclip.model.lock import apply_locking
-
-        m = create_model(cfg, device="meta")
-        arch.params = sum(p.numel() for p in m.parameters())
-        arch.trainable_params = apply_locking(m, lock)["trainable"] if lock is not None else arch.params
-        arch.vision_params = sum(p.numel() for p in m.visual.parameters())
-        arch.text_params = sum(p.numel() for p in m.text.parameters())
-        # As DeepSpeed's model_to_params: the most parameters any single module owns directly.
-        arch.largest_layer_params = max(sum(p.numel() for p in mod.parameters(recurse=False)) for mod in m.modules())
+        counts = _param_counts(json.dumps(cfg, sort_keys=True), json.dumps(asdict(lock), sort_keys=True) if lock else "")
+        arch.params, arch.trainable_params, arch.vision_params, arch.text_params, arch.largest_layer_params = counts
     return arch
+
+
+@functools.lru_cache(maxsize=64)
+def _param_counts(cfg_json: str, lock_json: str) -> tuple[int, int, int, int, int]:
+    """(params, trainable, vision, text, largest layer) of a resolved config, built once on the meta device:
+    the search (dsclip.plan_search) plans dozens of configurations of one model."""
+    cfg = json.loads(cfg_json)
+    lock = LockConfig(**json.loads(lock_json)) if lock_json else None
+    from dsclip.model import create_model  # lazy: torch + timm, which `dsclip plan --help` must not load (#33)
+    from dsclip.model.lock import apply_locking
+
+    m = create_model(cfg, device="meta")
+    params = sum(p.numel() for p in m.parameters())
+    trainable = apply_locking(m, lock)["trainable"] if lock is not None else params
+    vision = sum(p.numel() for p in m.visual.parameters())
+    text = sum(p.numel() for p in m.text.parameters())
+    # As DeepSpeed's model_to_params: the most parameters any single module owns directly.
+    largest = max(sum(p.numel() for p in mod.parameters(recurse=False)) for mod in m.modules())
+    return params, trainable, vision, text, largest
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -173,6 +185,30 @@ def model_state_bytes(
     if zero >= 3:
         out["gathered_layers"] = 4.0 * largest_layer_params
     return out
+
+
+OFFLOADS = ("none", "optimizer", "optimizer+params")
+
+
+def offload_of(ds_config: dict) -> str:
+    """What the JSON's ZeRO-Offload moves to the host: "none", "optimizer" or "optimizer+params"."""
+    z = ds_config.get("zero_optimization", {})
+
+    def on(key):
+        return (z.get(key) or {}).get("device", "none") not in ("none", None)
+
+    return "optimizer+params" if on("offload_param") else "optimizer" if on("offload_optimizer") else "none"
+
+
+def split_offloaded(states: dict[str, float], offload: str) -> tuple[dict[str, float], float]:
+    """(states left on the GPU, bytes moved to the host) under ZeRO-Offload, as DeepSpeed's own
+    ``estimate_zero2/3_model_states_mem_needs`` count them: offloading the optimizer moves the gradient
+    partitions, fp32 master and Adam states to the host (the GPU keeps its 16-bit weights: 2P under ZeRO-2,
+    2P/N plus the gathered layers under ZeRO-3); offloading the parameters (ZeRO-3) moves the 16-bit
+    partition too."""
+    moved = {"none": (), "optimizer": ("grads", "optimizer"), "optimizer+params": ("grads", "optimizer", "params")}
+    keys = moved[offload]
+    return {k: (0.0 if k in keys else v) for k, v in states.items()}, sum(states[k] for k in keys)
 
 
 def held_weight_bytes(
@@ -388,6 +424,10 @@ class Plan:
     host_inputs_gb: float = 0.0  # per GPU: the step's images + tokens the gradient cache holds on the host
     host_memory_gb: float = 0.0  # per node, the budget those inputs were checked against
     mfu_source: str = ""  # where plan.mfu comes from (dsclip.plan_efficiency): measured, nearest, given
+    offload: str = "none"  # ZeRO-Offload of the JSON: none, optimizer, optimizer+params
+    host_offload_gb: float = 0.0  # per GPU: the model states ZeRO-Offload keeps in host RAM
+    offload_s: float = 0.0  # per step: the host optimizer step and PCIe copies offload adds (plan_efficiency)
+    ds_config: str = ""  # the --deepspeed-config the command runs
 
 
 def shipped_ds_config(zero: int, precision: str) -> tuple[str, dict]:
@@ -479,6 +519,7 @@ def make_plan(
     )
     plan.local_batch = batch_size // gpus
     ds_name, ds_cfg = ds_config or shipped_ds_config(zero, precision)
+    plan.ds_config, plan.offload = ds_name, offload_of(ds_cfg)
     if device == "cpu":
         losses = _plan_cpu_memory(plan, arch, tile, baseline_gb, keep_last_graph, micro_batch)
     else:
@@ -500,6 +541,8 @@ def _plan_memory(
     )
     unlocked = model_state_bytes(arch.params, plan.gpus, plan.zero, precision, arch.largest_layer_params)
     plan.locked_saving_gb = round((sum(unlocked.values()) - sum(states.values())) / GiB, 3)
+    states, host_states = split_offloaded(states, plan.offload)
+    plan.host_offload_gb = round(host_states / GiB, 3)
     buckets = bucket_bytes(ds_cfg, precision)
     held = held_weight_bytes(arch.params, plan.gpus, plan.zero, precision, plan.grad_checkpointing, ds_cfg)
     cache = embedding_cache_bytes(local, arch.embed_dim)
@@ -520,7 +563,7 @@ def _plan_memory(
     plan.micro_batch, plan.accum_freq = micro, (local // micro if micro else 0)
     plan.host_inputs_gb = round(input_bytes(arch, local) / GiB, 3)
 
-    mem = {k: v / GiB for k, v in states.items()}
+    mem = {k: v / GiB for k, v in states.items() if v or plan.offload == "none"}  # offloaded: a host line below
     mem["comm_buckets"] = buckets / GiB
     if held:
         mem["held_weights (torch's linear)"] = held / GiB
@@ -529,6 +572,8 @@ def _plan_memory(
     mem["activations"] = held_activation_bytes(act, max(micro, 1)) / GiB
     mem["reserve (CUDA context, allocator)"] = reserve_gb
     mem["total"] = sum(mem.values())
+    if host_states:
+        mem["(host) offloaded model states"] = host_states / GiB  # not on the GPU: after the total
     plan.memory_gb = {k: round(v, 3) for k, v in mem.items()}
     plan.activation_per_sample_mb = {k: round(v / 2**20, 3) for k, v in act.items()}
     plan.loss_memory_gb = {m: round(v / GiB, 3) for m, v in losses.items()}
@@ -538,12 +583,14 @@ def _plan_memory(
 def _check_host(plan: Plan, gpus_per_node: int, host_memory_gb: float) -> None:
     """The step's inputs live in host RAM (all K micro-batches, until pass 2 ends): they must fit the node."""
     plan.host_memory_gb = host_memory_gb
-    need = plan.host_inputs_gb * min(plan.gpus, gpus_per_node)
+    need = (plan.host_inputs_gb + plan.host_offload_gb) * min(plan.gpus, gpus_per_node)
     if need > host_memory_gb:
         plan.fits = False
+        offloaded = f" + {plan.host_offload_gb:.1f} GiB offloaded model states" if plan.host_offload_gb else ""
         plan.notes.append(
-            f"does NOT fit the host: the step's inputs need {need:.0f} GiB of host RAM per node "
-            f"({plan.host_inputs_gb:.1f} GiB per GPU) against --host-memory {host_memory_gb:g}; lower the batch"
+            f"does NOT fit the host: the step's inputs{' and offloaded states' if offloaded else ''} need "
+            f"{need:.0f} GiB of host RAM per node ({plan.host_inputs_gb:.1f} GiB inputs{offloaded} per GPU) "
+            f"against --host-memory {host_memory_gb:g}; lower the batch"
         )
 
 
@@ -634,7 +681,11 @@ def _plan_speed(plan: Plan, arch: Arch, keep_last_graph: bool) -> None:
     executed = model_flops + fwd["total"] * extra_forwards(plan.accum_freq, plan.grad_checkpointing, keep_last_graph)
     plan.train_gflops_per_sample = round(model_flops / 1e9, 2)
     plan.executed_gflops_per_sample = round(executed / 1e9, 2)
-    plan.step_time_s = round(model_flops * local / (mfu * plan.peak_tflops * 1e12), 3)
+    plan.offload_s = round(
+        offload_seconds(plan.offload, arch.params, arch.trainable_params, plan.gpus, plan.accum_freq,
+                        plan.grad_checkpointing, keep_last_graph), 4,
+    )  # fmt: skip
+    plan.step_time_s = round(model_flops * local / (mfu * plan.peak_tflops * 1e12) + plan.offload_s, 3)
     plan.samples_per_s_per_gpu = round(local / plan.step_time_s, 2) if plan.step_time_s else 0.0
     plan.hfu = round(mfu * executed / model_flops, 3)
 
@@ -680,8 +731,7 @@ def _plan_notes(plan: Plan, losses: dict[str, float], tile: int, gpus_per_node: 
     notes = plan.notes
     if not plan.fits and plan.device != "cpu" and plan.micro_batch == 0:
         notes.append(
-            "does NOT fit: even one sample per micro-batch exceeds the memory left after model states, "
-            "loss and cache; " + _suggest(plan.model, plan, tile, gpus_per_node)
+            "does NOT fit: even one sample per micro-batch exceeds the memory left after model states, loss and cache"
         )
     if plan.loss == "infonce" and losses["infonce"] > 0.1 * plan.gpu_memory_gb * GiB:
         notes.append(
@@ -755,40 +805,11 @@ def largest_fitting(fits) -> int:
     return lo
 
 
-def _suggest(model, plan: Plan, tile: int, gpus_per_node: int) -> str:
-    tries = []
-    if not plan.grad_checkpointing:
-        tries.append({"grad_checkpointing": True})
-    if plan.zero < 3:
-        tries.append({"zero": 3, "grad_checkpointing": True})
-    if plan.loss in ("infonce", "infonce_local"):
-        tries.append({"loss": "infonce_tiled", "grad_checkpointing": True, "zero": 3})
-    base = dict(
-        gpus=plan.gpus,
-        gpu_memory_gb=plan.gpu_memory_gb,
-        batch_size=plan.batch_size,
-        zero=plan.zero,
-        precision=plan.precision,
-        grad_checkpointing=plan.grad_checkpointing,
-        patch_dropout=plan.patch_dropout,
-        loss=plan.loss,
-        mfu=plan.mfu,
-        peak_tflops=plan.peak_tflops,
-        tile=tile,
-        gpus_per_node=gpus_per_node,
-    )
-    for t in tries:
-        p = make_plan(model, **{**base, **t})
-        if p.fits:
-            return "try " + ", ".join(f"{k}={v}" for k, v in t.items()) + f" (micro-batch {p.micro_batch})"
-    return "add GPUs or lower the batch"
-
-
 def format_plan(p: Plan) -> str:
     lines = [
         f"dsclip plan: {p.model} ({p.params / 1e9:.3f} B params, {p.trainable_params / 1e9:.3f} B trainable) | "
         + (f"{p.gpus} GPUs x {p.gpu_memory_gb:g} GiB | " if p.device != "cpu" else f"{p.gpus} CPU ranks | ")
-        + f"ZeRO-{p.zero} {p.precision} | global batch {p.batch_size} ({p.local_batch}/GPU) | loss {p.loss}"
+        + f"ZeRO-{p.zero}{'' if p.offload == 'none' else f' offload {p.offload}'} {p.precision} | global batch {p.batch_size} ({p.local_batch}/GPU) | loss {p.loss}"
         + (" | grad-checkpointing" if p.grad_checkpointing else "")
         + (f" | patch-dropout {p.patch_dropout:g}" if p.patch_dropout else "")
         + (f" | image size {p.image_size}" if p.image_size else ""),
@@ -837,7 +858,13 @@ def format_plan(p: Plan) -> str:
         f"{p.samples_per_s_per_gpu * p.gpus:.0f} samples/s total "
         f"(hardware utilisation incl. recompute {p.hfu:.2f})",
         f"MFU {p.mfu:g}: {p.mfu_source}",
+        *(
+            [f"ZeRO-Offload ({p.offload}) adds {p.offload_s:.2f} s/step: host Adam + PCIe copies (plan_efficiency)"]
+            if p.offload_s
+            else []
+        ),
     ]
     lines += [f"note: {n}" for n in p.notes]
-    lines += ["", "recommended:", "  " + p.command]
+    if p.fits:  # a command the plan says does not fit is never printed (the CLI prints a change that fits)
+        lines += ["", "recommended:", "  " + p.command]
     return "\n".join(lines)

@@ -24,6 +24,7 @@ from dsclip.losses.config import LOSS_NAMES as LOSS_MODES
 from dsclip.losses.config import TRAIN_TILE_SIZE
 from dsclip.model.lock import LockConfig
 from dsclip.plan import ROOT, Plan, format_plan, largest_batch, make_plan, shipped_ds_config, train_args
+from dsclip.plan_efficiency import DEFAULT_GPU, GPUS, gpu_spec
 
 DEFAULT_MAX_BATCH_MICRO = 32  # --max-batch keeps room for this micro-batch when --batch-size is not given
 SHARDS = "SHARDS/{00000..NNNNN}.tar"  # placeholder: the user's webdataset shards
@@ -59,7 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--model", required=True, help="architecture name (dsclip/model/configs) or JSON path")
     p.add_argument("--gpus", type=int, required=True, help="plan-only: total number of GPUs (ranks)")
-    p.add_argument("--gpu-memory", type=float, default=80.0, help="plan-only: memory per GPU in GiB")
+    p.add_argument(
+        "--gpu",
+        help=f"plan-only: the GPU ({', '.join(GPUS)}): its memory and bf16 peak from dsclip/plan_efficiency.py's "
+        f"table; default {DEFAULT_GPU}",
+    )
+    p.add_argument("--gpu-memory", type=float, help="plan-only: memory per GPU in GiB (overrides --gpu's)")
     p.add_argument(
         "--batch-size",
         type=int,
@@ -85,13 +91,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--zero",
         type=int,
         choices=(1, 2, 3),
-        help="plan-only: ZeRO stage (default: the stage of --deepspeed-config, else 2); picks the shipped "
-        "DeepSpeed JSON when --deepspeed-config is not given",
+        help="plan-only: fix the ZeRO stage (default: the stage of --deepspeed-config, else searched: the fastest "
+        "that fits); the shipped DeepSpeed JSONs of that stage are searched when --deepspeed-config is not given",
     )
     p.add_argument(
         "--deepspeed-config",
-        help="DeepSpeed JSON, as in dsclip train (path or shipped name, e.g. zero3_bf16); default: the shipped "
-        "zero<--zero>_<precision> config",
+        help="DeepSpeed JSON, as in dsclip train (path or shipped name, e.g. zero3_bf16); fixes the stage and "
+        "offload; default: the fastest shipped JSON that fits",
     )
     p.add_argument(
         "--precision",
@@ -100,14 +106,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="as in dsclip train (amp = fp16, amp_bf16 = bf16, auto = from --deepspeed-config)",
     )
     p.add_argument(
-        "--grad-checkpointing", action=argparse.BooleanOptionalAction, default=False, help="as in dsclip train"
+        "--grad-checkpointing",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="as in dsclip train; not given: the plan searches both",
     )
     p.add_argument("--force-patch-dropout", type=float, default=0.0, help="FLIP patch-dropout rate, as in dsclip train")
     p.add_argument(
         "--loss",
-        default="infonce",
+        default=None,
         choices=LOSS_MODES,
-        help="plan-only: the loss (the printed command carries dsclip train's flags for it)",
+        help="plan-only: fix the loss (the printed command carries dsclip train's flags for it); default: the "
+        "fastest InfoNCE implementation that fits (global, local with gathered gradients, tiled: one loss value)",
     )
     p.add_argument("--loss-tile-size", type=int, default=TRAIN_TILE_SIZE, help="tile edge of the tiled losses")
     p.add_argument(
@@ -117,7 +127,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="plan-only: model-FLOPs utilisation (3x fwd FLOPs / peak) to predict step times with; default: "
         "the one measured on an H200 for this model (or the nearest measured one), printed with its source",
     )
-    p.add_argument("--peak-tflops", type=float, default=790.0, help="plan-only: dense bf16 peak per GPU (H200: 790)")
+    p.add_argument(
+        "--peak-tflops",
+        type=float,
+        help="plan-only: bf16 GEMM TFLOP/s per GPU the MFU divides by (overrides --gpu's; H200 measured: 790)",
+    )
     p.add_argument("--gpus-per-node", type=int, default=8, help="plan-only: GPUs per node (sbatch --gpus-per-node)")
     p.add_argument("--reserve", type=float, default=2.0, help="plan-only: GiB kept for the CUDA context")
     p.add_argument(
@@ -174,7 +188,7 @@ def _ds_config(a, parser) -> tuple[int, str, tuple[str, dict]]:
     """(zero stage, precision, (printed name, JSON)) from --deepspeed-config / --zero / --precision."""
     precision = normalize_precision(a.precision)
     if a.deepspeed_config is None:
-        zero = a.zero or 2
+        zero = a.zero or 2  # the search replaces it where nothing fixed it (main_plan)
         precision = "fp32" if precision == "auto" else precision  # the shipped zeroN.json says auto: fp32
         return zero, precision, shipped_ds_config(zero, precision)
     try:
@@ -306,6 +320,118 @@ def launch_command(plan: Plan, ds_name: str, tile: int, gpus_per_node: int, laun
     return " ".join([head, *args])
 
 
+def _gpu(a, parser) -> tuple[float, float, str]:
+    """(GiB per GPU, bf16 peak TFLOP/s, a note or "") from --gpu / --gpu-memory / --peak-tflops."""
+    try:
+        spec = gpu_spec(a.gpu or DEFAULT_GPU)
+    except ValueError as e:
+        parser.error(str(e))
+    memory = a.gpu_memory if a.gpu_memory is not None else spec.memory_gib
+    peak = a.peak_tflops if a.peak_tflops is not None else spec.peak_tflops
+    note = ""
+    if a.gpu is None and a.gpu_memory is not None and a.peak_tflops is None and a.device != "cpu":
+        note = (
+            f"the rate assumes --gpu {DEFAULT_GPU}'s {peak:g} TFLOP/s with your --gpu-memory {memory:g}: name --gpu "
+            f"({', '.join(GPUS)}) or give --peak-tflops"
+        )
+    return memory, peak, note
+
+
+def _fixed(a, ds, micro) -> dict:
+    """What the user's flags fix, for the search: values, and under "flags" the flag that fixed each."""
+    fixed, flags = {}, {}
+    if a.deepspeed_config is not None:
+        fixed["ds_config"] = ds
+        flags["zero"] = flags["offload"] = f"--deepspeed-config {ds[0]}"
+    elif a.zero is not None:
+        fixed["zero"], flags["zero"] = a.zero, f"--zero {a.zero}"
+    if a.loss is not None:
+        fixed["loss"], flags["loss"] = a.loss, f"--loss {a.loss}"
+    if a.grad_checkpointing is not None:
+        fixed["grad_checkpointing"] = a.grad_checkpointing
+        flags["grad_checkpointing"] = "--grad-checkpointing" if a.grad_checkpointing else "--no-grad-checkpointing"
+    if micro is not None:
+        fixed["micro_batch"], flags["micro_batch"] = micro, f"--batch-size {micro}"
+    fixed["flags"] = flags
+    return fixed
+
+
+def _lock(a) -> LockConfig:
+    return LockConfig(
+        lock_image=a.lock_image,
+        lock_image_unlocked_groups=a.lock_image_unlocked_groups,
+        lock_text=a.lock_text,
+        lock_text_unlocked_layers=a.lock_text_unlocked_layers,
+        lock_text_freeze_layer_norm=a.lock_text_freeze_layer_norm,
+    )
+
+
+def _with_command(plan: Plan, a) -> Plan:
+    plan.command = launch_command(plan, plan.ds_config, a.loss_tile_size, a.gpus_per_node, a.launcher)
+    if SHARDS in plan.command and PLACEHOLDER_NOTE not in plan.notes:  # quoted or not
+        plan.notes.append(PLACEHOLDER_NOTE)
+    return plan
+
+
+def _search_and_print(a, model: str, batch: int, micro, precision: str, ds, gpu_note: str, memory, peak) -> int:
+    """Plan by search (dsclip.plan_search): the chosen plan, the runners-up, and where the user's fixed
+    settings do not fit, the cheapest change that does (or, when nothing fits, the smallest one)."""
+    from dsclip.plan_search import cheapest_change, describe, format_search, search, smallest_fit
+
+    base = dict(
+        gpus=a.gpus, gpu_memory_gb=memory, batch_size=batch, patch_dropout=a.force_patch_dropout, mfu=a.mfu,
+        peak_tflops=peak, tile=a.loss_tile_size, gpus_per_node=a.gpus_per_node, reserve_gb=a.reserve,
+        image_size=a.force_image_size, lock=_lock(a), host_memory_gb=a.host_memory,
+    )  # fmt: skip
+    fixed = _fixed(a, ds, micro)
+    found = search(model, fixed=fixed, precision=precision, **base)
+    plan = _with_command(found.chosen, a)
+    if gpu_note:
+        plan.notes.append(gpu_note)
+    moved = not plan.fits and a.global_batch is None and micro > plan.max_micro_batch
+    if moved:  # most likely an old command line that meant the global batch
+        plan.notes.insert(0, f"--batch-size {micro} per GPU does not fit; " + BATCH_SIZE_MOVED)
+    tail, change = [], None
+    if not plan.fits:
+        change = cheapest_change(model, fixed=fixed, precision=precision, **base)
+        if change is not None:
+            p, changed = change
+            _with_command(p, a)
+            tail = [
+                "",
+                f"cheapest change that fits (changes your {', '.join(c.replace('_', ' ') for c in changed)}): "
+                + describe(p),
+                "try:",
+                "  " + p.command,
+            ]
+        else:
+            smallest = smallest_fit(model, precision=precision, **base)
+            tail = ["", "nothing fits this batch on these GPUs, whatever the stage, offload, loss or checkpointing"]
+            for what, p in smallest.items():
+                _with_command(p, a)
+                flag = f"--global-batch {p.batch_size}" if what == "global_batch" else f"--gpus {p.gpus}"
+                tail += [f"smallest change that fits: {flag} ({describe(p)}); try:", "  " + p.command]
+            if not smallest:
+                tail.append("not even the smallest batch fits: add GPUs (or larger ones)")
+    if a.json:
+        out = asdict(plan)
+        out["search"] = [
+            {k: getattr(r, k) for k in ("zero", "offload", "grad_checkpointing", "loss", "micro_batch", "accum_freq",
+                                        "fits", "samples_per_s_per_gpu", "ds_config")}
+            | {"memory_gb": r.memory_gb.get("total")}
+            for r in found.rows
+        ]  # fmt: skip
+        out["fixed_by_user"] = found.fixed
+        if change is not None:
+            out["suggestion"] = asdict(change[0]) | {"changes": change[1]}
+        print(json.dumps(out, indent=2))
+    else:
+        print(format_search(found) + "\n\n" + format_plan(plan) + "\n".join(["", *tail] if tail else []))
+    if moved:
+        print(f"dsclip plan: {BATCH_SIZE_MOVED}", file=sys.stderr)
+    return 0 if plan.fits else 1
+
+
 def main_plan(argv: list[str]) -> int:
     parser = build_parser()
     a = parser.parse_args(argv)
@@ -313,18 +439,24 @@ def main_plan(argv: list[str]) -> int:
         parser.error(f"--gpus {a.gpus} does not fill whole nodes of --gpus-per-node {a.gpus_per_node}")
     if a.device == "cpu" and a.launcher == "sbatch":
         parser.error("--launcher sbatch starts GPU ranks; a --device cpu plan prints a one-machine deepspeed command")
+    memory, peak, gpu_note = _gpu(a, parser)
     zero, precision, ds = _ds_config(a, parser)
     batch, micro = _global_batch(a, parser)
     model = clean_path(a.model) if a.model.endswith(".json") else a.model
+    if batch is not None and a.device != "cpu":
+        return _search_and_print(a, model, batch, micro, precision, ds, gpu_note, memory, peak)
+    # --max-batch and --device cpu plan one configuration: the flags', with the old defaults where not given
+    loss = a.loss or "infonce"
+    ckpt = bool(a.grad_checkpointing)
     # what the largest-batch search and the plan are both computed for
     common = dict(
         gpus=a.gpus,
-        gpu_memory_gb=a.gpu_memory,
+        gpu_memory_gb=memory,
         zero=zero,
         precision=precision,
-        grad_checkpointing=a.grad_checkpointing,
+        grad_checkpointing=ckpt,
         patch_dropout=a.force_patch_dropout,
-        loss=a.loss,
+        loss=loss,
         tile=a.loss_tile_size,
         reserve_gb=a.reserve,
         micro_batch=micro,
@@ -336,8 +468,8 @@ def main_plan(argv: list[str]) -> int:
         if not a.json:
             print(
                 f"largest contrastive batch: {batch} ({batch // a.gpus} per GPU, micro-batch {micro}, "
-                f"loss {a.loss}, ZeRO-{zero} {precision}"
-                + (", grad-checkpointing" if a.grad_checkpointing else "")
+                f"loss {loss}, ZeRO-{zero} {precision}"
+                + (", grad-checkpointing" if ckpt else "")
                 + ")\n"
             )
         if batch == 0:
@@ -348,26 +480,15 @@ def main_plan(argv: list[str]) -> int:
         **common,
         batch_size=batch,
         mfu=a.mfu,
-        peak_tflops=a.peak_tflops,
+        peak_tflops=peak,
         device=a.device,
         baseline_gb=a.baseline_gb,
         image_size=a.force_image_size,
-        lock=LockConfig(
-            lock_image=a.lock_image,
-            lock_image_unlocked_groups=a.lock_image_unlocked_groups,
-            lock_text=a.lock_text,
-            lock_text_unlocked_layers=a.lock_text_unlocked_layers,
-            lock_text_freeze_layer_norm=a.lock_text_freeze_layer_norm,
-        ),
+        lock=_lock(a),
         ds_config=ds,
     )
-    plan.command = launch_command(plan, ds[0], a.loss_tile_size, a.gpus_per_node, a.launcher)
-    if SHARDS in plan.command:  # quoted or not
-        plan.notes.append(PLACEHOLDER_NOTE)
-    moved = not plan.fits and a.global_batch is None and not a.max_batch and micro > plan.max_micro_batch
-    if moved:  # most likely an old command line that meant the global batch
-        plan.notes.insert(0, f"--batch-size {micro} per GPU does not fit; " + BATCH_SIZE_MOVED)
+    _with_command(plan, a)
+    if gpu_note:
+        plan.notes.append(gpu_note)
     print(json.dumps(asdict(plan), indent=2) if a.json else format_plan(plan))
-    if moved:
-        print(f"dsclip plan: {BATCH_SIZE_MOVED}", file=sys.stderr)
     return 0 if plan.fits else 1

@@ -161,3 +161,79 @@ def plan_mfu(
             source += NO_ZERO3_NOTE
     mfu, moved = _rerun(pick, mfu, k, ckpt)
     return mfu, source + moved
+
+
+# ZeRO-Offload's cost per step. The host's Adam: DeepSpeedCPUAdam updated ViT-L-14's 428 M-parameter flat
+# partition in 0.249 s on one rank of a 2-core CPU (bench/results/optimizer-step_cpu2_2026-11-30.md): a
+# cluster node's cores per rank are rarely fewer, so the figure errs slow. The copies: pinned host <-> device
+# over PCIe Gen4 x16 moves ~25 GB/s of its 32 nominal (assumed, not measured here; Gen5 doubles it).
+CPU_ADAM_PARAMS_PER_S = 428e6 / 0.249
+PCIE_BYTES_PER_S = 25e9
+
+
+def offload_seconds(
+    offload: str,
+    params: int,
+    trainable: int,
+    gpus: int,
+    accum_freq: int,
+    grad_checkpointing: bool,
+    keep_last_graph: bool = True,
+) -> float:
+    """Seconds ZeRO-Offload adds to a step on each rank, not overlapped with the GPU's work (so it errs slow).
+
+    optimizer: the rank's fp32 gradient partition down (4 B), the host Adam over it, the 16-bit weights back
+    up (2 B). optimizer+params: also every gather of the weights crosses PCIe, each pass over the model
+    fetching the rank's 16-bit partition: the gradient cache's K no-grad forwards, its K - 1 re-forwards (K
+    without the kept graph), K backwards and, with checkpointing, K recomputes."""
+    if offload == "none":
+        return 0.0
+    n = max(gpus, 1)
+    part, own = float(trainable) / n, float(params) / n
+    t = part / CPU_ADAM_PARAMS_PER_S + (4 * part + 2 * own) / PCIE_BYTES_PER_S
+    if offload == "optimizer+params":
+        k = max(accum_freq, 1)
+        passes = k + (k - 1 if keep_last_graph else k) + k + (k if grad_checkpointing else 0)
+        t += passes * 2 * own / PCIE_BYTES_PER_S
+    return t
+
+
+@dataclass(frozen=True)
+class GPU:
+    memory_gib: float  # total device memory as the driver reports it (nvidia-smi), in GiB
+    spec_bf16_tflops: float  # dense (no sparsity) bf16 tensor-core peak of the vendor's datasheet
+    source: str
+
+    @property
+    def peak_tflops(self) -> float:
+        """The bf16 GEMM rate the planner's MFU divides by: measured on the H200 (an 8192³ bf16 GEMM, 776-797
+        TFLOP/s, bench/results/gpu-h200_h200_2026-12-0{1,4}.md: 790), and for any other GPU its datasheet
+        figure times the H200's measured share of its own (790 / 989), the same tensor-core generation's
+        achievable fraction: an assumption until that GPU is measured."""
+        return round(self.spec_bf16_tflops * H200_MEASURED_TFLOPS / GPUS["h200"].spec_bf16_tflops, 1)
+
+
+H200_MEASURED_TFLOPS = 790.0
+_HOPPER = "NVIDIA H100/H200 datasheets (SXM, dense bf16 989.4 TFLOP/s)"
+GPUS: dict[str, GPU] = {
+    # the one GPU dsclip has measured: 143,771 MiB (bench/results/gpu-h200_h200_2026-12-04.md)
+    "h200": GPU(140.4, 989.4, _HOPPER + "; memory 143,771 MiB measured"),
+    "h100": GPU(79.6, 989.4, _HOPPER + "; 80 GB HBM3 = 81,559 MiB"),
+    "h100-pcie": GPU(79.6, 756.0, "NVIDIA H100 PCIe datasheet (dense bf16 756 TFLOP/s, 80 GB)"),
+    "a100-80": GPU(80.0, 312.0, "NVIDIA A100 datasheet (dense bf16 312 TFLOP/s, 80 GB = 81,920 MiB)"),
+    "a100-40": GPU(40.0, 312.0, "NVIDIA A100 datasheet (dense bf16 312 TFLOP/s, 40 GB = 40,960 MiB)"),
+    "l40s": GPU(45.0, 362.1, "NVIDIA L40S datasheet (dense bf16 362 TFLOP/s, 48 GB = 46,068 MiB)"),
+    "l4": GPU(22.5, 121.0, "NVIDIA L4 datasheet (dense bf16 121 TFLOP/s, 24 GB = 23,034 MiB)"),
+    "a10": GPU(22.5, 125.0, "NVIDIA A10 datasheet (dense bf16 125 TFLOP/s, 24 GB = 23,028 MiB)"),
+}
+DEFAULT_GPU = "h100"  # the planner's default: an 80 GB Hopper, the common cluster GPU
+
+
+def gpu_spec(name: str) -> GPU:
+    """The table's row of ``name`` (case-insensitive); a one-line error listing the known ones otherwise."""
+    key = name.lower()
+    if key not in GPUS:
+        raise ValueError(
+            f"unknown --gpu {name!r}; known: {', '.join(GPUS)} (or give --gpu-memory GiB and --peak-tflops)"
+        )
+    return GPUS[key]
