@@ -128,7 +128,8 @@ def load_arch(
         patch_dropout=patch_dropout,
     )
     if count_params:
-        counts = _param_counts(json.dumps(cfg, sort_keys=True), json.dumps(asdict(lock), sort_keys=True) if lock else "")
+        lock_key = json.dumps(asdict(lock), sort_keys=True) if lock else ""
+        counts = _param_counts(json.dumps(cfg, sort_keys=True), lock_key)
         arch.params, arch.trainable_params, arch.vision_params, arch.text_params, arch.largest_layer_params = counts
     return arch
 
@@ -809,7 +810,8 @@ def format_plan(p: Plan) -> str:
     lines = [
         f"dsclip plan: {p.model} ({p.params / 1e9:.3f} B params, {p.trainable_params / 1e9:.3f} B trainable) | "
         + (f"{p.gpus} GPUs x {p.gpu_memory_gb:g} GiB | " if p.device != "cpu" else f"{p.gpus} CPU ranks | ")
-        + f"ZeRO-{p.zero}{'' if p.offload == 'none' else f' offload {p.offload}'} {p.precision} | global batch {p.batch_size} ({p.local_batch}/GPU) | loss {p.loss}"
+        + f"ZeRO-{p.zero}{'' if p.offload == 'none' else ' offload ' + p.offload} {p.precision} | "
+        + f"global batch {p.batch_size} ({p.local_batch}/GPU) | loss {p.loss}"
         + (" | grad-checkpointing" if p.grad_checkpointing else "")
         + (f" | patch-dropout {p.patch_dropout:g}" if p.patch_dropout else "")
         + (f" | image size {p.image_size}" if p.image_size else ""),

@@ -468,9 +468,7 @@ def main_plan(argv: list[str]) -> int:
         if not a.json:
             print(
                 f"largest contrastive batch: {batch} ({batch // a.gpus} per GPU, micro-batch {micro}, "
-                f"loss {loss}, ZeRO-{zero} {precision}"
-                + (", grad-checkpointing" if ckpt else "")
-                + ")\n"
+                f"loss {loss}, ZeRO-{zero} {precision}" + (", grad-checkpointing" if ckpt else "") + ")\n"
             )
         if batch == 0:
             print(f"not even one micro-batch of {micro} per GPU fits; lower --batch-size or add GPUs")

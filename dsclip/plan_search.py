@@ -85,7 +85,9 @@ def search(model, *, fixed: dict | None = None, precision: str = "bf16", **base)
     else:
         configs = [c for c in shipped_candidates(precision) if fixed.get("zero") in (None, c[0])]
     if not configs:
-        raise ConfigError(f"no shipped DeepSpeed JSON runs ZeRO-{fixed.get('zero')} in {precision}: name one with --deepspeed-config")
+        raise ConfigError(
+            f"no shipped DeepSpeed JSON runs ZeRO-{fixed.get('zero')} in {precision}: name one with --deepspeed-config"
+        )
     ckpts = [fixed["grad_checkpointing"]] if "grad_checkpointing" in fixed else [False, True]
     losses = [fixed["loss"]] if "loss" in fixed else list(SEARCHED_LOSSES)
     rows = []
@@ -169,7 +171,7 @@ def format_search(s: Search, top: int = 6) -> str:
         lines.append("fixed by you: " + ", ".join(f"{d.replace('_', ' ')} ({flag})" for d, flag in s.fixed.items()))
     lines.append(f"  {'':2}{'stage':<6}{'offload':<17}{'ckpt':<5}{'loss':<15}{'mb x K':>12}{'GiB':>8}{'samples/s':>11}")
     shown = fits[:top] if fits else s.rows[:top]
-    for i, p in enumerate(shown):
+    for p in shown:
         mark = "*" if p is s.chosen and p.fits else " "
         split = f"{p.micro_batch} x {p.accum_freq}" if p.fits else "-"
         lines.append(
