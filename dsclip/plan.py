@@ -502,7 +502,7 @@ def make_plan(
         )
     arch = load_arch(model, patch_dropout, image_size=image_size, lock=lock)
     plan = Plan(
-        model,
+        model if isinstance(model, str) else "custom",  # a config dict (dsclip train's --deepspeed-config auto)
         gpus,
         gpu_memory_gb,
         batch_size,
@@ -686,8 +686,11 @@ def _plan_speed(plan: Plan, arch: Arch, keep_last_graph: bool) -> None:
         offload_seconds(plan.offload, arch.params, arch.trainable_params, plan.gpus, plan.accum_freq,
                         plan.grad_checkpointing, keep_last_graph), 4,
     )  # fmt: skip
-    plan.step_time_s = round(model_flops * local / (mfu * plan.peak_tflops * 1e12) + plan.offload_s, 3)
-    plan.samples_per_s_per_gpu = round(local / plan.step_time_s, 2) if plan.step_time_s else 0.0
+    # six significant digits, not fixed decimals: a small model's step is well under a millisecond, and the
+    # search (dsclip.plan_search) ranks configurations by these numbers
+    step = model_flops * local / (mfu * plan.peak_tflops * 1e12) + plan.offload_s
+    plan.step_time_s = float(f"{step:.6g}")
+    plan.samples_per_s_per_gpu = float(f"{local / step:.6g}") if step else 0.0
     plan.hfu = round(mfu * executed / model_flops, 3)
 
 

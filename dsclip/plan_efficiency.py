@@ -113,6 +113,20 @@ def _rerun(row: MeasuredMFU, mfu: float, accum_freq: int, grad_checkpointing: bo
     return round(mfu * factor, 4), f"; x {factor:.2f} for this plan's re-forwards ({plan}) at the same utilisation"
 
 
+def _zero3_share(rows, forward_gflops: float, measured_gflops: dict[str, float]) -> tuple[float, str] | None:
+    """ZeRO-3's measured share of ZeRO-2's MFU on the model nearest in FLOPs measured at both in one run (the
+    same K and checkpointing), and the words for the source; None without such a pair."""
+    base = [m for m in rows if m.zero in (1, 2)]
+    like = {(b.model, b.accum_freq, b.grad_checkpointing): b for b in base}
+    zero3 = [z for z in rows if z.zero == 3]
+    pairs = [(z, like[key]) for z in zero3 if (key := (z.model, z.accum_freq, z.grad_checkpointing)) in like]
+    if not pairs:
+        return None
+    z, b = min(pairs, key=lambda zb: abs(math.log(measured_gflops[zb[0].model] / forward_gflops)))
+    share = z.mfu / b.mfu
+    return share, f"; x {share:.2f}, ZeRO-3's share of ZeRO-2's MFU measured on {z.model} ({z.describe()})"
+
+
 def plan_mfu(
     model: str,
     zero: int,
@@ -133,10 +147,15 @@ def plan_mfu(
     run (the same K and checkpointing); else the ZeRO-2 figure as it is, and the source says ZeRO-3 was
     not measured."""
     k, ckpt = accum_freq, grad_checkpointing
-    if precision == "fp32":
-        return ASSUMED_MFU, f"assumed {ASSUMED_MFU:g} (no fp32 measurement; give --mfu)"
     rows = [m for m in (MEASURED if measured is None else measured) if m.precision in ("bf16", "fp16")]
     zero3 = [m for m in rows if m.zero == 3]
+    if precision == "fp32":
+        source = f"assumed {ASSUMED_MFU:g} (no fp32 measurement; give --mfu)"
+        share = _zero3_share(rows, forward_gflops, measured_gflops) if zero == 3 else None
+        if share is None:
+            return ASSUMED_MFU, source
+        # ZeRO-3's gathers and hooks cost an fp32 step too: the measured share keeps the stages apart
+        return round(ASSUMED_MFU * share[0], 4), source + share[1]
     if zero == 3:
         own = _own(zero3, model, k, ckpt)
         if own is not None:
@@ -150,13 +169,10 @@ def plan_mfu(
         f"{measured_gflops[pick.model]:.0f} forward GFLOPs per sample"
     )  # fmt: skip
     if zero == 3:
-        like = {(b.model, b.accum_freq, b.grad_checkpointing): b for b in base}
-        pairs = [(z, like[key]) for z in zero3 if (key := (z.model, z.accum_freq, z.grad_checkpointing)) in like]
-        if pairs:
-            z, b = min(pairs, key=lambda zb: abs(math.log(measured_gflops[zb[0].model] / forward_gflops)))
-            share = z.mfu / b.mfu
-            mfu = round(mfu * share, 4)
-            source += f"; x {share:.2f}, ZeRO-3's share of ZeRO-2's MFU measured on {z.model} ({z.describe()})"
+        share = _zero3_share(rows, forward_gflops, measured_gflops)
+        if share is not None:
+            mfu = round(mfu * share[0], 4)
+            source += share[1]
         else:
             source += NO_ZERO3_NOTE
     mfu, moved = _rerun(pick, mfu, k, ckpt)

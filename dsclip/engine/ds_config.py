@@ -53,7 +53,9 @@ class TrainArgs:
     )
     seed: int = opt(0, "Random seed (model init, data order, dropout; derived per step and rank).")
     deepspeed_config: str = opt(
-        "ds_configs/zero2.json", "DeepSpeed JSON; 'auto' values are filled from these settings."
+        "ds_configs/zero2.json",
+        "DeepSpeed JSON; 'auto' values are filled from these settings. 'auto' itself: the shipped JSON dsclip plan "
+        "chooses for this run (stage, offload) from device memory, world size and batch; run_config.yaml records it",
     )
     keep_last_graph: bool = opt(
         True, "Gradient cache: keep the last micro-batch's graph from the first pass instead of re-forwarding it."

@@ -49,6 +49,23 @@ def build_ds_config(train: TrainArgs, optim: OptimArgs, world_size: int) -> dict
     )
 
 
+def one_rank_zero3_note(ds_config: dict, world_size: int) -> str | None:
+    """The start-up line for ZeRO-3 on one rank without offload: every partition is the whole model, so it holds
+    what ZeRO-2 holds and only adds ZeRO-3's gathers and hooks (not an error: it runs)."""
+    z = ds_config.get("zero_optimization", {})
+    keys = ("offload_optimizer", "offload_param")
+    offloaded = any((z.get(k) or {}).get("device", "none") not in ("none", None) for k in keys)
+    if world_size != 1 or z.get("stage") != 3 or offloaded:
+        return None
+    on = [k for k in ("bf16", "fp16") if (ds_config.get(k) or {}).get("enabled") is True]
+    zero2 = f"zero2_{on[0] if on else 'fp32'}"
+    return (
+        f"dsclip: ZeRO-3 on one rank without offload holds the memory ZeRO-2 holds (each partition is the whole "
+        f"model) and runs slower (0.30-0.39x ZeRO-2's rate on one H200, docs/zero-and-precision.md): "
+        f"--deepspeed-config {zero2} trains the same model faster"
+    )
+
+
 def merge_ds_config(ds_config: dict, changes: dict) -> dict:
     """``ds_config`` with each block of ``changes`` merged into the block of the same name."""
     return {**ds_config, **{key: {**ds_config.get(key, {}), **block} for key, block in changes.items()}}

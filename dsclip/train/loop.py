@@ -25,7 +25,7 @@ from dsclip.dist import barrier, from_rank0
 from dsclip.engine import world
 from dsclip.engine.build import build_engine, device_type
 from dsclip.engine.optim import PARAM_ORDER
-from dsclip.train import finetune, runlog, wandb_sink
+from dsclip.train import auto_ds, finetune, runlog, wandb_sink
 from dsclip.train.build import (
     StepPlan,
     announce,
@@ -37,6 +37,7 @@ from dsclip.train.build import (
     check_torchcompile,
     merge_ds_config,
     model_factory,
+    one_rank_zero3_note,
     record_engine_patches,
     resolved_model_config,
     write_run_files,
@@ -275,6 +276,7 @@ def build_run(cfg: RunConfig) -> Run:
     ft = finetune.prepare(cfg, rank=rank)  # --pretrained by name, --force-image-size, locking, quick_gelu
     cfg, model_cfg = ft.cfg, ft.model_cfg  # + the pretrained weights' architecture name and tokenizer
     check_torchcompile(cfg.train, device_type())
+    cfg = auto_ds.resolve(cfg, model_cfg, world_size, rank)  # --deepspeed-config auto: rank 0's choice, on every rank
     ds_config = build_ds_config(cfg.train, cfg.optim, world_size)
     checkpointer = Checkpointer.from_args(cfg.checkpoint, cfg.run_dir, rank=rank)
     ds_config = merge_ds_config(ds_config, checkpointer.prepare_resume(cfg.checkpoint.resume, world_size=world_size))
@@ -284,6 +286,8 @@ def build_run(cfg: RunConfig) -> Run:
     checkpointer.check_model(student_cfg, cfg.model.model)  # --resume: the same architecture, before any write
     teacher_plan = plan_teacher(cfg.loss, cfg.model, tokenizer, student_cfg)  # --distill-model: checked, not loaded
     if rank == 0:
+        if note := one_rank_zero3_note(ds_config, world_size):
+            console(note)
         write_run_files(cfg, ds_config)  # exactly what deepspeed.initialize receives below
         record_tokenizer(cfg.run_dir, tokenizer)  # `dsclip convert` ships it with the weights
     if rank == 0 and cfg.log.copy_codebase:  # after the checks above: a refused run leaves no copy behind

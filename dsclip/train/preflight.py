@@ -88,6 +88,8 @@ def _check_ds_config(cfg: RunConfig) -> None:
     # CUDA or CPU). The engine's own rules, applied to the JSON before the world exists: structure, the
     # installed DeepSpeed's schema, --device, precision against the accelerator, the optimizer block.
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    if cfg.train.deepspeed_config == "auto":  # chosen among the shipped JSONs at start-up (dsclip.train.auto_ds)
+        return
     resolve_ds_config(
         load_ds_json(cfg.train.deepspeed_config), cfg.train, cfg.optim, world_size=None, device_type=device_type
     )
