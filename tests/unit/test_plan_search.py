@@ -192,3 +192,48 @@ def test_every_printed_command_parses(capsys, launcher):
         cfg = _parse(cmds[0])
         gpus = int(argv[argv.index("--gpus") + 1])
         assert cfg.train.batch_size * cfg.train.accum_freq * gpus in (32768, 256, 4096)
+
+
+def test_one_rank_zero3_without_offload_names_zero2():
+    from dsclip.engine.ds_config import load_ds_json
+    from dsclip.train.build import one_rank_zero3_note
+
+    note = one_rank_zero3_note(load_ds_json("zero3_bf16"), 1)
+    assert note and "holds the memory ZeRO-2 holds" in note and "--deepspeed-config zero2_bf16" in note
+    assert "zero2_fp32" in one_rank_zero3_note(load_ds_json("zero3_fp32"), 1)
+    assert one_rank_zero3_note(load_ds_json("zero3_bf16"), 2) is None  # partitions do save memory there
+    assert one_rank_zero3_note(load_ds_json("zero3_offload_bf16"), 1) is None  # offload does too
+    assert one_rank_zero3_note(load_ds_json("zero2_bf16"), 1) is None
+
+
+def test_auto_says_what_device_memory_it_assumed(monkeypatch):
+    import torch
+
+    from dsclip.train import auto_ds
+
+    monkeypatch.delenv(auto_ds.MEMORY_ENV, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    gb, how = auto_ds.device_memory_gb()
+    assert gb == auto_ds.ASSUMED_GB and how.startswith("assumed") and auto_ds.MEMORY_ENV in how
+    monkeypatch.setenv(auto_ds.MEMORY_ENV, "24")
+    assert auto_ds.device_memory_gb() == (24.0, auto_ds.MEMORY_ENV)
+    monkeypatch.setenv(auto_ds.MEMORY_ENV, "lots")
+    with pytest.raises(auto_ds.ConfigError, match="is not a number of GiB"):
+        auto_ds.device_memory_gb()
+
+
+def test_auto_chooses_what_the_plan_chooses():
+    """bigG with the recipe's settings at 8 x 32 rows on one 24 GB device: the plan's offload choice, as dsclip plan prints it."""
+    from dsclip.config import parse_run_config
+    from dsclip.model import get_model_config
+    from dsclip.train import auto_ds
+
+    argv = ["--config", "ViT-bigG-14", "--deepspeed-config", "auto", "--batch-size", "8", "--accum-freq", "32"]
+    cfg = parse_run_config([*argv, "--name", "x"])
+    name, why = auto_ds.choose(cfg, get_model_config("ViT-bigG-14"), 1, 24.0)
+    t = cfg.train
+    chosen = S.search("ViT-bigG-14", gpus=1, gpu_memory_gb=24.0, batch_size=t.batch_size * t.accum_freq,
+                      patch_dropout=0.5, fixed={"loss": "infonce_tiled", "grad_checkpointing": False,
+                                                "micro_batch": t.batch_size}).chosen  # fmt: skip
+    assert name == chosen.ds_config.split("/")[-1].removesuffix(".json") and "offload" in name
+    assert why.startswith("the fastest of")
