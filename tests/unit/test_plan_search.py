@@ -116,9 +116,10 @@ def test_fixed_flags_stay_and_are_named(capsys):
     assert "fixed by you: zero (--zero 3), loss (--loss infonce_tiled)" in out
     cfg = _parse(_commands(out)[-1])
     assert "zero3" in cfg.train.deepspeed_config and cfg.loss_name == "infonce_tiled"
-    # the search row table lists only stage-3 configurations
-    rows = [ln for ln in out.splitlines() if ln.startswith("  * ") or ln.startswith("    ")]
-    assert rows and all(ln.split()[-7 if ln.startswith("  *") else -7] for ln in rows)
+    # the search's rows (stage is the first column after the chosen mark) are all stage 3
+    table = out[out.index("  stage") : out.index("dsclip plan:")].splitlines()[1:]
+    rows = [ln.replace("*", " ").split() for ln in table if ln.strip() and not ln.strip().startswith("(")]
+    assert rows and {r[0] for r in rows} == {"3"}, table
     j = json.loads(_json(capsys, argv))
     assert {r["zero"] for r in j["search"]} == {3} and j["fixed_by_user"]["zero"] == "--zero 3"
 
