@@ -224,7 +224,7 @@ def test_auto_says_what_device_memory_it_assumed(monkeypatch):
 
 
 def test_auto_chooses_what_the_plan_chooses():
-    """bigG with the recipe's settings at 8 x 32 rows on one 24 GB device: the plan's offload choice, as dsclip plan prints it."""
+    """bigG, the recipe's settings at 8 x 32 rows, on one 24 GB device: the plan's offload choice."""
     from dsclip.config import parse_run_config
     from dsclip.model import get_model_config
     from dsclip.train import auto_ds
