@@ -62,16 +62,8 @@ VARIANTS = {
             "zero3_hook_fns",
             "zero3_blocks",
             "zero3_forward_flags",
-            "zero3_local_flush",  # this one and the next apply at --world 1 only
-            "zero3_local_persist",
         )
     },
-    # the three step patches (issue #29, one-rank flush and step) left out together: ZeRO-3 as it was before them
-    "zero3 -flush/persist/views": (
-        "zero3_{p}",
-        THIN_PERSIST,
-        {"engine_patches": "all,-zero3_local_flush,-zero3_local_persist,-zero3_step_views"},
-    ),
     "zero3 stock": ("zero3_{p}", THIN_PERSIST | STOCK, PATCHES_OFF),  # no leaves, DeepSpeed's linear, no patches
     "zero3 linear-on": ("zero3_{p}", THIN_PERSIST | LINEAR_ON, {}),
     "zero3 no-leaf": ("zero3_{p}", THIN_PERSIST | NO_LEAF, {}),
@@ -221,7 +213,7 @@ def strip_leaf_hooks(engine) -> int:
     """Remove DeepSpeed's ZeRO-3 module hooks from the engine's leaf modules (the "-leaf-hooks" bound only)."""
     from deepspeed.utils import z3_leaf_module
 
-    from dsclip.engine.patches.fingerprint import unwrap
+    from dsclip.engine.fingerprint import unwrap
 
     leaves = [m for m in engine.module.modules() if z3_leaf_module(m)]
     removed = 0

@@ -317,7 +317,7 @@ def plain_run(shared_dir, world, stage, k, patches="all") -> list[dict]:
 STOCK_ZERO3 = {"leaf_module": {"classes": []}, "memory_efficient_linear": True}
 
 # What each ZeRO stage and world gets with --engine-patches all (dsclip/engine/patches/): local_flush at
-# one rank only (ZeRO-3: zero3_local_flush, zero3_local_persist); the other zero3_* patches at any world;
+# one rank only; the zero3_* patches at any world;
 # universal_zero3 is listed for ZeRO-3 (it acts on a universal load)
 ZERO3_PATCHES = [
     "zero3_params",
@@ -333,7 +333,7 @@ ZERO3_PATCHES = [
 EXPECTED_PATCHES = {
     (1, 2): ["local_flush", "overflow_check", "grad_hooks", "grad_norm"],
     (2, 2): ["overflow_check", "grad_hooks", "grad_norm"],
-    (1, 3): [*ZERO3_PATCHES, "zero3_local_flush", "zero3_local_persist", "universal_zero3"],
+    (1, 3): [*ZERO3_PATCHES, "universal_zero3"],
     (2, 3): [*ZERO3_PATCHES, "universal_zero3"],
 }
 
@@ -400,9 +400,9 @@ def _refusal_without_coalesced_reduction(rank, world):
     taken off the class in this rank process, as an older DeepSpeed would lack it."""
     from deepspeed import DeepSpeedEngine
 
+    from dsclip.engine.accumulation import AccumulationUnsupportedError
     from dsclip.engine.build import build_engine
     from dsclip.engine.ds_config import load_ds_json, resolve_ds_config
-    from dsclip.engine.patches.accumulation import AccumulationUnsupportedError
     from dsclip.losses import build_loss
     from dsclip.train.gradcache import GradCacheStep
 

@@ -46,7 +46,7 @@ def _run(rank, world, patches, clip):
 
     from dsclip.engine.build import build_engine
     from dsclip.engine.ds_config import load_ds_json, resolve_ds_config
-    from dsclip.engine.patches.fingerprint import unwrap
+    from dsclip.engine.fingerprint import unwrap
     from dsclip.losses import build_loss
     from dsclip.train.gradcache import GradCacheStep
 
