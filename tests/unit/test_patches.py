@@ -308,3 +308,13 @@ def test_the_training_step_asks_the_engine_not_a_patch_module():
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("dsclip.engine.patches.")
     ]
     assert not offenders, offenders
+
+
+def test_help_names_the_opt_in_patches_and_plus_name():
+    from dataclasses import fields
+
+    from dsclip.engine.ds_config import TrainArgs
+
+    text = next(f.metadata["help"] for f in fields(TrainArgs) if f.name == "engine_patches")
+    assert "all,+NAME" in text and all(n in text for n in P.OPT_IN)
+    assert not any(n in text for n in P.DEFAULT if n not in P.OPT_IN)
