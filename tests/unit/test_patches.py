@@ -30,7 +30,7 @@ def test_opt_in_patches_are_added_by_plus_name_and_only_then(monkeypatch):
     assert P.parse_selection("all,+grad_norm") == set(P.NAMES)
     assert P.parse_selection("grad_norm") == {"grad_norm"}  # named alone: selected
     assert P.parse_selection("all,+grad_norm,-grad_norm") == set(P.NAMES) - {"grad_norm"}
-    with pytest.raises(P.PatchSelectionError, match=r"known: .*grad_norm \(opt-in: all,\+NAME\)"):
+    with pytest.raises(P.PatchSelectionError, match=r"known: .*; opt-in \(all,\+NAME\): grad_norm;"):
         P.parse_selection("all,+nope")
 
 
@@ -40,7 +40,7 @@ def test_a_removed_patch_is_one_line_that_lists_the_known_ones(spec):
         P.parse_selection(spec)
     line = str(e.value)
     assert "\n" not in line and "was removed" in line and "ZeRO-3 at one rank" in line
-    assert line.split("known: ")[1].split(", ")[0] == P.NAMES[0] and all(n in line for n in P.NAMES)
+    assert line.split("known: ")[1].split(", ")[0] == P.DEFAULT[0] and all(n in line for n in P.NAMES)
 
 
 def test_the_one_rank_zero3_patches_are_gone():
@@ -318,3 +318,16 @@ def test_help_names_the_opt_in_patches_and_plus_name():
     text = next(f.metadata["help"] for f in fields(TrainArgs) if f.name == "engine_patches")
     assert "all,+NAME" in text and all(n in text for n in P.OPT_IN)
     assert not any(n in text for n in P.DEFAULT if n not in P.OPT_IN)
+
+
+def test_train_preflight_refuses_a_removed_patch_in_one_line():
+    """What `dsclip train --engine-patches all,-zero3_local_persist` prints before any work."""
+    from dsclip.config import make_run_config
+    from dsclip.config_base import ConfigError
+    from dsclip.train import preflight
+
+    cfg = make_run_config({"name": "t", "engine_patches": "all,-zero3_local_persist"})
+    with pytest.raises(ConfigError) as e:
+        preflight._check_deepspeed(cfg, rank=0)
+    assert "\n" not in str(e.value) and "'zero3_local_persist' was removed" in str(e.value)
+    assert "known: local_flush" in str(e.value)

@@ -115,8 +115,9 @@ class PatchSelectionError(ValueError):
 
 
 def known_patches() -> str:
-    """The known names for an error line, opt-in ones marked."""
-    return ", ".join(n + (" (opt-in: all,+NAME)" if n in OPT_IN else "") for n in NAMES)
+    """The known names for an error line: the default set, then the opt-in ones."""
+    opt_in = [n for n in NAMES if n in OPT_IN]
+    return ", ".join(DEFAULT) + (f"; opt-in (all,+NAME): {', '.join(opt_in)}" if opt_in else "")
 
 
 def parse_selection(spec: str) -> frozenset[str]:
@@ -131,11 +132,11 @@ def parse_selection(spec: str) -> frozenset[str]:
             chosen.clear()
         elif name in REMOVED:
             raise PatchSelectionError(
-                f"--engine-patches: patch {name!r} was removed ({REMOVED[name]}); known: {known_patches()}"
+                f"--engine-patches: patch {name!r} was removed: {REMOVED[name]}; known: {known_patches()}"
             )
         elif name not in NAMES:
             raise PatchSelectionError(
-                f"--engine-patches: unknown patch {name!r}; known: {known_patches()} (or 'all' / 'none')"
+                f"--engine-patches: unknown patch {name!r}; known: {known_patches()}; or 'all' / 'none'"
             )
         elif item.startswith("-"):
             chosen.discard(name)
