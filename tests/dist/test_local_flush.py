@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.dist.test_gradcache import make_batches, make_cfg, make_model, rank_chunks
+from tests.dist.test_gradcache import EVERY_PATCH, make_batches, make_cfg, make_model, rank_chunks
 from tests.distutil import run_world
 
 pytestmark = [pytest.mark.dist]
@@ -28,9 +28,9 @@ def _run_cases(rank, world, cases):
     return [_run(rank, world, stage, mode, precision) for stage, mode, precision in cases]
 
 
-# --engine-patches of each mode. ours: every patch; deepspeed: DeepSpeed's flush and check (the reference);
-# deepspeed+check: DeepSpeed's flush with dsclip's multi-tensor overflow check
-MODES = {"ours": "all", "deepspeed": "none", "deepspeed+check": "overflow_check"}
+# --engine-patches of each mode. ours: every patch (the opt-in ones too); deepspeed: DeepSpeed's flush and
+# check (the reference); deepspeed+check: DeepSpeed's flush with dsclip's multi-tensor overflow check
+MODES = {"ours": EVERY_PATCH, "deepspeed": "none", "deepspeed+check": "overflow_check"}
 # each other ZeRO-1/2 patch alone (overflow_check alone is deepspeed+check), on one case: DeepSpeed's paths but
 # that one, bit for bit DeepSpeed's numbers (grad_norm acts without clipping only: tests/dist/test_grad_norm.py)
 ALONE, ALONE_CASE = ("local_flush", "grad_hooks"), (2, "bf16")

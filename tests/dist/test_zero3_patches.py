@@ -29,7 +29,15 @@ import functools
 import pytest
 import torch
 
-from tests.dist.test_gradcache import LR, ZERO3_PATCHES, make_batches, make_cfg, make_model, rank_chunks
+from tests.dist.test_gradcache import (
+    EVERY_PATCH,
+    LR,
+    ZERO3_PATCHES,
+    make_batches,
+    make_cfg,
+    make_model,
+    rank_chunks,
+)
 from tests.dist.test_local_flush import same_bits
 from tests.distutil import run_world
 from tests.tolerances import unit_roundoff, worst_case
@@ -78,7 +86,7 @@ def _run(rank, world, patches, clip, steps=STEPS):
 
     cfg = make_cfg(3, K)
     cfg.optim.grad_clip_norm = clip
-    cfg.train.engine_patches = patches
+    cfg.train.engine_patches = EVERY_PATCH if patches == "all" else patches  # "all": the opt-in ones too
     ds = resolve_ds_config(
         load_ds_json(cfg.train.deepspeed_config), cfg.train, cfg.optim, world_size=world, device_type="cpu"
     )
