@@ -51,11 +51,13 @@ def test_the_one_rank_zero3_patches_are_gone():
 
 
 def test_every_patch_declares_versions_targets_and_each_target_exists_here():
-    """On the DeepSpeed this suite runs on every target resolves (a missing one would be a silent no-op)."""
+    """On a DeepSpeed a patch was verified on, every target resolves (a missing one would be a silent no-op);
+    on another (CI's oldest, for the patches verified on the newest only) a missing target is that patch's
+    one-line fallback."""
     assert len(set(P.NAMES)) == len(P.NAMES)
     for patch in P.PATCHES:
         assert patch.verified and patch.targets and patch.stages, patch.name
-        for target in patch.targets:
+        for target in patch.targets if deepspeed_version() in patch.verified else ():
             assert resolve(target) is not None, target
 
 
@@ -104,6 +106,9 @@ def test_zero3_blocks_guards_the_gather_and_release_it_calls(monkeypatch):
     from deepspeed.runtime.zero.partition_parameters import Init
 
     blocks = next(p for p in P.PATCHES if p.name == "zero3_blocks")
+    assert "deepspeed.runtime.zero.partition_parameters:Init._convert_to_deepspeed_param" in blocks.targets
+    if deepspeed_version() not in blocks.verified:
+        pytest.skip(f"zero3_blocks is off on DeepSpeed {deepspeed_version()} already")
     assert P.check_patch(blocks) is None
 
     def _convert_to_deepspeed_param(self, param):  # a changed release
