@@ -43,6 +43,7 @@ LINEAR_ON = {"memory_efficient_linear": True}  # DeepSpeed's default: its autogr
 STOCK = NO_LEAF | LINEAR_ON  # DeepSpeed's defaults for what the shipped JSONs change
 PATCHES_OFF = {"engine_patches": "none"}
 NO_BLOCKS = {"engine_patches": "all,-zero3_blocks"}
+EVERY_ZERO3 = "all,+zero3_step_views,+zero3_hook_fns"  # `all` and the opt-in ZeRO-3 patches (issue 53)
 # name → (DeepSpeed JSON, zero_optimization overrides, run-config values). "zero3" is the shipped JSON (leaf
 # modules, torch's linear) with dsclip's engine patches (the zero3_* ones: dsclip/engine/patches/), as `dsclip
 # train` runs it.
@@ -50,9 +51,10 @@ VARIANTS = {
     "zero2": ("zero2_{p}", {}, {}),
     "zero3": ("zero3_{p}", THIN_PERSIST, {}),
     "zero3 patches-off": ("zero3_{p}", THIN_PERSIST, PATCHES_OFF),
-    # each ZeRO-3 patch left out alone: what it saves
+    "zero3 every-patch": ("zero3_{p}", THIN_PERSIST, {"engine_patches": EVERY_ZERO3}),
+    # each ZeRO-3 patch left out of every-patch alone: what it saves
     **{
-        f"zero3 -{name}": ("zero3_{p}", THIN_PERSIST, {"engine_patches": f"all,-{name}"})
+        f"zero3 -{name}": ("zero3_{p}", THIN_PERSIST, {"engine_patches": f"{EVERY_ZERO3},-{name}"})
         for name in (
             "zero3_params",
             "zero3_gather",
