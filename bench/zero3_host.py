@@ -43,6 +43,7 @@ LINEAR_ON = {"memory_efficient_linear": True}  # DeepSpeed's default: its autogr
 STOCK = NO_LEAF | LINEAR_ON  # DeepSpeed's defaults for what the shipped JSONs change
 PATCHES_OFF = {"engine_patches": "none"}
 NO_BLOCKS = {"engine_patches": "all,-zero3_blocks"}
+EVERY_ZERO3 = "all,+zero3_step_views,+zero3_hook_fns"  # `all` and the opt-in ZeRO-3 patches (issue 53)
 # name → (DeepSpeed JSON, zero_optimization overrides, run-config values). "zero3" is the shipped JSON (leaf
 # modules, torch's linear) with dsclip's engine patches (the zero3_* ones: dsclip/engine/patches/), as `dsclip
 # train` runs it.
@@ -50,9 +51,10 @@ VARIANTS = {
     "zero2": ("zero2_{p}", {}, {}),
     "zero3": ("zero3_{p}", THIN_PERSIST, {}),
     "zero3 patches-off": ("zero3_{p}", THIN_PERSIST, PATCHES_OFF),
-    # each ZeRO-3 patch left out alone: what it saves
+    "zero3 every-patch": ("zero3_{p}", THIN_PERSIST, {"engine_patches": EVERY_ZERO3}),
+    # each ZeRO-3 patch left out of every-patch alone: what it saves
     **{
-        f"zero3 -{name}": ("zero3_{p}", THIN_PERSIST, {"engine_patches": f"all,-{name}"})
+        f"zero3 -{name}": ("zero3_{p}", THIN_PERSIST, {"engine_patches": f"{EVERY_ZERO3},-{name}"})
         for name in (
             "zero3_params",
             "zero3_gather",
@@ -62,16 +64,8 @@ VARIANTS = {
             "zero3_hook_fns",
             "zero3_blocks",
             "zero3_forward_flags",
-            "zero3_local_flush",  # this one and the next apply at --world 1 only
-            "zero3_local_persist",
         )
     },
-    # the three step patches (issue #29, one-rank flush and step) left out together: ZeRO-3 as it was before them
-    "zero3 -flush/persist/views": (
-        "zero3_{p}",
-        THIN_PERSIST,
-        {"engine_patches": "all,-zero3_local_flush,-zero3_local_persist,-zero3_step_views"},
-    ),
     "zero3 stock": ("zero3_{p}", THIN_PERSIST | STOCK, PATCHES_OFF),  # no leaves, DeepSpeed's linear, no patches
     "zero3 linear-on": ("zero3_{p}", THIN_PERSIST | LINEAR_ON, {}),
     "zero3 no-leaf": ("zero3_{p}", THIN_PERSIST | NO_LEAF, {}),
@@ -221,7 +215,7 @@ def strip_leaf_hooks(engine) -> int:
     """Remove DeepSpeed's ZeRO-3 module hooks from the engine's leaf modules (the "-leaf-hooks" bound only)."""
     from deepspeed.utils import z3_leaf_module
 
-    from dsclip.engine.patches.fingerprint import unwrap
+    from dsclip.engine.fingerprint import unwrap
 
     leaves = [m for m in engine.module.modules() if z3_leaf_module(m)]
     removed = 0

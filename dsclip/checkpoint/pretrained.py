@@ -204,8 +204,7 @@ ZERO3_IMPORT_MIN = "0.19.8"
 
 
 def _check_zero3_import(world: int) -> None:
-    from dsclip.engine.patches.fingerprint import deepspeed_version
-    from dsclip.engine.patches.versions import at_least
+    from dsclip.engine.versions import at_least, deepspeed_version
 
     if world > 1 and not at_least(ZERO3_IMPORT_MIN):
         raise ConfigError(

@@ -30,8 +30,8 @@ from dsclip.engine.ds_config import TrainArgs, precision_of, zero_stage
 from dsclip.engine.input_grads import needs_input_grads, require_input_grads
 from dsclip.engine.optim import OptimArgs
 from dsclip.engine.patches import PatchReport, install_patches, parse_selection
-from dsclip.engine.patches.fingerprint import deepspeed_version
-from dsclip.engine.patches.shm_workspace import release_shm_workspace
+from dsclip.engine.shm_workspace import release_shm_workspace
+from dsclip.engine.versions import deepspeed_version
 from dsclip.engine.world import DeviceBindingError
 
 

@@ -72,8 +72,10 @@ class TrainArgs:
     )
     engine_patches: str = opt(
         "all",
-        "dsclip's changes to DeepSpeed internals (dsclip/engine/patches/): all, none, a comma list of names, or "
-        "all,-NAME. Each checks the installed DeepSpeed first and otherwise leaves DeepSpeed's own path.",
+        "dsclip's changes to DeepSpeed internals (dsclip/engine/patches/): all (the default set), none, a comma "
+        "list of names, all,-NAME to leave one out, or all,+NAME to add an opt-in one (zero3_step_views, "
+        "zero3_hook_fns, overflow_check, grad_norm: under 3 percent of a world-8 step, docs/deepspeed-notes.md). Each "
+        "checks the installed DeepSpeed first and otherwise leaves DeepSpeed's own path.",
     )
     ddp_static_graph: bool = opt(
         False, "Accepted for OpenCLIP command lines; no effect: DeepSpeed, not DDP, reduces the gradients."

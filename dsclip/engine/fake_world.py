@@ -58,7 +58,7 @@ def fake_world(world_size: int, gpus_per_node: int = 8, rank: int = 0) -> Iterat
     try:
         import deepspeed
 
-        from dsclip.engine.patches.shm_op import shm_op_for_world
+        from dsclip.engine.shm_op import shm_op_for_world
 
         with shm_op_for_world(1):  # one process: no shm op, whose initialize waits for N - 1 peers
             deepspeed.init_distributed(dist_backend="fake", auto_mpi_discovery=False, verbose=False)

@@ -53,9 +53,9 @@ import torch.distributed as dist
 
 from dsclip.console import say
 from dsclip.dist import initialized, rank_world
-from dsclip.engine.patches.log_filter import install_log_filter
-from dsclip.engine.patches.shm_op import shm_op_for_world
-from dsclip.engine.patches.shm_workspace import release_shm_workspace
+from dsclip.engine.log_filter import install_log_filter
+from dsclip.engine.shm_op import shm_op_for_world
+from dsclip.engine.shm_workspace import release_shm_workspace
 from dsclip.launch import supervise
 
 # Exit code of a run that stopped early on request (preemption signal) after saving a checkpoint:

@@ -81,7 +81,7 @@ def write_run_files(cfg: RunConfig, ds_config: dict) -> None:
 def record_engine_patches(run_dir: Path, bundle: EngineBundle) -> None:
     """Rank 0: the engine patches active on this run, as a comment at the end of run_config.yaml (a comment,
     so the file still loads as a run config: ``engine_patches`` above it is the selection)."""
-    from dsclip.engine.patches.fingerprint import deepspeed_version
+    from dsclip.engine.versions import deepspeed_version
 
     active = ", ".join(bundle.patches.active) if bundle.patches and bundle.patches.active else "none"
     with open(run_dir / "run_config.yaml", "a") as f:

@@ -41,8 +41,8 @@ import torch
 import torch.distributed as dist
 
 from dsclip.dist import rank_world
-from dsclip.engine.patches.accumulation import require_exact_accumulation
-from dsclip.engine.patches.grad_norm import norm_skipped
+from dsclip.engine.accumulation import require_exact_accumulation
+from dsclip.engine.patches import norm_skipped
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # images (B,3,H,W), tokens (B,L)
 
@@ -87,7 +87,7 @@ class GradCacheStep:
 
     Only DeepSpeed's public engine API: forward, ``backward``, ``coalesce_grad_reduction`` with the
     accumulation boundary, ``step``. How K backwards are reduced exactly is the engine's
-    (dsclip/engine/patches/accumulation.py): "coalesced" (ZeRO-1/2/3), "boundary" (ZeRO-0, the BF16_Optimizer
+    (dsclip/engine/accumulation.py): "coalesced" (ZeRO-1/2/3), "boundary" (ZeRO-0, the BF16_Optimizer
     wrapper: DeepSpeed reduces only at the boundary), or refused at construction where neither is exact.
     Whatever dsclip changes inside DeepSpeed to make those calls cheaper was installed with the engine
     (dsclip/engine/patches/), not here.

@@ -98,9 +98,9 @@ def _check_ds_config(cfg: RunConfig) -> None:
 def _check_deepspeed(cfg: RunConfig, *, rank: int) -> None:
     """From the installed DeepSpeed's version alone (no import): --engine-patches names, --accum-freq > 1
     without exact accumulation (issue #34), and one line when the version is outside the tested range."""
+    from dsclip.engine.accumulation import refusal
     from dsclip.engine.patches import PatchSelectionError, parse_selection
-    from dsclip.engine.patches.accumulation import refusal
-    from dsclip.engine.patches.versions import has_coalesced_reduction, outside_tested_range
+    from dsclip.engine.versions import has_coalesced_reduction, outside_tested_range
 
     try:
         parse_selection(cfg.train.engine_patches)

@@ -181,7 +181,7 @@ def test_openclip_checkpoint_imported_under_zero_embeds_like_openclip(tmp_path, 
     path = tmp_path / "epoch_1.pt"
     torch.save({"epoch": 1, "name": "x", "state_dict": {f"module.{k}": v for k, v in oc.state_dict().items()}}, path)
     from dsclip.checkpoint.pretrained import ZERO3_IMPORT_MIN
-    from dsclip.engine.patches.versions import at_least
+    from dsclip.engine.versions import at_least
 
     if ds_config.startswith("zero3") and not at_least(ZERO3_IMPORT_MIN):  # CI's oldest DeepSpeed: refused
         with pytest.raises(RuntimeError, match=f"needs DeepSpeed >= {ZERO3_IMPORT_MIN}"):

@@ -42,6 +42,7 @@ def _run(rank, world, precision, clip, report):
 
     cfg = make_cfg(2, K)
     cfg.optim.grad_clip_norm = clip
+    cfg.train.engine_patches = "all,+grad_norm"  # opt-in (dsclip/engine/patches/__init__.py OPT_IN)
     if precision == "bf16":
         cfg.train.precision, cfg.train.deepspeed_config = "bf16", "ds_configs/zero2_bf16.json"
     ds = resolve_ds_config(

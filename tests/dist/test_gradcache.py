@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dsclip.engine.patches import passes_check
+from dsclip.engine.patches import OPT_IN, passes_check
 from dsclip.model import (
     create_model,
     get_model_config,
@@ -316,8 +316,8 @@ def plain_run(shared_dir, world, stage, k, patches="all") -> list[dict]:
 # (docs/zero-and-precision.md has the measurements behind each)
 STOCK_ZERO3 = {"leaf_module": {"classes": []}, "memory_efficient_linear": True}
 
-# What each ZeRO stage and world gets with --engine-patches all (dsclip/engine/patches/): local_flush at
-# one rank only (ZeRO-3: zero3_local_flush, zero3_local_persist); the other zero3_* patches at any world;
+# What each ZeRO stage and world gets with every patch (dsclip/engine/patches/; --engine-patches all leaves
+# out the opt-in ones): local_flush at one rank only; the zero3_* patches at any world;
 # universal_zero3 is listed for ZeRO-3 (it acts on a universal load)
 ZERO3_PATCHES = [
     "zero3_params",
@@ -330,10 +330,12 @@ ZERO3_PATCHES = [
     "zero3_blocks",
     "zero3_forward_flags",
 ]
+# every patch, the opt-in ones added: what the bit-for-bit tests select to check each patch's effect
+EVERY_PATCH = ",".join(["all", *(f"+{n}" for n in sorted(OPT_IN))])
 EXPECTED_PATCHES = {
     (1, 2): ["local_flush", "overflow_check", "grad_hooks", "grad_norm"],
     (2, 2): ["overflow_check", "grad_hooks", "grad_norm"],
-    (1, 3): [*ZERO3_PATCHES, "zero3_local_flush", "zero3_local_persist", "universal_zero3"],
+    (1, 3): [*ZERO3_PATCHES, "universal_zero3"],
     (2, 3): [*ZERO3_PATCHES, "universal_zero3"],
 }
 
@@ -348,7 +350,8 @@ def test_gradcache_equals_big_batch(world, stage, k, shared_dir):
     assert all(r["leaf_blocks"] == (r["blocks"] if stage == 3 else 0) and r["blocks"] > 0 for r in results)
     assert all(r["linear"] == "linear" for r in results)  # torch's F.linear, ZeRO-3 too (memory_efficient_linear)
     assert_matches(results, reference_step(results[0]["initial"], world, k), world, k)
-    expected = [n for n in EXPECTED_PATCHES[(world, stage)] if passes_check(n)]  # all, on a verified DeepSpeed
+    # the default set (all), on a verified DeepSpeed
+    expected = [n for n in EXPECTED_PATCHES[(world, stage)] if passes_check(n) and n not in OPT_IN]
     assert all(r["patches"] == expected for r in results), results[0]["patches"]
     assert all(r["reduction"] == "coalesced" for r in results)
 
@@ -400,9 +403,9 @@ def _refusal_without_coalesced_reduction(rank, world):
     taken off the class in this rank process, as an older DeepSpeed would lack it."""
     from deepspeed import DeepSpeedEngine
 
+    from dsclip.engine.accumulation import AccumulationUnsupportedError
     from dsclip.engine.build import build_engine
     from dsclip.engine.ds_config import load_ds_json, resolve_ds_config
-    from dsclip.engine.patches.accumulation import AccumulationUnsupportedError
     from dsclip.losses import build_loss
     from dsclip.train.gradcache import GradCacheStep
 

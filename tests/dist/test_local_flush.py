@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.dist.test_gradcache import make_batches, make_cfg, make_model, rank_chunks
+from tests.dist.test_gradcache import EVERY_PATCH, make_batches, make_cfg, make_model, rank_chunks
 from tests.distutil import run_world
 
 pytestmark = [pytest.mark.dist]
@@ -28,9 +28,13 @@ def _run_cases(rank, world, cases):
     return [_run(rank, world, stage, mode, precision) for stage, mode, precision in cases]
 
 
-# --engine-patches of each mode. ours: every patch; deepspeed: DeepSpeed's flush and check (the reference);
-# deepspeed+check: DeepSpeed's flush with dsclip's multi-tensor overflow check
-MODES = {"ours": "all", "deepspeed": "none", "deepspeed+check": "overflow_check"}
+# --engine-patches of each mode. ours: every patch (the opt-in ones too); deepspeed: DeepSpeed's flush and
+# check (the reference); deepspeed+check: DeepSpeed's flush with dsclip's multi-tensor overflow check
+MODES = {"ours": EVERY_PATCH, "deepspeed": "none", "deepspeed+check": "overflow_check"}
+# each other ZeRO-1/2 patch alone (overflow_check alone is deepspeed+check), on one case: DeepSpeed's paths but
+# that one, bit for bit DeepSpeed's numbers (grad_norm acts without clipping only: tests/dist/test_grad_norm.py)
+ALONE, ALONE_CASE = ("local_flush", "grad_hooks"), (2, "bf16")
+MODES |= {name: name for name in ALONE}
 
 
 def _run(rank, world, stage, mode, precision="fp32"):
@@ -64,6 +68,7 @@ def _run(rank, world, stage, mode, precision="fp32"):
     step = GradCacheStep(engine, build_loss("infonce"), accum_freq=K, compute_dtype=autocast_dtype(bundle))
     named = list(engine.module.named_parameters())
     out = {
+        "active": list(bundle.patches.active),
         "local_flush": "local_flush" in bundle.patches.active,
         "norm_fn": engine.optimizer.get_grad_norm_direct.__qualname__,
         "overflow_fn": engine.optimizer.has_overflow_partitioned_grads_serial.__qualname__,
@@ -114,6 +119,7 @@ def test_local_flush_is_bitwise_deepspeeds_flush():
     for stage, precision in CASES:
         modes = ("ours", "deepspeed", "deepspeed+check") if precision != "fp32" else ("ours", "deepspeed")
         cases += [(stage, mode, precision) for mode in modes]
+    cases += [(*ALONE_CASE[:1], mode, ALONE_CASE[1]) for mode in ALONE]
     ranks = run_world(_run_cases, 1, cases)
     results = {c: [r[i] for r in ranks] for i, c in enumerate(cases)}
     for stage, precision in CASES:
@@ -129,6 +135,24 @@ def test_local_flush_is_bitwise_deepspeeds_flush():
                 expect_checked=True,
                 local_flush=False,
             )
+    check_alone(results)
+
+
+def check_alone(results):
+    """Each patch of ALONE by itself: active where its check passes, DeepSpeed's numbers bit for bit."""
+    from dsclip.engine.patches import passes_check
+
+    stage, precision = ALONE_CASE
+    theirs = results[(stage, "deepspeed", precision)]
+    for mode in ALONE:
+        for ours, ref in zip(results[(stage, mode, precision)], theirs, strict=True):
+            assert ours["active"] == ([mode] if passes_check(mode) else []), (mode, ours["active"])
+            assert ours["applied"] == ref["applied"], mode
+            assert same_bits(torch.tensor(ours["norms"]), torch.tensor(ref["norms"])), mode
+            for key in ("grads", "weights", "model", "exp_avg_sq"):
+                for s in range(STEPS):
+                    diff = [n for n in ours[key][s] if not same_bits(ours[key][s][n], ref[key][s][n])]
+                    assert not diff, f"{mode} alone, step {s}: {key} differ for {diff}"
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

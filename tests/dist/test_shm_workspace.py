@@ -17,7 +17,7 @@ def _rank(rank, world):
     import torch
     import torch.distributed as dist
 
-    from dsclip.engine.patches.shm_workspace import SHM_WORKSPACE, release_shm_workspace
+    from dsclip.engine.shm_workspace import SHM_WORKSPACE, release_shm_workspace
 
     deepspeed.init_distributed(dist_backend="gloo")
     path = SHM_WORKSPACE.format(

@@ -2,7 +2,9 @@
 against DeepSpeed's own paths.
 
 Two ranks, ZeRO-3, fp32, the gradient cache at K = 2, three steps, with the patches as a user selects them
-(``--engine-patches``): all against none (DeepSpeed's paths: the reference). The persistence threshold is
+(``--engine-patches``): all against none (DeepSpeed's paths: the reference), with and without clipping; then
+each patch alone and each declared pair (a patch with the ones it requires), two steps each, against none.
+One spawned world builds every engine in turn. The persistence threshold is
 lowered so that the tiny model's matrices are partitioned and fetched per block and its vectors stay
 persistent (the shipped 1e5 keeps every tensor of this model whole): both of the patched paths run.
 
@@ -27,7 +29,15 @@ import functools
 import pytest
 import torch
 
-from tests.dist.test_gradcache import LR, ZERO3_PATCHES, make_batches, make_cfg, make_model, rank_chunks
+from tests.dist.test_gradcache import (
+    EVERY_PATCH,
+    LR,
+    ZERO3_PATCHES,
+    make_batches,
+    make_cfg,
+    make_model,
+    rank_chunks,
+)
 from tests.dist.test_local_flush import same_bits
 from tests.distutil import run_world
 from tests.tolerances import unit_roundoff, worst_case
@@ -38,32 +48,52 @@ K, STEPS, WORLD = 2, 3, 2
 PERSISTENCE_THRESHOLD = 1000
 
 
-def _run(rank, world, patches, clip):
-    from deepspeed.runtime.zero import partition_parameters
+def _run_all(rank, world, runs):
+    """Every (selection, clip, steps) of ``runs`` in this one world, one engine after another."""
+    return [_run(rank, world, patches, clip, steps) for patches, clip, steps in runs]
+
+
+_COUNTERS: dict[str, list[int]] = {}
+
+
+def _counters() -> dict[str, list[int]]:
+    """DeepSpeed's methods whose calls the checks count, wrapped on their classes once per process (wrapping
+    again for a later engine would stack wrappers past the fingerprint check's unwrapping); zeroed per engine.
+    Wrapped before the engine exists, so a patch's fallback is the counted method too."""
+    if not _COUNTERS:
+        from deepspeed.runtime.zero.partition_parameters import Init
+        from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3
+
+        for cls, name in ((Stage3, "_prepare_fp32_grad_for_sub_group"), (Stage3, "_unflatten_partitioned_parameters"),
+                          (Init, "_partition_param")):  # fmt: skip
+            _COUNTERS[name] = [0]
+            setattr(cls, name, counted(getattr(cls, name), _COUNTERS[name]))
+    for counter in _COUNTERS.values():
+        counter[0] = 0
+    return _COUNTERS
+
+
+def _run(rank, world, patches, clip, steps=STEPS):
     from deepspeed.runtime.zero import partitioned_param_coordinator as coordinator
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 
     from dsclip.engine.build import build_engine
     from dsclip.engine.ds_config import load_ds_json, resolve_ds_config
-    from dsclip.engine.patches.fingerprint import unwrap
+    from dsclip.engine.fingerprint import unwrap
     from dsclip.losses import build_loss
     from dsclip.train.gradcache import GradCacheStep
 
     cfg = make_cfg(3, K)
     cfg.optim.grad_clip_norm = clip
-    cfg.train.engine_patches = patches
+    cfg.train.engine_patches = EVERY_PATCH if patches == "all" else patches  # "all": the opt-in ones too
     ds = resolve_ds_config(
         load_ds_json(cfg.train.deepspeed_config), cfg.train, cfg.optim, world_size=world, device_type="cpu"
     )
     ds["zero_optimization"]["stage3_param_persistence_threshold"] = PERSISTENCE_THRESHOLD
-    # zero3_step_views: DeepSpeed's per-tensor flatten and re-pointing in the step, counted (wrapped on the
-    # class before the engine exists, so the patch's fallback is the counted method too)
-    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3
-
-    step_calls = {"_prepare_fp32_grad_for_sub_group": [0], "_unflatten_partitioned_parameters": [0]}
-    for name, counter in step_calls.items():
-        setattr(Stage3, name, counted(getattr(Stage3, name), counter))
+    # zero3_step_views: DeepSpeed's per-tensor flatten and re-pointing in the step, counted
+    counters = _counters()
+    step_calls = {n: counters[n] for n in ("_prepare_fp32_grad_for_sub_group", "_unflatten_partitioned_parameters")}
     bundle = build_engine(ds, cfg.train, cfg.optim, make_model, total_steps=10, steps_per_epoch=10)
     engine = bundle.engine
     opt = engine.optimizer
@@ -72,6 +102,7 @@ def _run(rank, world, patches, clip):
     persistent = [n for n, p in named if p.ds_persist]
     out = {
         "patches": [n for n in bundle.patches.active if n in ZERO3_PATCHES],
+        "active": [n for n in bundle.patches.active if n in ZERO3_PATCHES],
         "norm_fn": unwrap(opt.get_grad_norm_direct).__qualname__,  # unwrap: DeepSpeed's NVTX decorator
         "post_step_fn": unwrap(opt._post_step).__qualname__,
         "persistent": len(persistent),
@@ -101,9 +132,9 @@ def _run(rank, world, patches, clip):
         if coord is not None:
             coord._invalidate_trace = counted(coord._invalidate_trace, invalidations)
     # zero3_release: DeepSpeed's per-parameter partition path, counted from here on (the steps)
-    partition_calls = [0]
-    partition_parameters.Init._partition_param = counted(partition_parameters.Init._partition_param, partition_calls)
-    for s in range(STEPS):
+    partition_calls = counters["_partition_param"]
+    partition_calls[0] = 0
+    for s in range(steps):
         images, tokens = make_batches(world, K, seed=300 + s)
         torch.manual_seed(11 + s)
         engine.train()
@@ -191,11 +222,54 @@ def _check(ranks, clip):
         assert any(not torch.equal(ours["weights"][0][n], ours["weights"][-1][n]) for n in ours["weights"][0])
 
 
-@pytest.mark.parametrize("clip", [None, 0.05])
-def test_zero3_patches_compute_what_deepspeed_computes(clip):
-    # each selection in a world of its own: every engine the first of its process, as in a run
-    by_mode = {mode: run_world(_run, WORLD, mode, clip) for mode in ("all", "none")}
-    ranks = [{mode: by_mode[mode][r] for mode in by_mode} for r in range(WORLD)]
-    if clip is not None:  # clipping acted: the norms were above the clip value
-        assert all(n > clip for n in ranks[0]["none"]["norms"])
-    _check(ranks, clip)
+def test_zero3_patches_compute_what_deepspeed_computes():
+    # one world, one engine after another: all and none with and without clipping, then each patch alone
+    # and each declared pair (below)
+    runs = [(mode, clip, STEPS) for clip in (None, 0.05) for mode in ("all", "none")]
+    alone = _alone_selections()
+    runs += [(selection, None, ALONE_STEPS) for selection in alone]
+    ranks = run_world(_run_all, WORLD, runs)
+    for clip in (None, 0.05):
+        by_mode = [{mode: r[runs.index((mode, clip, STEPS))] for mode in ("all", "none")} for r in ranks]
+        if clip is not None:  # clipping acted: the norms were above the clip value
+            assert all(n > clip for n in by_mode[0]["none"]["norms"])
+        _check(by_mode, clip)
+    reference = runs.index(("none", None, STEPS))
+    _check_alone([r[reference] for r in ranks], [r[4:] for r in ranks], alone)
+
+
+# Each patch by itself and each declared pair (a patch with the ones it requires): DeepSpeed's paths but
+# those, bit for bit DeepSpeed's numbers (no clipping: zero3_norm's summation order then moves no weight)
+ALONE_STEPS = 2
+
+
+def _alone_selections() -> list[str]:
+    from dsclip.engine.patches import PATCHES
+
+    zero3 = [p for p in PATCHES if p.name in ZERO3_PATCHES]
+    pairs = [",".join((*p.requires, p.name)) for p in zero3 if p.requires]
+    return [*(p.name for p in zero3), *pairs]
+
+
+def _check_alone(references, alone_ranks, selections):
+    from dsclip.engine.patches import PATCHES, passes_check
+
+    assert "zero3_blocks,zero3_forward_flags" in selections
+    requires = {p.name: p.requires for p in PATCHES}
+    for theirs, runs in zip(references, alone_ranks, strict=True):
+        assert theirs["active"] == []
+        for selection, ours in zip(selections, runs, strict=True):
+            # a patch is on where its check passes and every patch it requires is selected and on
+            on = []
+            for n in selection.split(","):
+                if passes_check(n) and all(q in on for q in requires[n]):
+                    on.append(n)
+            assert ours["active"] == on, (selection, ours["active"])
+            for s in range(ALONE_STEPS):
+                norm = theirs["norms"][s]
+                bound = worst_case(ours["elements"] + 2, norm**2, torch.float64) / (2 * norm)
+                assert abs(ours["norms"][s] - norm) <= bound, (selection, s)
+                for key in ("grads", "weights", "persistent_values", "exp_avg"):
+                    a, b = ours[key][s], theirs[key][s]
+                    diff = [n for n in a if not same_bits(a[n], b[n])]
+                    assert not diff, f"{selection}, step {s}: {key} differ for {diff}"

@@ -7,7 +7,7 @@ import os
 import sys
 
 from dsclip.cli import venv_ninja_first
-from dsclip.engine.patches.log_filter import install_log_filter
+from dsclip.engine.log_filter import install_log_filter
 
 
 def test_venv_ninja_goes_first_on_path():

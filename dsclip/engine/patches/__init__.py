@@ -5,10 +5,15 @@ silently diverge, so each change states what it was written against and checks i
 the pattern onnxruntime's ``_ds_modifier.py`` uses for the same ZeRO-1/2 methods:
 
 - ``verified``: the DeepSpeed releases its tests ran on (CI's version matrix, .ci/run);
-- ``targets``: the DeepSpeed methods it replaces or whose behaviour it relies on, each with the source
-  fingerprints (dsclip/engine/patches/fingerprint.py) of the verified releases. A missing attribute or an
-  unknown fingerprint means no patch: DeepSpeed's own path runs, and one line in the log names the patch,
-  the installed version and the method that differs;
+- ``targets``: every DeepSpeed function it replaces, calls or whose behaviour it relies on, each with the
+  source fingerprints (dsclip/engine/fingerprint.py) of the verified releases (a function DeepSpeed defines
+  inside another, such as each parameter's ``partition`` and ``all_gather_coalesced`` made in
+  ``Init._convert_to_deepspeed_param``, is covered by the fingerprint of the function that defines it). A
+  missing attribute or an unknown fingerprint means no patch: DeepSpeed's own path runs, and one line in
+  the log names the patch, the installed version and the method that differs;
+- ``requires``: the patches it builds on (``REQUIRES`` in its module; they come earlier in :data:`PATCHES`).
+  Where one of them is off because its check failed or the selection leaves it out, this one is off too,
+  with one line; where one does not apply to the engine, neither does this one (no line);
 - ``stages``: the ZeRO stages it is for; on other stages it is not considered at all (no line: the normal
   case, e.g. ZeRO-1/2 patches under ZeRO-3). The fingerprint check comes next, then
 - ``applies(engine)``: whether this engine is the plain case the patch handles (world, offload, layout ...);
@@ -19,9 +24,12 @@ that engine (instance attributes of the engine, its optimizer, its modules and t
 function DeepSpeed looks up as a module global, ZeRO-3's ``iter_params``, gets a dispatcher instead
 (``zero3_params``): it answers for the modules an engine with that patch marked and hands every other module
 to DeepSpeed's own function.
-``--engine-patches`` (run config ``engine_patches``) selects them: ``all`` (default), ``none``, a comma list
-of names, or ``all,-NAME`` to leave some out. The rank line and run_config.yaml list what is
-active. Outside this package nothing touches a private DeepSpeed name.
+``--engine-patches`` (run config ``engine_patches``) selects them: ``all`` (default: every patch but the
+opt-in ones), ``none``, a comma list of names, ``all,-NAME`` to leave some out, ``all,+NAME`` to add an
+opt-in one. A patch is in the default set only where it measured a gain of at least 3 % of a world-8 step
+(bench/patches_world8.py); the rest are :data:`OPT_IN`. The rank line and run_config.yaml list what is
+active. Outside this package and the guard (dsclip/engine/fingerprint.py) nothing touches a private
+DeepSpeed name, except the engine's own probes beside it (accumulation.py, shm_op.py, shm_workspace.py).
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from dsclip.engine.fingerprint import mismatched_target
 from dsclip.engine.patches import (
     grad_hooks,
     grad_norm,
@@ -39,15 +48,17 @@ from dsclip.engine.patches import (
     zero3_forward_flags,
     zero3_gather,
     zero3_hook_fns,
-    zero3_local_flush,
-    zero3_local_persist,
     zero3_norm,
     zero3_params,
     zero3_release,
     zero3_step_views,
     zero3_traces,
 )
-from dsclip.engine.patches.fingerprint import deepspeed_version, mismatched_target
+from dsclip.engine.versions import deepspeed_version
+
+# What the training step may ask of the seam (dsclip/train/ imports nothing below this package): one step
+# without the global norm where grad_norm is active on the engine, a no-op elsewhere
+norm_skipped = grad_norm.norm_skipped
 
 ALL, NONE = "all", "none"
 
@@ -61,10 +72,11 @@ class Patch:
     stages: tuple[int, ...]
     applies: Callable[[object], bool]
     install: Callable[[object], None]
+    requires: tuple[str, ...] = ()  # patches this one builds on, installed before it
 
 
 PATCHES: tuple[Patch, ...] = tuple(
-    Patch(m.NAME, m.SUMMARY, m.VERIFIED, m.TARGETS, m.STAGES, m.applies, m.install)
+    Patch(m.NAME, m.SUMMARY, m.VERIFIED, m.TARGETS, m.STAGES, m.applies, m.install, getattr(m, "REQUIRES", ()))
     for m in (
         local_flush,
         overflow_check,
@@ -78,38 +90,57 @@ PATCHES: tuple[Patch, ...] = tuple(
         zero3_release,
         zero3_hook_fns,
         zero3_blocks,
-        zero3_forward_flags,  # after zero3_blocks, whose blocks it reads
-        zero3_local_flush,
-        zero3_local_persist,  # after zero3_gather, whose post-step it wraps
+        zero3_forward_flags,  # requires zero3_blocks
     )
 )
 # Patches that act later than build_engine, where the engine does what they repair (a universal load):
 # selected and checked the same way, applied by the code that calls them.
 LOAD_TIME = (universal_zero3,)
 NAMES = tuple(p.name for p in PATCHES) + tuple(m.NAME for m in LOAD_TIME)
+# Available by name (``all,+NAME``) but not in ``all``: a gain under 3 % of the world-8 step, rank 0 of a
+# world-8 job on the CPU rehearsal (bench/patches_world8.py, bench/results/patches-world8_cpu2_2026-12-06.md;
+# a GPU run of that bench, at the next lease, replaces these figures). universal_zero3 repairs a load, not a
+# speed: it is not measured and stays in.
+OPT_IN: frozenset[str] = frozenset({"zero3_step_views", "zero3_hook_fns", "overflow_check", "grad_norm"})
+DEFAULT = tuple(n for n in NAMES if n not in OPT_IN)
+# Names that once were patches: a selection naming one gets told why it is gone
+REMOVED = {
+    "zero3_local_flush": "ZeRO-3 at one rank, which the planner never picks (ZeRO-2 holds the same memory there)",
+    "zero3_local_persist": "ZeRO-3 at one rank, which the planner never picks (ZeRO-2 holds the same memory there)",
+}
 
 
 class PatchSelectionError(ValueError):
     pass
 
 
+def known_patches() -> str:
+    """The known names for an error line: the default set, then the opt-in ones."""
+    opt_in = [n for n in NAMES if n in OPT_IN]
+    return ", ".join(DEFAULT) + (f"; opt-in (all,+NAME): {', '.join(opt_in)}" if opt_in else "")
+
+
 def parse_selection(spec: str) -> frozenset[str]:
-    """``all`` | ``none`` | ``a,b`` | ``all,-a`` -> the set of patch names to try."""
+    """``all`` | ``none`` | ``a,b`` | ``all,-a`` | ``all,+a`` -> the set of patch names to try."""
     items = [s.strip() for s in str(spec).split(",") if s.strip()]
     chosen: set[str] = set()
     for item in items or [ALL]:
-        name = item.lstrip("-")
+        name = item.lstrip("-+")
         if item == ALL:
-            chosen |= set(NAMES)
+            chosen |= set(DEFAULT)
         elif item == NONE:
             chosen.clear()
+        elif name in REMOVED:
+            raise PatchSelectionError(
+                f"--engine-patches: patch {name!r} was removed: {REMOVED[name]}; known: {known_patches()}"
+            )
         elif name not in NAMES:
             raise PatchSelectionError(
-                f"--engine-patches: unknown patch {name!r}; known: {', '.join(NAMES)} (or 'all' / 'none')"
+                f"--engine-patches: unknown patch {name!r}; known: {known_patches()}; or 'all' / 'none'"
             )
         elif item.startswith("-"):
             chosen.discard(name)
-        else:
+        else:  # NAME or +NAME
             chosen.add(name)
     return frozenset(chosen)
 
@@ -152,13 +183,13 @@ def install_patches(engine, selection: str | frozenset[str] = ALL, log: Callable
     for patch in PATCHES:
         if patch.name not in chosen or stage not in patch.stages:
             continue
-        reason = check_patch(patch)
+        reason = check_patch(patch) or missing_prerequisite(patch, report)
         if reason is not None:
             report.refused[patch.name] = reason
             log(f"[dsclip] {reason}")
             continue
-        if not patch.applies(engine):
-            continue
+        if not all(r in report.active for r in patch.requires) or not patch.applies(engine):
+            continue  # a prerequisite that does not apply to this engine: nor does this patch (no line)
         patch.install(engine)
         report.active.append(patch.name)
     for module in LOAD_TIME:  # listed as active where they would act (they check again when they do)
@@ -166,6 +197,19 @@ def install_patches(engine, selection: str | frozenset[str] = ALL, log: Callable
             report.active.append(module.NAME)
     engine.dsclip_patches = report  # what tests, bench/ and the run config read
     return report
+
+
+def missing_prerequisite(patch: Patch, report: PatchReport) -> str | None:
+    """Why ``patch`` is off when a patch it requires is off (its check failed, or the selection leaves it out)."""
+    for needed in patch.requires:
+        if needed in report.refused:
+            why = "which is off (its check failed, above)"
+        elif needed not in report.selected:
+            why = "which --engine-patches leaves out"
+        else:
+            continue
+        return f"patch {patch.name} off: it requires {needed}, {why}; DeepSpeed's own path runs"
+    return None
 
 
 def active_patches(engine) -> list[str]:

@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from dsclip.console import say
-from dsclip.engine.patches.fingerprint import deepspeed_version, mismatched_target
+from dsclip.engine.fingerprint import mismatched_target
+from dsclip.engine.versions import deepspeed_version
 
 NAME = "universal_zero3"
 VERIFIED = ("0.19.2", "0.19.8")

@@ -55,8 +55,8 @@ from collections import Counter
 
 import torch
 
+from dsclip.engine.fingerprint import unwrap
 from dsclip.engine.input_grads import input_grads_covered
-from dsclip.engine.patches.fingerprint import unwrap
 
 NAME = "zero3_blocks"
 SUMMARY = "ZeRO-3: each leaf block fetched, prefetched and released by two dsclip hooks instead of DeepSpeed's four"
@@ -66,6 +66,7 @@ VERIFIED = ("0.19.8",)
 STAGES = (3,)
 _O = "deepspeed.runtime.zero.parameter_offload:DeepSpeedZeRoOffload."
 _C = "deepspeed.runtime.zero.partitioned_param_coordinator:PartitionedParameterCoordinator."
+_I = "deepspeed.runtime.zero.partition_parameters:"
 TARGETS = {
     _O + "_register_deepspeed_module": frozenset({"4eede10c50d5"}),  # the four hooks taken off
     _O + "partition_all_parameters": frozenset({"b5a95f70abee"}),  # wrapped: our leftovers are settled first
@@ -75,6 +76,17 @@ TARGETS = {
     "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3.create_reduce_and_remove_grad_hooks": frozenset(
         {"2169caabf983"}
     ),
+    # what the hooks call on each parameter: ``all_gather_coalesced`` and ``partition`` are functions
+    # DeepSpeed defines per parameter inside _convert_to_deepspeed_param (its fingerprint covers both), and
+    # what they run; zero3_release replaces ``partition`` but hands every other case to these
+    _I + "Init._convert_to_deepspeed_param": frozenset({"109d5ce0cfbc"}),
+    _I + "Init._partition": frozenset({"0608009311cf"}),
+    _I + "Init._partition_param": frozenset({"27e1b17a9064"}),
+    _I + "free_param": frozenset({"96cebaaa6607"}),
+    _I + "AllGatherCoalescedHandle.wait": frozenset({"bc6d1f20613a"}),  # the gather's handle, waited on
+    _I + "MultipleAllGatherHandles.wait": frozenset({"cc6235fb305a"}),  # the same, parameters of several groups
+    _C + "__init__": frozenset({"9c88f61b821b"}),  # the settings read (prefetch bucket, live, reuse, stream)
+    "deepspeed.utils:z3_leaf_module": frozenset({"d9b3d0db99ba"}),  # which modules are the leaf blocks
 }
 _P = "_PartitionedParameterCoordinator__"  # the coordinator's name-mangled settings
 DEEPSPEED_HOOKS = frozenset(

@@ -30,6 +30,7 @@ NAME = "zero3_forward_flags"
 SUMMARY = "ZeRO-3: the engine's per-forward walk over every module from a recorded list; plain dicts inside leaf blocks"
 VERIFIED = ("0.19.8",)
 STAGES = (3,)
+REQUIRES = ("zero3_blocks",)  # reads its blocks: only their interiors, which it gathers, lose the safety net
 _E = "deepspeed.runtime.engine:DeepSpeedEngine."
 TARGETS = {
     # the walk (gated by zero_optimization_partition_weights, and nothing else gated by it) in both

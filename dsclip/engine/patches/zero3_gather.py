@@ -27,6 +27,9 @@ TARGETS = {
     _Z + "_post_step": frozenset({"feaee230b6a1"}),
     _Z + "step": frozenset({"1dfecf4f2fb7"}),  # partitions every parameter before the update, _post_step after
     _I + "Init._all_gather": frozenset({"f262c3705f32"}),  # skips tensors already available
+    # the per-parameter all_gather_coalesced it calls is defined inside this one; its handle's wait
+    _I + "Init._convert_to_deepspeed_param": frozenset({"109d5ce0cfbc"}),
+    _I + "AllGatherCoalescedHandle.wait": frozenset({"bc6d1f20613a"}),
 }
 
 

@@ -33,6 +33,7 @@ _Z = "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3."
 TARGETS = {
     _Z + "get_grad_norm_direct": frozenset({"c489acb30b5c"}),
     _Z + "_get_norm_groups": frozenset({"ece0a2b4a699"}),  # calls it with averaged_gradients[i], fp16_groups[i]
+    _Z + "_get_param_partition_group": frozenset({"b21c55cefdce"}),  # the group the norm is all-reduced over
 }
 
 

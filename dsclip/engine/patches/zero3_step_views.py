@@ -17,7 +17,7 @@ flat buffer anyway:
   DeepSpeed's method.
 
 Both are host time per step at any world size (bench/results/zero3-local-flush_cpu2_2026-12-05.md). Bit for
-bit DeepSpeed's numbers (tests/dist/test_zero3_one_rank.py, tests/dist/test_zero3_patches.py). Offload and
+bit DeepSpeed's numbers (tests/dist/test_zero3_patches.py). Offload and
 NVMe keep DeepSpeed's methods (their gradients and partitions are not these device buffers).
 """
 

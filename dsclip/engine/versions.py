@@ -1,12 +1,25 @@
-"""The DeepSpeed range CI tests (.ci/run: the numerical core on the oldest and the newest), which setup.py
-declares (tests/unit/test_patches.py checks that the two agree)."""
+"""The DeepSpeed range CI tests (.ci/run: the numerical core on the oldest and the newest).
+
+setup.py allows the next patch releases too (``>=TESTED_MIN,<NEXT_MINOR``; tests/unit/test_patches.py checks
+that the two agree): pip must not refuse dsclip beside a DeepSpeed 0.19.x that CI has not run yet, since
+every engine patch checks its own targets' sources and falls back alone. Such a release gets one start-up
+line (:func:`outside_tested_range`) and the patches whose fingerprints match."""
 
 from __future__ import annotations
 
-from dsclip.engine.patches.fingerprint import deepspeed_version
+
+def deepspeed_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("deepspeed")
+    except PackageNotFoundError:
+        return "not installed"
+
 
 TESTED_MIN = "0.19.2"  # coalesce_grad_reduction (PR #7992): the gradient cache's exact accumulation
 TESTED_MAX = "0.19.8"
+NEXT_MINOR = "0.20"  # setup.py's exclusive bound: a minor release may move what the patches' guards cannot see
 
 
 def _key(version: str) -> tuple[int, ...]:

@@ -1,7 +1,8 @@
 """How the gradient cache may run K backwards per optimizer step on this engine, or that it may not.
 
-Not a patch: the capability probe behind the gradient cache's exactness promise, here because it reads
-private DeepSpeed state. Three answers:
+Not a patch (it changes nothing in DeepSpeed): the engine's answer to the gradient cache
+(dsclip/train/gradcache.py asks here), the capability probe behind its exactness promise. It reads
+private DeepSpeed state (the optimizer's ``_coalesce_grad_reduction``), which the engine package owns. Three answers:
 
 - ``coalesced``: ZeRO-1/2/3 with ``engine.coalesce_grad_reduction`` (DeepSpeed >= 0.19.2, PR #7992): one
   reduction per step over the summed gradients (tests/dist/test_gradcache.py, every stage, offload too);
@@ -16,7 +17,7 @@ private DeepSpeed state. Three answers:
 from __future__ import annotations
 
 from dsclip.config_base import ConfigError
-from dsclip.engine.patches.fingerprint import deepspeed_version
+from dsclip.engine.versions import deepspeed_version
 
 COALESCE_API_VERSION = "0.19.2"  # DeepSpeedEngine.coalesce_grad_reduction (PR #7992)
 

@@ -1,8 +1,10 @@
-"""Source fingerprints of the DeepSpeed methods a patch replaces or relies on.
+"""Source fingerprints of the DeepSpeed methods a patch replaces or relies on: the seam's guard.
+
+Beside the seam (dsclip/engine/patches/), not in it: it changes nothing in DeepSpeed, it only reads sources.
 
 A fingerprint is the first 12 hex digits of the SHA-256 of the method's source, dedented (so moving a
 method into another class level does not change it, editing one character does). A patch lists the
-fingerprints of every release it was verified on (``python -m dsclip.engine.patches.fingerprint`` prints
+fingerprints of every release it was verified on (``python -m dsclip.engine.fingerprint`` prints
 the installed release's), and installs only where the installed source is one of them.
 """
 
@@ -14,14 +16,7 @@ import inspect
 import textwrap
 from collections.abc import Mapping
 
-
-def deepspeed_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("deepspeed")
-    except PackageNotFoundError:
-        return "not installed"
+from dsclip.engine.versions import deepspeed_version
 
 
 def resolve(target: str):

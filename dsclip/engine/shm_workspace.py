@@ -1,6 +1,7 @@
 """DeepSpeed's CPU shared-memory all-reduce workspace, unlinked from /dev/shm once every rank has mapped it.
 
-In the seam because it depends on an internal name (csrc/cpu/comm/shm.cpp). Where a DeepSpeed names the
+Part of the process group's life cycle, not a patch: it changes no DeepSpeed code, it depends only on the
+segment's internal name (csrc/cpu/comm/shm.cpp). Where a DeepSpeed names the
 segment differently the file is not found and nothing happens: the leak stays, nothing breaks.
 """
 

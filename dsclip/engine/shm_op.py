@@ -1,6 +1,8 @@
 """DeepSpeed's CPU shared-memory all-reduce op at the process group's start: not at one rank, and quietly.
 
-In the seam because it edits an internal DeepSpeed table. DeepSpeed's TorchBackend builds (JIT-compiles
+Part of the process group's start (dsclip/engine/world.py, fake_world.py), not a patch of the seam: it
+flips an entry of an internal DeepSpeed table for the duration of ``init_distributed`` and restores it.
+DeepSpeed's TorchBackend builds (JIT-compiles
 on first use) and loads ``deepspeed_shm_comm`` every time it starts, whatever the world size, and prints
 "DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully" on every rank. A one-rank run
 never all-reduces across processes, so there :func:`shm_op_for_world` marks the op incompatible for the
