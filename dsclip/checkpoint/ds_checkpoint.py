@@ -313,6 +313,8 @@ class Checkpointer:
         self.certified_through = -1
         self._pending_prune: str | None = None  # a tag whose prune waits for the tag to be confirmed (certify)
         self._deferred_removal: tuple[str, str] | None = None  # (a --save-most-recent tag, the tag it waits for)
+        # per-rank state saved beside DeepSpeed's shards in the same tag (the sharded EMA: dsclip.engine.ema)
+        self.rank_state: dict[str, Any] = {}
 
     @classmethod
     def from_args(cls, args: CheckpointArgs, run_dir: Path, *, rank: int) -> Checkpointer:
@@ -385,9 +387,28 @@ class Checkpointer:
             resume_optim.reconcile(
                 engine, built, state.get("optim"), optim, start_step, say=_say if self.rank == 0 else lambda m: None
             )
+        self._load_rank_state(point, universal=bool(engine.load_universal_checkpoint()))
         # the tags before the one resumed from were confirmed by the run that saved it (see certify)
         self.certified_through = start_step - 1
         return start_step
+
+    def _load_rank_state(self, point: ResumePoint, *, universal: bool) -> None:
+        """Each rank's own file of every ``rank_state`` owner, bit for bit; a tag without one (saved without
+        EMA), or a world-size change (another partition layout), starts it from the resumed weights, in one line."""
+        import torch
+
+        for name, owner in self.rank_state.items():
+            path = point.load_dir / point.tag / rank_file(name, self.rank)
+            if universal or not path.is_file():
+                why = "saved on another number of ranks" if universal else f"{path.name} is not in it"
+                if self.rank == 0:
+                    say(f"{name}: the checkpoint's {name} cannot be used ({why}); it starts from the resumed weights")
+                owner.restart()
+                continue
+            try:
+                owner.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+            except ValueError as e:
+                raise ConfigError(f"{path}: {e}") from None
 
     def due(self, step: int, *, epoch_end: bool, epoch: int) -> bool:
         return self._due_by_cadence(step, epoch_end=epoch_end, epoch=epoch) or (epoch_end and self.most_recent)
@@ -415,11 +436,14 @@ class Checkpointer:
             self._remove_leftovers()  # of saves or prunes a kill interrupted
         barrier()
         guard = DiskFullGuard(engine, self.dir)
-        full = guard.run(
-            lambda: engine.save_checkpoint(
-                str(self.dir), tag=partial, client_state={"dsclip": state}, save_latest=False
-            )
-        )
+
+        def write():
+            engine.save_checkpoint(str(self.dir), tag=partial, client_state={"dsclip": state}, save_latest=False)
+            for name, owner in self.rank_state.items():  # through the checkpoint engine: guarded and checksummed
+                (self.dir / partial).mkdir(parents=True, exist_ok=True)
+                engine.checkpoint_engine.save(owner.state_dict(), str(self.dir / partial / rank_file(name, self.rank)))
+
+        full = guard.run(write)
         sums = manifest.entries(self.dir / partial, guard.written) if full is None else {}
         # collective: every rank's shards are on disk (or some rank's disk was full), with their checksums
         reports = all_ranks((None if full is None else str(full), sums))
@@ -546,6 +570,11 @@ class Checkpointer:
         trash = self.dir / (TRASH_PREFIX + tag)
         os.replace(self.dir / tag, trash)  # atomic: it stops being a complete tag before any file goes
         shutil.rmtree(trash, ignore_errors=True)
+
+
+def rank_file(name: str, rank: int) -> str:
+    """A rank's own file in a tag (``ema_rank00003.pt``): per-rank state DeepSpeed's files do not hold."""
+    return f"{name}_rank{rank:05d}.pt"
 
 
 def load(engine, ckpt_dir: Path, tag: str, *, load_optimizer_states: bool = True) -> dict[str, Any]:
