@@ -13,6 +13,9 @@ resume into), so the file costs one world start. Per stage:
 - saved with a checkpoint and loaded into a fresh engine, the EMA is bit-for-bit the saved one, and one more
   step from there gives bit-for-bit the EMA of the uninterrupted run;
 - each rank holds only its partition: EMA bytes <= 4 x trainable params / 2 (+ ZeRO's padding);
+- ``dsclip convert --ema`` reassembles the saved EMA from the rank files bit for bit (dsclip layout, each
+  stage), and its OpenCLIP layout loads in open_clip (strict) and embeds as the reference EMA does
+  (tests/tolerances.embedding_tol);
 - the layer-decay groups reach DeepSpeed's optimizer with lr = --lr x warm-up multiplier x lr_scale.
 
 Each check was seen to fail with the feature broken (the EMA updated on the skipped step; ZeRO-3's offsets
@@ -23,11 +26,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
+from dsclip.checkpoint.convert import convert_checkpoint
 from dsclip.model import create_model  # noqa: F401  (imported before zero.Init patches torch.Tensor)
 from tests.dist.test_gradcache import EPS, B, ds_json_path, make_batches, make_model, rank_chunks
 from tests.distutil import run_world
-from tests.tolerances import worst_case
+from tests.tolerances import embedding_tol, worst_case
 
 pytestmark = [pytest.mark.dist]
 DECAY, START, STEPS, SKIP_AT, WARMUP, LR = 0.8, 1, 4, 3, 4, 1e-3
@@ -140,6 +145,23 @@ def _rank(rank, world, ckpt_root):
     return results
 
 
+def _check_openclip(tag, ref, tmp_path):
+    """The OpenCLIP layout of the EMA, loaded by open_clip, embeds as a dsclip model holding the reference EMA."""
+    open_clip = pytest.importorskip("open_clip")
+    convert_checkpoint(tag.parent, tag.name, tmp_path / "oc", ema=True, fmt="open_clip")
+    oc, _, _ = open_clip.create_model_and_transforms(f"local-dir:{tmp_path / 'oc'}")
+    model = make_model()
+    model.load_state_dict({**model.state_dict(), **ref})
+    images, tokens = make_batches(1, 1)
+    model.eval(), oc.eval()
+    tol = embedding_tol(model.config)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            oc.encode_image(images, normalize=True), model.encode_image(images), rtol=0, atol=tol
+        )
+        torch.testing.assert_close(oc.encode_text(tokens, normalize=True), model.encode_text(tokens), rtol=0, atol=tol)
+
+
 def test_sharded_ema_zero123_world2(tmp_path):
 
     results = run_world(_rank, 2, str(tmp_path))
@@ -159,6 +181,14 @@ def test_sharded_ema_zero123_world2(tmp_path):
             assert r["continued_bitwise"], stage
             # 1/world of a full fp32 copy (+ ZeRO's alignment padding of each partition)
             assert r["ema_bytes"] <= 4 * (r["trainable"] / 2 + 64), (stage, r["ema_bytes"], r["trainable"])
+        # convert --ema: the EMA as saved (gathered at the save), from the rank files alone
+        tag = tmp_path / f"zero{stage}" / "checkpoints" / f"step_{STEPS:09d}"
+        out = convert_checkpoint(tag.parent, tag.name, tmp_path / f"ema{stage}", ema=True)
+        exported = load_file(out)
+        for n, ref in r0["gathered"].items():
+            assert torch.equal(exported[n], ref), (stage, n)
+        if stage == 2:
+            _check_openclip(tag, r0["ref"], tmp_path)
         # layer decay through DeepSpeed: lr = LR x warm-up multiplier x lr_scale in every group, at every step
         # (the skipped step does not advance the schedule: its multiplier counts applied steps)
         for s, groups in enumerate(r0["lrs"]):
