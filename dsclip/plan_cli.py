@@ -153,6 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--lock-text-freeze-layer-norm", action=argparse.BooleanOptionalAction, default=False, help="as in dsclip train"
     )
+    p.add_argument(
+        "--ema-decay", type=float, help="as in dsclip train: count the sharded EMA (4 B x trainable params / GPUs)"
+    )
     p.add_argument("--json", action="store_true", help="plan-only: print the plan as JSON")
     for old in RENAMED:
         p.add_argument(old, action=_Renamed, help=argparse.SUPPRESS)
@@ -360,6 +363,7 @@ def main_plan(argv: list[str]) -> int:
             lock_text_freeze_layer_norm=a.lock_text_freeze_layer_norm,
         ),
         ds_config=ds,
+        ema=a.ema_decay is not None,
     )
     plan.command = launch_command(plan, ds[0], a.loss_tile_size, a.gpus_per_node, a.launcher)
     if SHARDS in plan.command:  # quoted or not

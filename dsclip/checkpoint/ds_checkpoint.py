@@ -377,6 +377,8 @@ class Checkpointer:
         if point is None:
             return 0
         built = resume_optim.snapshot(engine)
+        if optim is not None:
+            resume_optim.check_layer_decay(universal.saved_state(point.load_dir, point.tag).get("optim"), optim)
         state = load(engine, point.load_dir, point.tag)
         start_step, moved = universal.resume_position(state, global_batch=global_batch, steps_per_epoch=steps_per_epoch)
         if moved:

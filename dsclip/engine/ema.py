@@ -29,7 +29,8 @@ whole model on every rank (and asserts it is not combined with FSDP2); timm's ow
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import contextlib
+from contextlib import nullcontext
 
 import torch
 from torch import nn
@@ -78,12 +79,6 @@ def master_layout(engine, names: dict[int, str]) -> tuple[list[torch.Tensor], li
             if end > start:
                 segments.append((names[id(p)], start - o, end - start, i, start - lo))
     return masters, segments, kind
-
-
-@dataclass
-class EmaArgs:
-    decay: float
-    start_step: int = 0
 
 
 class ShardedEMA:
@@ -156,6 +151,33 @@ class ShardedEMA:
         states = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(states, self.state_dict())
         return assemble(states)
+
+
+@contextlib.contextmanager
+def swapped_into(ema: ShardedEMA):
+    """``--eval-ema``: the module holds the EMA weights inside the block, its own weights again after it
+    (collective: the EMA is gathered, and under ZeRO-3 each parameter is written through
+    ``GatheredParameters``, which re-partitions it, persisted small parameters included). Costs one gather
+    of the EMA per evaluation, never per step."""
+    import deepspeed
+
+    full = ema.gather_full()
+    params = [(n, p) for n, p in ema.engine.module.named_parameters() if n in full]
+    saved: dict[str, torch.Tensor] = {}
+
+    def write(values: dict[str, torch.Tensor], keep: bool) -> None:
+        for name, p in params:
+            ctx = deepspeed.zero.GatheredParameters([p], modifier_rank=0) if hasattr(p, "ds_id") else nullcontext()
+            with torch.no_grad(), ctx:
+                if keep:
+                    saved[name] = p.detach().clone()
+                p.data.copy_(values[name].view(p.shape))
+
+    write(full, keep=True)
+    try:
+        yield
+    finally:
+        write(saved, keep=False)
 
 
 def assemble(states: list[dict]) -> dict[str, torch.Tensor]:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 from dsclip.config_base import ConfigError
-from dsclip.engine.ema import ShardedEMA
+from dsclip.engine.ema import ShardedEMA, swapped_into
 from dsclip.engine.ema_config import EmaArgs
 
 
@@ -22,6 +24,12 @@ class EmaStep:
 
     def __getattr__(self, name):  # compute_dtype, ... of the wrapped step
         return getattr(self.inner, name)
+
+
+def attach_eval(args: EmaArgs, step_fn, evaluator) -> None:
+    """--eval-ema: the evaluator's zero-shot / retrieval / demo evaluations see the EMA weights."""
+    if args.eval_ema and isinstance(step_fn, EmaStep):
+        evaluator.weights = partial(swapped_into, step_fn.ema)
 
 
 def attach(args: EmaArgs, engine, step_fn, checkpointer):

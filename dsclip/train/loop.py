@@ -312,6 +312,7 @@ def build_run(cfg: RunConfig) -> Run:
     )  # fmt: skip
     if isinstance(step_fn, ema_step.EmaStep):
         step_fn.step = start_step
+        ema_step.attach_eval(cfg.ema, step_fn, evaluator)
     if rank == 0:
         announce(cfg, bundle, plan, world_size, ft.summary(bundle.precision, bundle.zero_stage, world_size))
         if teacher is not None:

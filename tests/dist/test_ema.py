@@ -13,6 +13,7 @@ resume into), so the file costs one world start. Per stage:
 - saved with a checkpoint and loaded into a fresh engine, the EMA is bit-for-bit the saved one, and one more
   step from there gives bit-for-bit the EMA of the uninterrupted run;
 - each rank holds only its partition: EMA bytes <= 4 x trainable params / 2 (+ ZeRO's padding);
+- ``--eval-ema``'s swap: inside it the module's weights are the gathered EMA, after it its own again;
 - ``dsclip convert --ema`` reassembles the saved EMA from the rank files bit for bit (dsclip layout, each
   stage), and its OpenCLIP layout loads in open_clip (strict) and embeds as the reference EMA does
   (tests/tolerances.embedding_tol);
@@ -23,6 +24,8 @@ taken as ZeRO-2's; the rank file not loaded on resume).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -76,8 +79,19 @@ def _full_fp32(engine) -> dict[str, torch.Tensor]:
     return {n: safe_get_full_fp32_param(p).double() for n, p in engine.module.named_parameters() if p.requires_grad}
 
 
+def _module_weights(engine) -> dict[str, torch.Tensor]:
+    import deepspeed
+
+    out = {}
+    for n, p in engine.module.named_parameters():
+        with deepspeed.zero.GatheredParameters([p]) if hasattr(p, "ds_id") else contextlib.nullcontext():
+            out[n] = p.detach().clone()
+    return out
+
+
 def _stage(rank, world, stage, ckpt_root):
     from dsclip.checkpoint.ds_checkpoint import Checkpointer
+    from dsclip.engine.ema import swapped_into
     from dsclip.losses import build_loss
     from dsclip.train import ema_step
     from dsclip.train.gradcache import GradCacheStep
@@ -113,6 +127,12 @@ def _stage(rank, world, stage, ckpt_root):
                 ref[n] = w[n].clone() if s <= START else ref[n] + (1 - DECAY) * (w[n] - ref[n])
     out["ref"] = {n: t.float() for n, t in ref.items()}
     out["gathered"] = ema.gather_full()
+    # --eval-ema: inside the block the module holds the EMA (fp32 here: exactly), after it its own weights again
+    before = _module_weights(engine)
+    with swapped_into(ema):
+        inside = _module_weights(engine)
+    out["swap_in_is_ema"] = all(torch.equal(inside[n], out["gathered"][n]) for n in out["gathered"])
+    out["swap_out_restores"] = all(torch.equal(before[n], t) for n, t in _module_weights(engine).items())
     out["ema_bytes"] = ema.nbytes()
     out["trainable"] = sum(int(t.numel()) for t in ref.values())
     # save at step STEPS, take one more step, then resume a fresh engine from the checkpoint and take it again
@@ -177,6 +197,7 @@ def test_sharded_ema_zero123_world2(tmp_path):
                 )
         for r in (r0, r1):
             assert r["skip_kept_ema"] and r["skip_ema_differs_from_w"], stage
+            assert r["swap_in_is_ema"] and r["swap_out_restores"], stage
             assert r["resumed_bitwise"] and r["resumed_step"] == STEPS, stage
             assert r["continued_bitwise"], stage
             # 1/world of a full fp32 copy (+ ZeRO's alignment padding of each partition)

@@ -138,3 +138,14 @@ def test_out_of_range_is_one_line_before_anything_is_built(key, value):
     with pytest.raises(ConfigError, match=r"outside \(0, 1\]") as e:
         make_run_config(values)
     assert "\n" not in str(e.value)
+
+
+def test_resume_with_other_layer_decay_flags_is_one_line_before_loading():
+    from dsclip.checkpoint.resume_optim import check_layer_decay, recorded
+
+    with_decay = recorded(OptimArgs(image_layer_decay=0.7), 10)
+    check_layer_decay(with_decay, recorded(OptimArgs(image_layer_decay=0.7), 20))  # same groups: fine
+    check_layer_decay({}, recorded(OptimArgs(text_layer_decay=1.0), 10))  # older checkpoint, 1.0 is off: fine
+    with pytest.raises(ConfigError, match="--image-layer-decay 0.7 --text-layer-decay unset, this run has") as e:
+        check_layer_decay(with_decay, recorded(OptimArgs(), 10))
+    assert "\n" not in str(e.value)
