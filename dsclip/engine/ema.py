@@ -15,6 +15,8 @@ Where the partition lives, read in DeepSpeed 0.19.8's source:
   ``[rank * partition_numel, ...)``, the last rank's share cut at ``ds_numel``.
 - bf16 with ZeRO-0/1 (``BF16_Optimizer``): ``fp32_groups_flat_partition[i]``, the slice of
   ``bf16_groups_flat[i]`` as for ZeRO-1/2.
+- bf16/fp16 without ZeRO (``FP16_Optimizer`` / ``FP16_UnfusedOptimizer``): refused in one line (a run with
+  the EMA hung there; ZeRO-1 costs nothing more than ZeRO-0 in memory).
 - fp32 without ZeRO: the parameters themselves are the master weights (not sharded).
 
 Memory: 4 bytes per trainable parameter / world (ZeRO-1/2/3), where the master partition is (GPU, or host
@@ -33,7 +35,6 @@ import contextlib
 from contextlib import nullcontext
 
 import torch
-from torch import nn
 
 Segment = tuple[str, int, int, int, int]  # (parameter name, first element in it, length, EMA tensor, offset there)
 STATE_VERSION = 1
@@ -69,6 +70,11 @@ def master_layout(engine, names: dict[int, str]) -> tuple[list[torch.Tensor], li
         world = [torch.distributed.get_world_size(group=g) for g in opt.real_dp_process_group]
     else:  # no ZeRO, fp32: the parameters are the master weights
         masters = [p for g in opt.param_groups for p in g["params"]]
+        if any(id(p) not in names for p in masters):  # a wrapper whose master layout is not read above
+            raise ValueError(
+                f"--ema-decay with DeepSpeed's {kind} (bf16/fp16 without ZeRO) is not supported: use ZeRO-1/2/3 "
+                "(e.g. --deepspeed-config zero2_bf16)"
+            )
         return masters, [(names[id(p)], 0, p.numel(), i, 0) for i, p in enumerate(masters)], kind
     for i, (params, flat) in enumerate(zip(groups, flats)):
         psize = flat.numel() // world[i]
@@ -193,8 +199,3 @@ def assemble(states: list[dict]) -> dict[str, torch.Tensor]:
     if missing:
         raise ValueError(f"EMA shards cover {missing[0]} only partly: a rank's EMA file is missing")
     return {n: t.view(shapes[n]) for n, t in flat.items()}
-
-
-def check_trainable(model: nn.Module) -> None:
-    if not any(p.requires_grad for p in model.parameters()):
-        raise ValueError("--ema-decay with every parameter frozen: nothing to average; drop --ema-decay")

@@ -39,6 +39,9 @@ def attach(args: EmaArgs, engine, step_fn, checkpointer):
         return step_fn
     if not any(p.requires_grad for p in engine.module.parameters()):
         raise ConfigError("--ema-decay with every parameter frozen: nothing to average; drop --ema-decay")
-    ema = ShardedEMA(engine, args.ema_decay, args.ema_start_step)
+    try:
+        ema = ShardedEMA(engine, args.ema_decay, args.ema_start_step)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     checkpointer.rank_state["ema"] = ema
     return EmaStep(step_fn, ema)
