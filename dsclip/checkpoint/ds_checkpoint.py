@@ -395,22 +395,30 @@ class Checkpointer:
         return start_step
 
     def _load_rank_state(self, point: ResumePoint, *, universal: bool) -> None:
-        """Each rank's own file of every ``rank_state`` owner, bit for bit; a tag without one (saved without
-        EMA), or a world-size change (another partition layout), starts it from the resumed weights, in one line."""
+        """Each rank's own file of every ``rank_state`` owner, bit for bit. Saved on another number of ranks
+        (a universal resume): every rank reads all the saved ranks' files and takes its new share
+        (``load_resharded``), bit for bit too. A tag without such files (saved without EMA) starts the owner
+        from the resumed weights, in one line."""
         import torch
 
+        tag_dir = point.load_dir if universal else point.load_dir / point.tag  # universal: load_dir is the tag
         for name, owner in self.rank_state.items():
-            path = point.load_dir / point.tag / rank_file(name, self.rank)
-            if universal or not path.is_file():
-                why = "saved on another number of ranks" if universal else f"{path.name} is not in it"
+            files = sorted(tag_dir.glob(f"{name}_rank*.pt"))
+            if not files:
                 if self.rank == 0:
-                    say(f"{name}: the checkpoint's {name} cannot be used ({why}); it starts from the resumed weights")
+                    say(f"{name}: {tag_dir} holds none (saved without it); it starts from the resumed weights")
                 owner.restart()
                 continue
+            own = tag_dir / rank_file(name, self.rank)
             try:
-                owner.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+                if not universal and own.is_file():
+                    owner.load_state_dict(torch.load(own, map_location="cpu", weights_only=True))
+                else:
+                    owner.load_resharded([torch.load(f, map_location="cpu", weights_only=True) for f in files])
+                    if self.rank == 0:
+                        say(f"{name}: resharded from the {len(files)} ranks that saved it")
             except ValueError as e:
-                raise ConfigError(f"{path}: {e}") from None
+                raise ConfigError(f"{tag_dir}: {e}") from None
 
     def due(self, step: int, *, epoch_end: bool, epoch: int) -> bool:
         return self._due_by_cadence(step, epoch_end=epoch_end, epoch=epoch) or (epoch_end and self.most_recent)

@@ -22,7 +22,8 @@ Where the partition lives, read in DeepSpeed 0.19.8's source:
 Memory: 4 bytes per trainable parameter / world (ZeRO-1/2/3), where the master partition is (GPU, or host
 memory under ZeRO-Offload). No gather and no communication per step. ``segments`` maps each rank's flat
 EMA back to parameter names, so ``dsclip convert --ema`` reassembles the full weights from the rank files
-without DeepSpeed, and ``gather_full`` does the same in a running job (collective).
+without DeepSpeed, ``gather_full`` does the same in a running job (collective), and a resume on another
+number of ranks cuts each rank's new share out of all the saved files (``load_resharded``).
 
 OpenCLIP main has no EMA flag: ``TrainingTask.setup_ema(decay=0.9999)`` builds a timm ``ModelEmaV3`` of the
 whole model on every rank (and asserts it is not combined with FSDP2); timm's own trainer spells it
@@ -149,6 +150,22 @@ class ShardedEMA:
             for dst, src in zip(self.ema, state["ema"]):
                 dst.copy_(src)
         self.step = int(state["step"])
+
+    def load_resharded(self, states: list[dict]) -> None:
+        """A checkpoint saved on another number of ranks (every rank's state, read from the shared tag): the
+        full EMA is reassembled by parameter name and this rank copies out the elements its new partition
+        owns, so the values are the saved ones bit for bit. Transiently one full fp32 copy in host memory."""
+        full = {n: t.reshape(-1) for n, t in assemble(states).items()}
+        missing = sorted({name for name, *_ in self.segments} - set(full))
+        if missing:
+            raise ValueError(
+                f"the checkpoint's EMA has no {missing[0]} (it was trained with other locking); resume with the "
+                "checkpoint's --lock-* flags, or without --ema-decay"
+            )
+        with torch.no_grad():
+            for name, first, length, i, off in self.segments:
+                self.ema[i][off : off + length].copy_(full[name][first : first + length])
+        self.step = int(states[0]["step"])
 
     def gather_full(self) -> dict[str, torch.Tensor]:
         """The full EMA weights by parameter name on every rank (collective over the data-parallel world)."""

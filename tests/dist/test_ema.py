@@ -1,7 +1,7 @@
 """Sharded EMA (dsclip.engine.ema) and layer-wise lr decay through DeepSpeed, on 2 gloo ranks, ZeRO-1/2/3.
 
-One spawned world runs every stage in turn (each rank builds one engine per stage, then a second one to
-resume into), so the file costs one world start. Per stage:
+One spawned 2-rank world runs every stage in turn (each rank builds one engine per stage, then a second one
+to resume into), then one 1-rank world resumes the ZeRO-2/3 checkpoints. Per stage:
 
 - the EMA gathered from the two ranks' partitions equals a reference EMA kept in float64 from the full
   fp32 master weights after every applied step (the same run, read through DeepSpeed's
@@ -13,6 +13,8 @@ resume into), so the file costs one world start. Per stage:
 - saved with a checkpoint and loaded into a fresh engine, the EMA is bit-for-bit the saved one, and one more
   step from there gives bit-for-bit the EMA of the uninterrupted run;
 - each rank holds only its partition: EMA bytes <= 4 x trainable params / 2 (+ ZeRO's padding);
+- resumed on one rank (a world-size change: DeepSpeed's universal checkpoint, ZeRO-2 and ZeRO-3), the EMA
+  is the saved one bit for bit (a second, one-rank world; each rank's new share cut from all saved files);
 - ``--eval-ema``'s swap: inside it the module's weights are the gathered EMA, after it its own again;
 - ``dsclip convert --ema`` reassembles the saved EMA from the rank files bit for bit (dsclip layout, each
   stage), and its OpenCLIP layout loads in open_clip (strict) and embeds as the reference EMA does
@@ -39,6 +41,7 @@ from tests.tolerances import embedding_tol, worst_case
 
 pytestmark = [pytest.mark.dist]
 DECAY, START, STEPS, SKIP_AT, WARMUP, LR = 0.8, 1, 4, 3, 4, 1e-3
+RESHARD_STAGES = (2, 3)
 
 
 def _cfg(stage):
@@ -63,13 +66,15 @@ def _cfg(stage):
     )
 
 
-def _engine(cfg, world):
+def _engine(cfg, world, universal=False):
     from dsclip.engine.build import build_engine
     from dsclip.engine.ds_config import load_ds_json, resolve_ds_config
 
     ds = resolve_ds_config(
         load_ds_json(cfg.train.deepspeed_config), cfg.train, cfg.optim, world_size=world, device_type="cpu"
     )
+    if universal:  # what build_run merges in from Checkpointer.prepare_resume
+        ds = {**ds, "checkpoint": {**ds.get("checkpoint", {}), "load_universal": True}}
     return build_engine(ds, cfg.train, cfg.optim, make_model, total_steps=20, steps_per_epoch=20).engine
 
 
@@ -165,6 +170,27 @@ def _rank(rank, world, ckpt_root):
     return results
 
 
+def _resume_on_one_rank(rank, world, ckpt_root, stages):
+    """The world-2 checkpoints resumed on 1 rank (DeepSpeed's universal checkpoint; the EMA resharded)."""
+    from pathlib import Path
+
+    from dsclip.checkpoint.ds_checkpoint import Checkpointer
+    from dsclip.losses import build_loss
+    from dsclip.train import ema_step
+    from dsclip.train.gradcache import GradCacheStep
+
+    out = {}
+    for stage in stages:
+        cfg = _cfg(stage)
+        ckpt = Checkpointer(Path(ckpt_root) / f"zero{stage}", every_n_steps=0, every_n_epochs=0, keep_last=0, rank=0)
+        assert ckpt.prepare_resume("latest", world_size=world), "a world-size change goes through universal"
+        engine = _engine(cfg, world, universal=True)
+        step = ema_step.attach(cfg.ema, engine, GradCacheStep(engine, build_loss("infonce")), ckpt)
+        ckpt.resume(engine, global_batch=B * 2, steps_per_epoch=20)
+        out[stage] = step.ema.gather_full()
+    return out
+
+
 def _check_openclip(tag, ref, tmp_path):
     """The OpenCLIP layout of the EMA, loaded by open_clip, embeds as a dsclip model holding the reference EMA."""
     open_clip = pytest.importorskip("open_clip")
@@ -210,6 +236,11 @@ def test_sharded_ema_zero123_world2(tmp_path):
             assert torch.equal(exported[n], ref), (stage, n)
         if stage == 2:
             _check_openclip(tag, r0["ref"], tmp_path)
+    # a world-size change (2 -> 1 rank): the resumed EMA is the saved one, bit for bit
+    one = run_world(_resume_on_one_rank, 1, str(tmp_path), RESHARD_STAGES)[0]
+    for stage in RESHARD_STAGES:
+        for n, t in results[0][stage]["gathered"].items():
+            assert torch.equal(one[stage][n], t), (stage, n)
         # layer decay through DeepSpeed: lr = LR x warm-up multiplier x lr_scale in every group, at every step
         # (the skipped step does not advance the schedule: its multiplier counts applied steps)
         for s, groups in enumerate(r0["lrs"]):
