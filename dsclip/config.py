@@ -17,6 +17,7 @@ data        dsclip.data.config.DataConfig    data loaders, evaluator
 lock        dsclip.model.lock.LockConfig     fine-tuning set-up (train/finetune.py)
 log         dsclip.train.metrics.LogArgs     run folder, metrics, evaluation cadence
 checkpoint  dsclip.checkpoint.ds_checkpoint  Checkpointer (save cadence, resume)
+ema         dsclip.engine.ema_config         sharded EMA of the weights (dsclip.engine.ema)
 =========== ================================ =====================================
 
 :func:`validate` only checks. The one default that needs the clock (the run name) is decided by
@@ -48,6 +49,7 @@ from dsclip.config_base import ConfigError, opt
 from dsclip.data.config import DataConfig
 from dsclip.dist import from_rank0
 from dsclip.engine.ds_config import TrainArgs
+from dsclip.engine.ema_config import EmaArgs
 from dsclip.engine.optim_config import OptimArgs
 from dsclip.losses.config import LossArgs
 from dsclip.model.factory import ModelArgs
@@ -66,6 +68,7 @@ SECTIONS: dict[str, type] = {
     "lock": LockConfig,
     "log": LogArgs,
     "checkpoint": CheckpointArgs,
+    "ema": EmaArgs,
 }
 
 
@@ -79,6 +82,7 @@ class RunConfig:
     lock: LockConfig = field(default_factory=LockConfig)
     log: LogArgs = field(default_factory=LogArgs)
     checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
+    ema: EmaArgs = field(default_factory=EmaArgs)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
@@ -254,7 +258,7 @@ def make_run_config(values: dict[str, Any], *, where: str = "settings") -> RunCo
 
 def validate(cfg: RunConfig) -> None:
     """Check every section (in section order); raises ConfigError naming the first problem. Changes nothing."""
-    for name in ("train", "optim", "loss", "model", "data", "lock", "log", "checkpoint"):
+    for name in ("train", "optim", "loss", "model", "data", "lock", "log", "checkpoint", "ema"):
         getattr(cfg, name).check()
 
 

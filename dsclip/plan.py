@@ -162,6 +162,7 @@ def model_state_bytes(
     precision: str = "bf16",
     largest_layer_params: int = 0,
     trainable_params: int | None = None,
+    ema: bool = False,
 ) -> dict[str, float]:
     """Per-GPU bytes of parameters, gradients and Adam states under ZeRO-``zero`` (DeepSpeed's accounting).
 
@@ -170,7 +171,9 @@ def model_state_bytes(
     4 B gradients, 8 B Adam, no master copy. ZeRO-1 partitions the optimizer (master + Adam), ZeRO-2 also
     the gradients, ZeRO-3 also the parameters, which are then gathered a layer or two at a time
     (DeepSpeed's estimate: 4 B x the largest layer). Locked parameters (``trainable_params`` < ``params``)
-    have parameters only: no gradient, master copy or Adam state.
+    have parameters only: no gradient, master copy or Adam state. ``ema`` (``--ema-decay``): dsclip's EMA
+    is one fp32 copy of each trainable parameter, sharded as the master weights are (4 B x trainable / N
+    under ZeRO-1/2/3; dsclip.engine.ema).
     """
     p, n = float(params), float(world)
     t = p if trainable_params is None else float(trainable_params)
@@ -183,6 +186,8 @@ def model_state_bytes(
         "grads": t * g_b / (n if zero >= 2 else 1),
         "optimizer": t * (master_b + 8) / (n if zero >= 1 else 1),
     }
+    if ema:
+        out["ema"] = t * 4 / (n if zero >= 1 else 1)
     if zero >= 3:
         out["gathered_layers"] = 4.0 * largest_layer_params
     return out
@@ -489,6 +494,7 @@ def make_plan(
     device: str = "cuda",
     baseline_gb: float | None = None,
     ds_config: tuple[str, dict] | None = None,
+    ema: bool = False,
 ) -> Plan:
     """Plan one run. ``device="cpu"`` predicts the peak resident memory of each rank of a CPU run
     (``gpu_memory_gb`` is then the RAM per rank and ``baseline_gb`` the measured resident size of a rank
@@ -524,7 +530,7 @@ def make_plan(
     if device == "cpu":
         losses = _plan_cpu_memory(plan, arch, tile, baseline_gb, keep_last_graph, micro_batch)
     else:
-        losses = _plan_memory(plan, arch, ds_cfg, tile, reserve_gb, micro_batch)
+        losses = _plan_memory(plan, arch, ds_cfg, tile, reserve_gb, micro_batch, ema=ema)
         _check_host(plan, gpus_per_node, host_memory_gb)
     _plan_speed(plan, arch, keep_last_graph)
     plan.command = _train_command(plan, ds_name, tile, gpus_per_node)
@@ -533,14 +539,14 @@ def make_plan(
 
 
 def _plan_memory(
-    plan: Plan, arch: Arch, ds_cfg: dict, tile: int, reserve_gb: float, micro_batch: int | None
+    plan: Plan, arch: Arch, ds_cfg: dict, tile: int, reserve_gb: float, micro_batch: int | None, *, ema: bool = False
 ) -> dict[str, float]:
     """Fill the memory budget, the largest micro-batch that fits and the accumulation; returns loss bytes per mode."""
     local, loss, precision = plan.local_batch, plan.loss, plan.precision
     states = model_state_bytes(
-        arch.params, plan.gpus, plan.zero, precision, arch.largest_layer_params, arch.trainable_params
+        arch.params, plan.gpus, plan.zero, precision, arch.largest_layer_params, arch.trainable_params, ema
     )
-    unlocked = model_state_bytes(arch.params, plan.gpus, plan.zero, precision, arch.largest_layer_params)
+    unlocked = model_state_bytes(arch.params, plan.gpus, plan.zero, precision, arch.largest_layer_params, ema=ema)
     plan.locked_saving_gb = round((sum(unlocked.values()) - sum(states.values())) / GiB, 3)
     states, host_states = split_offloaded(states, plan.offload)
     plan.host_offload_gb = round(host_states / GiB, 3)

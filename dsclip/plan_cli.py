@@ -167,6 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--lock-text-freeze-layer-norm", action=argparse.BooleanOptionalAction, default=False, help="as in dsclip train"
     )
+    p.add_argument(
+        "--ema-decay", type=float, help="as in dsclip train: count the sharded EMA (4 B x trainable params / GPUs)"
+    )
     p.add_argument("--json", action="store_true", help="plan-only: print the plan as JSON")
     for old in RENAMED:
         p.add_argument(old, action=_Renamed, help=argparse.SUPPRESS)
@@ -484,6 +487,7 @@ def main_plan(argv: list[str]) -> int:
         image_size=a.force_image_size,
         lock=_lock(a),
         ds_config=ds,
+        ema=a.ema_decay is not None,
     )
     _with_command(plan, a)
     if gpu_note:

@@ -198,6 +198,21 @@ def write_safetensors_streaming(path: Path, items: list[tuple[str, LazyTensor]],
     os.replace(tmp, path)
 
 
+def ema_state_dict(tag_dir: Path) -> dict[str, LazyTensor]:
+    """name -> the EMA weights, reassembled from every rank's ``ema_rankNNNNN.pt`` (their segments say which
+    elements of which parameter each rank's flat partition holds); no DeepSpeed needed."""
+    from dsclip.engine.ema import assemble
+
+    files = sorted(tag_dir.glob("ema_rank*.pt"))
+    if not files:
+        raise ConfigError(f"{tag_dir} holds no EMA (the run had no --ema-decay): convert without --ema")
+    try:
+        full = assemble([torch.load(f, map_location="cpu", weights_only=True) for f in files])
+    except ValueError as e:
+        raise ConfigError(f"{tag_dir}: {e}") from None
+    return {k: LazyTensor(t.shape, t.dtype, lambda t=t: t) for k, t in full.items()}
+
+
 def _cast(t: LazyTensor, dtype: torch.dtype) -> LazyTensor:
     if not t.dtype.is_floating_point or t.dtype == dtype:
         return t
@@ -248,6 +263,7 @@ def convert_checkpoint(
     model_config: str | None = None,
     hf_tokenizer_name: str | None = None,
     force: bool = False,
+    ema: bool = False,
 ) -> Path:
     """Consolidate one complete tag into ``out`` (see the module docstring); returns the weights path.
     The tag is checked against its manifest first, and an existing ``out`` needs ``force``."""
@@ -268,6 +284,8 @@ def convert_checkpoint(
         raise ConfigError(
             f"checkpoint {ckpt_dir / tag} cannot be read ({first}); convert an earlier tag with --tag"
         ) from e
+    if ema:  # the sharded EMA (dsclip.engine.ema) in place of the trained weights; locked ones never move
+        lazy = {**lazy, **ema_state_dict(ckpt_dir / tag)}
     meta = {k: torch.empty(t.shape, device="meta") for k, t in lazy.items()}
     check_state_dict(meta, expected_shapes(cfg), f"checkpoint {ckpt_dir / tag}")
     items = [(k, _cast(t, DTYPES[dtype])) for k, t in lazy.items()]

@@ -43,6 +43,11 @@ def _parser() -> argparse.ArgumentParser:
         help="Model config (JSON file or architecture name) for checkpoints that lack model_config.json.",
     )
     p.add_argument(
+        "--ema",
+        action="store_true",
+        help="Export the EMA weights (a run trained with --ema-decay) instead of the trained ones.",
+    )
+    p.add_argument(
         "--force",
         action="store_true",
         help="Overwrite an existing output (the files convert writes; other files in the folder stay).",
@@ -67,9 +72,11 @@ def main_convert(argv: list[str]) -> int:
             model_config=a.model_config,
             hf_tokenizer_name=a.hf_tokenizer_name,
             force=a.force,
+            ema=a.ema,
         )
     except StateDictMismatchError as e:  # a --model-config that doesn't fit: say which keys, no traceback
         raise ConfigError(str(e).replace("\n", "; ")) from e
     size = weights.stat().st_size
-    print(f"converted {ckpt_dir / tag} -> {weights} ({size / 2**20:.1f} MiB, {a.dtype}, {a.format})", flush=True)
+    what = f"{a.dtype}, {a.format}" + (", EMA weights" if a.ema else "")
+    print(f"converted {ckpt_dir / tag} -> {weights} ({size / 2**20:.1f} MiB, {what})", flush=True)
     return 0

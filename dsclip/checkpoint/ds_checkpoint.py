@@ -313,6 +313,8 @@ class Checkpointer:
         self.certified_through = -1
         self._pending_prune: str | None = None  # a tag whose prune waits for the tag to be confirmed (certify)
         self._deferred_removal: tuple[str, str] | None = None  # (a --save-most-recent tag, the tag it waits for)
+        # per-rank state saved beside DeepSpeed's shards in the same tag (the sharded EMA: dsclip.engine.ema)
+        self.rank_state: dict[str, Any] = {}
 
     @classmethod
     def from_args(cls, args: CheckpointArgs, run_dir: Path, *, rank: int) -> Checkpointer:
@@ -375,6 +377,8 @@ class Checkpointer:
         if point is None:
             return 0
         built = resume_optim.snapshot(engine)
+        if optim is not None:
+            resume_optim.check_layer_decay(universal.saved_state(point.load_dir, point.tag).get("optim"), optim)
         state = load(engine, point.load_dir, point.tag)
         start_step, moved = universal.resume_position(state, global_batch=global_batch, steps_per_epoch=steps_per_epoch)
         if moved:
@@ -385,9 +389,36 @@ class Checkpointer:
             resume_optim.reconcile(
                 engine, built, state.get("optim"), optim, start_step, say=_say if self.rank == 0 else lambda m: None
             )
+        self._load_rank_state(point, universal=bool(engine.load_universal_checkpoint()))
         # the tags before the one resumed from were confirmed by the run that saved it (see certify)
         self.certified_through = start_step - 1
         return start_step
+
+    def _load_rank_state(self, point: ResumePoint, *, universal: bool) -> None:
+        """Each rank's own file of every ``rank_state`` owner, bit for bit. Saved on another number of ranks
+        (a universal resume): every rank reads all the saved ranks' files and takes its new share
+        (``load_resharded``), bit for bit too. A tag without such files (saved without EMA) starts the owner
+        from the resumed weights, in one line."""
+        import torch
+
+        tag_dir = point.load_dir if universal else point.load_dir / point.tag  # universal: load_dir is the tag
+        for name, owner in self.rank_state.items():
+            files = sorted(tag_dir.glob(f"{name}_rank*.pt"))
+            if not files:
+                if self.rank == 0:
+                    say(f"{name}: {tag_dir} holds none (saved without it); it starts from the resumed weights")
+                owner.restart()
+                continue
+            own = tag_dir / rank_file(name, self.rank)
+            try:
+                if not universal and own.is_file():
+                    owner.load_state_dict(torch.load(own, map_location="cpu", weights_only=True))
+                else:
+                    owner.load_resharded([torch.load(f, map_location="cpu", weights_only=True) for f in files])
+                    if self.rank == 0:
+                        say(f"{name}: resharded from the {len(files)} ranks that saved it")
+            except ValueError as e:
+                raise ConfigError(f"{tag_dir}: {e}") from None
 
     def due(self, step: int, *, epoch_end: bool, epoch: int) -> bool:
         return self._due_by_cadence(step, epoch_end=epoch_end, epoch=epoch) or (epoch_end and self.most_recent)
@@ -415,11 +446,14 @@ class Checkpointer:
             self._remove_leftovers()  # of saves or prunes a kill interrupted
         barrier()
         guard = DiskFullGuard(engine, self.dir)
-        full = guard.run(
-            lambda: engine.save_checkpoint(
-                str(self.dir), tag=partial, client_state={"dsclip": state}, save_latest=False
-            )
-        )
+
+        def write():
+            engine.save_checkpoint(str(self.dir), tag=partial, client_state={"dsclip": state}, save_latest=False)
+            for name, owner in self.rank_state.items():  # through the checkpoint engine: guarded and checksummed
+                (self.dir / partial).mkdir(parents=True, exist_ok=True)
+                engine.checkpoint_engine.save(owner.state_dict(), str(self.dir / partial / rank_file(name, self.rank)))
+
+        full = guard.run(write)
         sums = manifest.entries(self.dir / partial, guard.written) if full is None else {}
         # collective: every rank's shards are on disk (or some rank's disk was full), with their checksums
         reports = all_ranks((None if full is None else str(full), sums))
@@ -546,6 +580,11 @@ class Checkpointer:
         trash = self.dir / (TRASH_PREFIX + tag)
         os.replace(self.dir / tag, trash)  # atomic: it stops being a complete tag before any file goes
         shutil.rmtree(trash, ignore_errors=True)
+
+
+def rank_file(name: str, rank: int) -> str:
+    """A rank's own file in a tag (``ema_rank00003.pt``): per-rank state DeepSpeed's files do not hold."""
+    return f"{name}_rank{rank:05d}.pt"
 
 
 def load(engine, ckpt_dir: Path, tag: str, *, load_optimizer_states: bool = True) -> dict[str, Any]:

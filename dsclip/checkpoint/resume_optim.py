@@ -24,9 +24,33 @@ SETTINGS = ("lr", "wd", "warmup", "lr_scheduler", "skip_scheduler", "epochs_cool
 SCHEDULE_STEPS = "schedule_steps"  # the schedule's length, from --epochs and --max-steps
 
 
+LAYER_DECAY = "layer_decay"  # [--image-layer-decay, --text-layer-decay]: they shape the optimizer's param groups
+
+
 def recorded(optim, schedule_steps: int) -> dict:
     """What a checkpoint records of the optimizer settings (``optim``: the run's OptimArgs)."""
-    return {**{k: getattr(optim, k) for k in SETTINGS}, SCHEDULE_STEPS: int(schedule_steps)}
+    decay = [getattr(optim, "image_layer_decay", None), getattr(optim, "text_layer_decay", None)]
+    return {**{k: getattr(optim, k) for k in SETTINGS}, SCHEDULE_STEPS: int(schedule_steps), LAYER_DECAY: decay}
+
+
+def check_layer_decay(saved: dict | None, current: dict) -> None:
+    """Layer-wise lr decay splits the param groups (dsclip.engine.optim.param_groups), and ZeRO stores optimizer
+    state per group: a resume with other layer-decay flags cannot load it. One line naming both, before loading."""
+
+    def norm(v):
+        return [None if d in (None, 1.0) else float(d) for d in (v or [None, None])]
+
+    old, new = norm((saved or {}).get(LAYER_DECAY)), norm(current.get(LAYER_DECAY))
+    if old != new:
+        from dsclip.config_base import ConfigError
+
+        def say(v):
+            return f"--image-layer-decay {v[0]} --text-layer-decay {v[1]}".replace(" None", " unset")
+
+        raise ConfigError(
+            f"the checkpoint was trained with {say(old)}, this run has {say(new)}: the optimizer's param groups "
+            f"differ, so its state cannot be loaded; resume with the checkpoint's layer-decay flags"
+        )
 
 
 @dataclass(frozen=True)

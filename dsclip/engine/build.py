@@ -138,7 +138,7 @@ def build_engine(
 
     kwargs: dict[str, Any] = {"model": model, "config": ds_config, "lr_scheduler": scheduler}
     if "optimizer" in ds_config:
-        kwargs["model_parameters"] = optim.param_groups(model, optim_args.wd)
+        kwargs["model_parameters"] = optim.param_groups(model, optim_args.wd, optim_args)
     else:
         kwargs["optimizer"] = optim.build_optimizer(
             model, optim_args, device_type(), cpu_offload=optimizer_offloaded(ds_config)

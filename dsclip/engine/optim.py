@@ -12,27 +12,46 @@ from torch import nn
 from dsclip.engine.optim_config import OptimArgs, timm_optimizer_info  # noqa: F401 (re-exported)
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+def param_groups(model: nn.Module, weight_decay: float, layer_decay: OptimArgs | None = None) -> list[dict]:
     """Two groups: decayed matrices, and everything that must not decay.
 
     Excluded from decay: every tensor with ndim <= 1 (biases, norm gains, class token, logit
     scale/bias) and the names the model lists in ``no_weight_decay()`` (positional and token
     embeddings), matching OpenCLIP's exclusion rule plus embeddings.
+
+    ``layer_decay`` (the run's OptimArgs) with ``--image-layer-decay`` / ``--text-layer-decay`` set: the two
+    groups are split further by learning-rate scale (dsclip.engine.layer_decay), as OpenCLIP main keys its
+    groups by (lr_scale, no_wd); each group carries ``lr = --lr * scale``, which the LambdaLR schedule
+    multiplies (it scales every group's own initial lr), so the ratios hold at every step and ZeRO stage.
+    Groups go head first (largest scale), so ``get_lr()[0]`` stays the peak learning rate.
     """
     skip = set(model.no_weight_decay()) if hasattr(model, "no_weight_decay") else set()
-    decay, no_decay = [], []
+    scales: dict[int, float] = {}
+    if layer_decay is not None:
+        from dsclip.engine.layer_decay import lr_scales
+
+        scales = lr_scales(model, layer_decay.image_layer_decay, layer_decay.text_layer_decay)
+    buckets: dict[tuple[float, bool], list] = {}
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
         # ZeRO-3 partitions parameters at construction: p.ndim is then 1 (flat shard); ds_shape is the real one.
         ndim = len(getattr(p, "ds_shape", p.shape))
-        if ndim <= 1 or name in skip or name.endswith(".bias"):
-            no_decay.append(p)
-        else:
-            decay.append(p)
+        decays = not (ndim <= 1 or name in skip or name.endswith(".bias"))
+        buckets.setdefault((scales.get(id(p), 1.0), decays), []).append(p)
+    if not scales:  # the layout every checkpoint so far has (PARAM_ORDER): no-decay group, then decayed
+        return [
+            {"params": aligned_order(buckets.get((1.0, False), [])), "weight_decay": 0.0},
+            {"params": aligned_order(buckets.get((1.0, True), [])), "weight_decay": weight_decay},
+        ]
     return [
-        {"params": aligned_order(no_decay), "weight_decay": 0.0},
-        {"params": aligned_order(decay), "weight_decay": weight_decay},
+        {
+            "params": aligned_order(params),
+            "weight_decay": weight_decay if decays else 0.0,
+            "lr": layer_decay.lr * scale,
+            "lr_scale": scale,
+        }
+        for (scale, decays), params in sorted(buckets.items(), key=lambda kv: (-kv[0][0], kv[0][1]))
     ]
 
 
@@ -69,7 +88,7 @@ def build_optimizer(
     hyperparameters and the same per-group weight decay; torch's per-tensor AdamW would otherwise
     dominate offloaded steps (bench/optimizer_step.py).
     """
-    groups = param_groups(model, o.wd)
+    groups = param_groups(model, o.wd, o)
     if o.opt != "adamw":
         # OpenCLIP's timm path (open_clip_train/main.py): create_optimizer_v2 with --lr/--wd/--eps (+ betas,
         # momentum). Given parameter groups, timm keeps them as they are: dsclip's no-decay group stays at 0.

@@ -39,6 +39,19 @@ class OptimArgs:
         "Momentum for an optimizer that takes one (the DeepSpeed JSON's optimizer block: SGD, MuSGD); "
         "AdamW's is --beta1.",
     )
+    # OpenCLIP main (src/open_clip_train/params.py): "--image-layer-decay", "--visual-layer-decay" (one option,
+    # dest image_layer_decay) and "--text-layer-decay"; lr(group) = lr * decay**(depth_from_head).
+    image_layer_decay: float | None = opt(
+        None,
+        "Layer-wise lr decay of the image tower (OpenCLIP main's flag): a layer group d groups below the "
+        "projection trains at lr * DECAY**d; the projection keeps --lr. Off when unset or 1.0; in (0, 1].",
+        aliases=("--visual-layer-decay",),
+    )
+    text_layer_decay: float | None = opt(
+        None,
+        "Layer-wise lr decay of the text tower (OpenCLIP main's flag): lr * DECAY**(groups below "
+        "text_projection). Off when unset or 1.0; in (0, 1].",
+    )
     # Last: the name shadows the `opt` helper for any field defined after it in this class body.
     opt: str = opt(
         "adamw",
@@ -57,6 +70,12 @@ class OptimArgs:
             raise ConfigError(f"'warmup' must be >= 0, got {self.warmup}")
         if self.opt != "adamw":
             timm_optimizer_info(self.opt)  # an unknown name fails here, before any work
+        for flag, decay in (
+            ("--image-layer-decay", self.image_layer_decay),
+            ("--text-layer-decay", self.text_layer_decay),
+        ):
+            if decay is not None and not (0.0 < decay <= 1.0):  # outside: negative or growing lrs below the head
+                raise ConfigError(f"{flag} {decay:g} is outside (0, 1]: use e.g. 0.65, or 1.0 for no decay")
         if self.lr_scheduler == "const-cooldown" and self.epochs_cooldown is None:
             raise ConfigError("--lr-scheduler const-cooldown needs --epochs-cooldown")
 

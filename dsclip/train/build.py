@@ -15,7 +15,7 @@ from torch import nn
 
 from dsclip.config import ConfigError, RunConfig, dumps, save_run_config
 from dsclip.data import DataConfig, TrainData, build_tokenizer, build_train_data
-from dsclip.engine import world
+from dsclip.engine import layer_decay, world
 from dsclip.engine.build import EngineBundle, autocast_dtype, device_type
 from dsclip.engine.compile import CompileSetupError, check_compile_setup
 from dsclip.engine.ds_config import TrainArgs, load_ds_json, resolve_ds_config
@@ -199,3 +199,6 @@ def announce(cfg: RunConfig, bundle: EngineBundle, plan: StepPlan, world_size: i
     )
     if trainable:
         console(f"dsclip: {trainable}")
+    decay = layer_decay.describe(bundle.module, cfg.optim.lr, cfg.optim.image_layer_decay, cfg.optim.text_layer_decay)
+    if decay:
+        console(f"dsclip: {decay}")

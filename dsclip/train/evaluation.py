@@ -7,7 +7,9 @@ all ranks and gathered by dsclip.eval. Results go to the console, TensorBoard, m
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -51,6 +53,8 @@ class TrainingEvaluator:
         self.demo = data.resolved_dataset_type() == "demo"
         self.done: dict[str, int] = {}  # evaluation name -> the step it last ran at (the final one runs once)
         self.headlines: dict[str, tuple[int, str, float]] = {}  # name -> (step, key, value) for the summary
+        # which weights the evaluations see: the engine's own, or (--eval-ema) a context that swaps the EMA in
+        self.weights: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
     def _log(self, step: int, epoch: int, name: str, res: dict) -> None:
         if not res:
@@ -101,7 +105,7 @@ class TrainingEvaluator:
             return {}
         engine.eval()
         res = {}
-        with torch.no_grad():
+        with self.weights(), torch.no_grad():
             for task in ("shape", "color"):  # 7 and 8 classes: chance is 14% and 12.5%
                 r = evaluate_demo_zeroshot(
                     engine.module,
@@ -125,7 +129,7 @@ class TrainingEvaluator:
         self.evaluator.inference = _inference_mode_ok(engine)
         engine.eval()
         t0 = time.perf_counter()
-        with torch.no_grad():
+        with self.weights(), torch.no_grad():  # --eval-ema: the EMA weights (dsclip.engine.ema.swapped_into)
             for due, name, fn in (
                 (zeroshot, "zeroshot", self.evaluator.zeroshot),
                 (retrieval, "retrieval", self.evaluator.retrieval),

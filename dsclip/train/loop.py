@@ -25,7 +25,7 @@ from dsclip.dist import barrier, from_rank0
 from dsclip.engine import world
 from dsclip.engine.build import build_engine, device_type
 from dsclip.engine.optim import PARAM_ORDER
-from dsclip.train import auto_ds, finetune, runlog, wandb_sink
+from dsclip.train import auto_ds, ema_step, finetune, runlog, wandb_sink
 from dsclip.train.build import (
     StepPlan,
     announce,
@@ -309,10 +309,14 @@ def build_run(cfg: RunConfig) -> Run:
         wandb=wandb_sink.for_run(cfg, rank), context_length=tokenizer.context_length,
     )  # fmt: skip
     evaluator = build_evaluator(cfg.log, cfg.data, tokenizer, model_cfg, metrics, run_dir=cfg.run_dir, device=device)
+    step_fn = ema_step.attach(cfg.ema, bundle.engine, step_fn, checkpointer)  # --ema-decay: before resume loads it
     start_step = checkpointer.resume(
         bundle.engine, global_batch=plan.samples_per_step, steps_per_epoch=plan.steps_per_epoch,
         optim=resume_optim.recorded(cfg.optim, plan.total_steps),
     )  # fmt: skip
+    if isinstance(step_fn, ema_step.EmaStep):
+        step_fn.step = start_step
+        ema_step.attach_eval(cfg.ema, step_fn, evaluator)
     if rank == 0:
         announce(cfg, bundle, plan, world_size, ft.summary(bundle.precision, bundle.zero_stage, world_size))
         if teacher is not None:
