@@ -1,0 +1,297 @@
+"""Rehearse rank 0 of a world-N job on this machine: ``dsclip plan ... --measure``.
+
+The child process builds the model, the DeepSpeed engine and the gradient-cache step exactly as
+``dsclip train`` does (dsclip.train.build, dsclip.engine.build) under torch's fake process group
+(dsclip.engine.fake_world), runs a few steps on synthetic batches and reports, as one JSON line:
+peak memory, host time per step, the bytes and calls of every collective (dsclip.comm_model), and the
+optimizer's partition. Collectives move no data, so losses are meaningless; the collective counter writes
+each rank's own shard where its peers' would land so every tensor stays finite, and a step DeepSpeed
+skipped (overflow) is never timed.
+
+One fake world per process (DeepSpeed keeps its groups in module globals), so the parent spawns a child
+per rehearsal. The child runs in a temporary folder that is removed afterwards: no run folder, no
+checkpoint, nothing left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+RESULT_TAG = "DSCLIP_REHEARSAL "  # the child's result line on stdout
+ERROR_TAG = "dsclip plan --measure: "  # the child's one-line error on stderr
+
+
+class RehearsalError(RuntimeError):
+    """A one-line reason the rehearsal could not run or finish."""
+
+
+@dataclass
+class RehearsalSpec:
+    model: str
+    world: int
+    batch_size: int  # micro-batch per rank
+    accum_freq: int = 1
+    ds_config: dict = field(default_factory=dict)  # the plan's DeepSpeed JSON ("auto" values allowed)
+    precision: str = "bf16"
+    grad_checkpointing: bool = False
+    gpus_per_node: int = 8
+    engine_patches: str = "all"
+    steps: int = 3  # timed steps (after one warm-up step)
+    device: str = "cpu"  # "cpu" or "cuda": where this rank runs
+    seed: int = 0
+
+
+@dataclass
+class RehearsalResult:
+    spec: dict
+    params: int
+    step_s: list  # host wall time of each timed, applied step
+    skipped: int  # steps DeepSpeed (or the non-finite check) skipped: not timed
+    peak_bytes: int
+    peak_kind: str  # what peak_bytes measures
+    optimizer_numel: int  # fp32 master partition elements on this rank
+    optimizer_bytes: int  # master partition + Adam state on this rank
+    traffic: list  # [kind, group size, calls, bytes] per step
+    loss_finite: bool
+
+
+# ---------------------------------------------------------------------------------------------------
+# checks the parent makes before spawning anything
+def check_fake_group() -> None:
+    """torch's fake process group must exist, or nothing can stand in for the peers."""
+    try:
+        from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: F401
+    except ImportError as e:
+        raise RehearsalError(
+            f"this torch has no fake process group ({e}); --measure needs torch >= 2.1 (torch.testing's fake_pg)"
+        ) from None
+
+
+def smallest_group_numel(model: str) -> int:
+    """Elements of the smaller of the two optimizer parameter groups (decayed / not), from a meta-device model."""
+    from dsclip.engine.optim import param_groups
+    from dsclip.model import create_model
+    from dsclip.model.factory import get_model_config
+
+    m = create_model(get_model_config(model), device="meta")
+    return min(sum(p.numel() for p in g["params"]) for g in param_groups(m, 0.1) if g["params"])
+
+
+def check_world(model: str, world: int, gpus_per_node: int) -> None:
+    """A world the model can be partitioned for: ZeRO gives every rank a 1/N slice of each parameter group's
+    flat buffer, so every group needs at least one element per rank (a rank holding only padding has an
+    empty optimizer partition, which DeepSpeed does not support), and whole nodes above one node."""
+    if world < 1:
+        raise RehearsalError(f"--gpus {world}: a world needs at least one rank")
+    if world > gpus_per_node and world % gpus_per_node:
+        raise RehearsalError(f"--gpus {world} does not fill whole nodes of --gpus-per-node {gpus_per_node}")
+    smallest = smallest_group_numel(model)
+    if world > smallest:
+        raise RehearsalError(
+            f"--gpus {world}: {model}'s smallest parameter group has {smallest} elements, fewer than one per "
+            f"rank, so ZeRO cannot partition it; rehearse at most {smallest} ranks"
+        )
+
+
+# ---------------------------------------------------------------------------------------------------
+# the parent
+def rehearse(spec: RehearsalSpec, timeout_s: float = 1800.0) -> RehearsalResult:
+    """Run ``spec`` in a child process under a fake world; its result, or a RehearsalError (one line)."""
+    check_fake_group()
+    check_world(spec.model, spec.world, spec.gpus_per_node)
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)  # the child is its own (fake) world, whatever launched the parent
+    with tempfile.TemporaryDirectory(prefix="dsclip-rehearsal-") as tmp:
+        try:
+            proc = subprocess.run(
+                [sys.executable, "-m", "dsclip.rehearsal", json.dumps(asdict(spec))],
+                cwd=tmp,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=timeout_s,
+            )
+        except subprocess.TimeoutExpired:
+            raise RehearsalError(f"the rehearsal took over {timeout_s:.0f} s; lower --measure-steps") from None
+    for line in proc.stdout.splitlines():
+        if line.startswith(RESULT_TAG):
+            return RehearsalResult(**json.loads(line[len(RESULT_TAG) :]))
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith(ERROR_TAG)]
+    if errors:
+        raise RehearsalError(errors[-1][len(ERROR_TAG) :])
+    tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+    raise RehearsalError(f"the rehearsal's process ended with code {proc.returncode}: {tail}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# the child
+class _Tokens:
+    """What the model factory reads from a tokenizer; the rehearsal feeds synthetic token ids."""
+
+    def __init__(self, model_cfg: dict):
+        text = model_cfg.get("text_cfg", {})
+        self.vocab_size = int(text.get("vocab_size", 49408))
+        self.context_length = int(text.get("context_length", 77))
+        self.eos_id, self.pad_id = self.vocab_size - 1, 0
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _peak_rss_bytes() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+def _optimizer_partition(engine) -> tuple[int, int]:
+    """(fp32 master elements, master + Adam state bytes) this rank holds. ZeRO-1/2: the inner torch
+    optimizer's parameters are ZeRO's flat fp32 partitions; ZeRO-3 lends each sub-group's partition
+    (``fp32_partitioned_groups_flat``) to the inner optimizer only during its step, so read them there."""
+    zero = engine.optimizer
+    inner = getattr(zero, "optimizer", zero)
+    flats = getattr(zero, "fp32_partitioned_groups_flat", None)
+    if flats is None:
+        flats = [p for g in inner.param_groups for p in g["params"]]
+    numel = nbytes = 0
+    for p in flats:
+        numel += p.numel()
+        nbytes += p.numel() * p.element_size()
+        for v in inner.state.get(p, {}).values():
+            if hasattr(v, "numel") and v.dim() > 0:
+                nbytes += v.numel() * v.element_size()
+    return numel, nbytes
+
+
+def _synthetic_batches(spec: RehearsalSpec, model_cfg: dict, tok: _Tokens, gen) -> list:
+    import torch
+
+    size = model_cfg["vision_cfg"]["image_size"]
+    size = size if isinstance(size, int) else size[0]
+    out = []
+    for _ in range(spec.accum_freq):
+        images = torch.randn(spec.batch_size, 3, size, size, generator=gen)
+        tokens = torch.randint(1, tok.vocab_size - 1, (spec.batch_size, tok.context_length), generator=gen)
+        tokens[:, -1] = tok.eos_id
+        out.append((images, tokens))
+    return out
+
+
+def run_child(spec: RehearsalSpec) -> RehearsalResult:
+    import torch
+
+    from dsclip.comm_model import CollectiveCounter, Traffic
+    from dsclip.engine.ds_config import TrainArgs
+    from dsclip.engine.fake_world import fake_world
+    from dsclip.engine.optim import OptimArgs
+    from dsclip.losses import LossArgs
+    from dsclip.model import ModelArgs
+    from dsclip.model.factory import get_model_config
+    from dsclip.train.build import build_ds_config, build_step, model_factory
+
+    Path("ds_config.json").write_text(json.dumps(spec.ds_config))  # in the child's temporary folder
+    train = TrainArgs(
+        batch_size=spec.batch_size,
+        accum_freq=spec.accum_freq,
+        precision=spec.precision,
+        deepspeed_config=str(Path("ds_config.json").resolve()),
+        engine_patches=spec.engine_patches,
+        seed=spec.seed,
+        max_steps=spec.steps + 1,
+    )
+    model_args = ModelArgs(model=spec.model, grad_checkpointing=spec.grad_checkpointing)
+    loss_args, optim_args = LossArgs(), OptimArgs()
+    model_cfg = get_model_config(spec.model)
+    tok = _Tokens(model_cfg)
+    cuda = spec.device == "cuda"
+    # installed before the fake world: DeepSpeed's backend keeps references to the collectives it finds then
+    counter = CollectiveCounter(fill_outputs=True)
+    with counter, fake_world(spec.world, spec.gpus_per_node):
+        from dsclip.engine.build import build_engine
+
+        counter.recording = False
+        ds_config = build_ds_config(train, optim_args, spec.world)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated() if cuda else _rss_bytes()
+        phase = "building the engine (model states)"
+        try:
+            bundle = build_engine(
+                ds_config, train, optim_args,
+                model_factory(model_args, loss_args, model_cfg, tok, seed=spec.seed),
+                grad_checkpointing=spec.grad_checkpointing, total_steps=spec.steps + 1, steps_per_epoch=spec.steps + 1,
+            )  # fmt: skip
+            step = build_step(bundle, loss_args, train)
+            params = sum(getattr(p, "ds_numel", p.numel()) for p in bundle.module.parameters())
+            gen = torch.Generator().manual_seed(spec.seed)
+            micro = _synthetic_batches(spec, model_cfg, tok, gen)
+            phase = f"a step of {spec.accum_freq} micro-batch(es) of {spec.batch_size} (activations, loss)"
+            times, skipped, total, finite = [], 0, Traffic(), True
+            for i in range(spec.steps + 1):
+                counter.reset()
+                counter.recording = i > 0  # the first step warms up (ZeRO-3 traces its prefetch order)
+                t0 = time.perf_counter()
+                res = step(micro)
+                if cuda:
+                    torch.cuda.synchronize()
+                dt = time.perf_counter() - t0
+                finite &= bool(torch.isfinite(torch.tensor(res.loss)))
+                if not res.applied:  # overflow / non-finite: not a step a real run would time
+                    skipped += 1
+                    continue
+                if i > 0:
+                    times.append(dt)
+                    total.merge(counter.traffic)
+        except torch.OutOfMemoryError:
+            raise RehearsalError(f"out of device memory while {phase}; lower --batch-size or add GPUs") from None
+        peak = (torch.cuda.max_memory_allocated() if cuda else _peak_rss_bytes()) - base
+        numel, nbytes = _optimizer_partition(bundle.engine)
+    steps = max(1, len(times))
+    per_step = total.scaled(steps)
+    traffic = [[k, n, per_step.calls[(k, n)], per_step.bytes[(k, n)]] for (k, n) in sorted(per_step.calls)]
+    return RehearsalResult(
+        spec=asdict(spec),
+        params=int(params),
+        step_s=times,
+        skipped=skipped,
+        peak_bytes=int(max(0, peak)),
+        peak_kind="CUDA max_memory_allocated over the build and steps"
+        if cuda
+        else "CPU peak resident set (ru_maxrss) minus the resident set before the build",
+        optimizer_numel=int(numel),
+        optimizer_bytes=int(nbytes),
+        traffic=traffic,
+        loss_finite=finite,
+    )
+
+
+def _child_main(argv: list[str]) -> int:
+    spec = RehearsalSpec(**json.loads(argv[0]))
+    if spec.device == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    try:
+        result = run_child(spec)
+    except Exception as e:  # one line for the parent; the traceback only under DSCLIP_DEBUG
+        if os.environ.get("DSCLIP_DEBUG"):
+            raise
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(f"{ERROR_TAG}{type(e).__name__ + ': ' if not isinstance(e, RehearsalError) else ''}{msg}", file=sys.stderr)
+        return 2
+    print(RESULT_TAG + json.dumps(asdict(result)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_child_main(sys.argv[1:]))
