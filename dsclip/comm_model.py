@@ -88,13 +88,13 @@ _SIZES: dict[str, tuple[str, Callable]] = {
 
 @dataclass
 class Traffic:
-    """Per (kind, group size): calls and bytes."""
+    """Per (kind, group size, phase of the step): calls and bytes."""
 
-    calls: dict[tuple[str, int], int] = field(default_factory=dict)
-    bytes: dict[tuple[str, int], int] = field(default_factory=dict)
+    calls: dict[tuple[str, int, str], int] = field(default_factory=dict)
+    bytes: dict[tuple[str, int, str], int] = field(default_factory=dict)
 
-    def add(self, kind: str, group: int, nbytes: int) -> None:
-        key = (kind, group)
+    def add(self, kind: str, group: int, nbytes: int, phase: str = "other") -> None:
+        key = (kind, group, phase)
         self.calls[key] = self.calls.get(key, 0) + 1
         self.bytes[key] = self.bytes.get(key, 0) + nbytes
 
@@ -106,9 +106,9 @@ class Traffic:
     def by_kind(self) -> dict[str, tuple[int, int]]:
         """kind -> (calls, bytes), summed over group sizes."""
         out: dict[str, tuple[int, int]] = {}
-        for (kind, _), c in self.calls.items():
-            calls, b = out.get(kind, (0, 0))
-            out[kind] = (calls + c, b + self.bytes[(kind, _)])
+        for key, c in self.calls.items():
+            calls, b = out.get(key[0], (0, 0))
+            out[key[0]] = (calls + c, b + self.bytes[key])
         return out
 
     def scaled(self, divisor: int) -> Traffic:
@@ -124,6 +124,7 @@ class CollectiveCounter:
     def __init__(self, fill_outputs: bool = False):
         self.traffic = Traffic()
         self.recording = True
+        self.phase = "other"  # set by track_phases: forward / backward / step of the engine
         self.fill_outputs = fill_outputs
         self._saved: dict[tuple[object, str], Callable] = {}
         self._depth = threading.local()
@@ -155,7 +156,7 @@ class CollectiveCounter:
             depth = getattr(self._depth, "n", 0)
             if depth == 0 and self.recording:
                 group = kwargs.get("group")
-                self.traffic.add(kind, dist.get_world_size(group), size(args, kwargs))
+                self.traffic.add(kind, dist.get_world_size(group), size(args, kwargs), self.phase)
             self._depth.n = depth + 1
             try:
                 out = fn(*args, **kwargs)
@@ -167,6 +168,47 @@ class CollectiveCounter:
 
         counted.__wrapped__ = fn
         return counted
+
+
+def track_phases(engine, counter: CollectiveCounter) -> None:
+    """Label each collective with the engine call it happens in (forward, backward, step; "other": the
+    loss's gathers and the gradient cache's own all-reduce), which is what decides whether it can overlap.
+    Instance attributes shadow the engine's methods; nn.Module's __call__ reads ``self.forward``."""
+
+    def phased(name: str, fn: Callable) -> Callable:
+        def call(*args, **kwargs):
+            before, counter.phase = counter.phase, name
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                counter.phase = before
+
+        return call
+
+    for name in ("forward", "backward", "step"):
+        setattr(engine, name, phased(name, getattr(engine, name)))
+    if hasattr(engine, "coalesce_grad_reduction"):  # its exit reduces the K backwards' gradients at once
+        engine.coalesce_grad_reduction = _exit_phased(engine.coalesce_grad_reduction, counter, "boundary")
+
+
+def _exit_phased(make_cm: Callable, counter: CollectiveCounter, name: str) -> Callable:
+    def wrapped(*args, **kwargs):
+        cm = make_cm(*args, **kwargs)
+
+        class Exit:
+            def __enter__(self):
+                return cm.__enter__()
+
+            def __exit__(self, *exc):
+                before, counter.phase = counter.phase, name
+                try:
+                    return cm.__exit__(*exc)
+                finally:
+                    counter.phase = before
+
+        return Exit()
+
+    return wrapped
 
 
 @torch.no_grad()
@@ -233,25 +275,29 @@ class LinkModel:
         )
 
 
-# Which kinds hide behind compute, per ZeRO stage: what DeepSpeed overlaps with the backward or forward.
-# ZeRO-1/2 with overlap_comm: gradient reduce(-scatter)s run on a side stream during the backward - but
-# dsclip's gradient cache coalesces the K backwards' reduction into the last backward's boundary
-# (DeepSpeed's coalesce_grad_reduction), so only that last backward can hide it. The all-gather of updated
-# parameters after the optimizer step waits for the step: exposed. ZeRO-3 prefetches the next layers'
-# gathers during forward and backward (stage3_prefetch_bucket_size): hidden up to the compute they overlap.
-# The gradient cache's own all-reduce (finiteness flags) and the loss's all-gather of embeddings sit on the
-# critical path: exposed.
-def overlappable(kind: str, zero: int, overlap_comm: bool) -> bool:
+# What hides behind compute, per ZeRO stage and phase of the step (track_phases labels each call):
+# * ZeRO-1/2 with overlap_comm: gradient reductions made inside a backward run on a side stream, hidden
+#   behind the rest of that backward.
+# * dsclip's gradient cache reduces the K backwards' gradients once, when DeepSpeed's
+#   coalesce_grad_reduction block exits ("boundary"): after the last backward, before the optimizer
+#   step that needs them, so nothing is left to hide it: exposed.
+# * ZeRO-3: gathers (and reduce-scatters) inside forward and backward are prefetched / overlapped
+#   (stage3_prefetch_bucket_size): hidden up to the compute they overlap.
+# * The step's all-gather of updated parameters (ZeRO-1/2) waits for the optimizer: exposed. The loss's
+#   all-gather of embeddings and the gradient cache's all-reduce (phase "other") sit on the critical path.
+def overlappable(kind: str, phase: str, zero: int, overlap_comm: bool) -> bool:
+    if kind == "barrier":
+        return False
     if zero >= 3:
-        return kind in ("all_gather", "reduce_scatter")
-    return overlap_comm and kind in ("reduce_scatter", "reduce")
+        return phase in ("forward", "backward")
+    return overlap_comm and phase == "backward"
 
 
 @dataclass
 class CommEstimate:
     total_s: float  # every collective back to back
     exposed_s: float  # what the overlap cannot hide, given the compute it could hide behind
-    per_kind: dict[str, dict]  # kind -> {"calls", "bytes", "seconds", "overlappable"}
+    per_kind: dict[str, dict]  # "kind in phase" -> {"calls", "bytes", "seconds", "overlappable"}
 
 
 def estimate(
@@ -261,11 +307,11 @@ def estimate(
     hide behind (ZeRO-1/2: the last backward, ZeRO-3: forward + backward); only the excess is exposed."""
     per_kind: dict[str, dict] = {}
     over = total = 0.0
-    for (kind, n), b in traffic.bytes.items():
+    for (kind, n, phase), b in traffic.bytes.items():
         s = link.seconds(kind, n, b)
-        ov = overlappable(kind, zero, overlap_comm)
-        d = per_kind.setdefault(kind, {"calls": 0, "bytes": 0, "seconds": 0.0, "overlappable": ov})
-        d["calls"] += traffic.calls[(kind, n)]
+        ov = overlappable(kind, phase, zero, overlap_comm)
+        d = per_kind.setdefault(f"{kind} in {phase}", {"calls": 0, "bytes": 0, "seconds": 0.0, "overlappable": ov})
+        d["calls"] += traffic.calls[(kind, n, phase)]
         d["bytes"] += b
         d["seconds"] += s
         total += s

@@ -22,6 +22,7 @@ from dsclip.config_base import ConfigError
 from dsclip.engine.ds_config import PRECISIONS, PURE_PRECISIONS, load_ds_json, normalize_precision
 from dsclip.losses.config import LOSS_NAMES as LOSS_MODES
 from dsclip.losses.config import TRAIN_TILE_SIZE
+from dsclip.measure_cli import add_measure_arguments, run_measure
 from dsclip.model.lock import LockConfig
 from dsclip.plan import ROOT, Plan, format_plan, largest_batch, make_plan, shipped_ds_config, train_args
 
@@ -156,6 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="plan-only: print the plan as JSON")
     for old in RENAMED:
         p.add_argument(old, action=_Renamed, help=argparse.SUPPRESS)
+    add_measure_arguments(p)  # --measure: the rehearsal (dsclip/measure_cli.py)
     return p
 
 
@@ -370,4 +372,6 @@ def main_plan(argv: list[str]) -> int:
     print(json.dumps(asdict(plan), indent=2) if a.json else format_plan(plan))
     if moved:
         print(f"dsclip plan: {BATCH_SIZE_MOVED}", file=sys.stderr)
+    if a.measure:  # rank 0 of this plan, rehearsed under a fake world (dsclip/measure_cli.py)
+        return run_measure(a, plan, ds) or (0 if plan.fits else 1)
     return 0 if plan.fits else 1

@@ -58,7 +58,7 @@ class RehearsalResult:
     peak_kind: str  # what peak_bytes measures
     optimizer_numel: int  # fp32 master partition elements on this rank
     optimizer_bytes: int  # master partition + Adam state on this rank
-    traffic: list  # [kind, group size, calls, bytes] per step
+    traffic: list  # [kind, group size, phase, calls, bytes] per step
     loss_finite: bool
 
 
@@ -192,7 +192,7 @@ def _synthetic_batches(spec: RehearsalSpec, model_cfg: dict, tok: _Tokens, gen) 
 def run_child(spec: RehearsalSpec) -> RehearsalResult:
     import torch
 
-    from dsclip.comm_model import CollectiveCounter, Traffic
+    from dsclip.comm_model import CollectiveCounter, Traffic, track_phases
     from dsclip.engine.ds_config import TrainArgs
     from dsclip.engine.fake_world import fake_world
     from dsclip.engine.optim import OptimArgs
@@ -234,6 +234,7 @@ def run_child(spec: RehearsalSpec) -> RehearsalResult:
                 grad_checkpointing=spec.grad_checkpointing, total_steps=spec.steps + 1, steps_per_epoch=spec.steps + 1,
             )  # fmt: skip
             step = build_step(bundle, loss_args, train)
+            track_phases(bundle.engine, counter)
             params = sum(getattr(p, "ds_numel", p.numel()) for p in bundle.module.parameters())
             gen = torch.Generator().manual_seed(spec.seed)
             micro = _synthetic_batches(spec, model_cfg, tok, gen)
@@ -260,7 +261,7 @@ def run_child(spec: RehearsalSpec) -> RehearsalResult:
         numel, nbytes = _optimizer_partition(bundle.engine)
     steps = max(1, len(times))
     per_step = total.scaled(steps)
-    traffic = [[k, n, per_step.calls[(k, n)], per_step.bytes[(k, n)]] for (k, n) in sorted(per_step.calls)]
+    traffic = [[*key, per_step.calls[key], per_step.bytes[key]] for key in sorted(per_step.calls)]
     return RehearsalResult(
         spec=asdict(spec),
         params=int(params),
