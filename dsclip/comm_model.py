@@ -26,6 +26,7 @@ Two halves:
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -113,7 +114,9 @@ class Traffic:
 
     def scaled(self, divisor: int) -> Traffic:
         """Per step from a total over ``divisor`` steps (integer division: counts are per-step exact)."""
-        return Traffic({k: v // divisor for k, v in self.calls.items()}, {k: v // divisor for k, v in self.bytes.items()})
+        return Traffic(
+            {k: v // divisor for k, v in self.calls.items()}, {k: v // divisor for k, v in self.bytes.items()}
+        )
 
 
 class CollectiveCounter:
@@ -125,12 +128,14 @@ class CollectiveCounter:
         self.traffic = Traffic()
         self.recording = True
         self.phase = "other"  # set by track_phases: forward / backward / step of the engine
+        self.seconds = 0.0  # wall time inside counted calls while recording
         self.fill_outputs = fill_outputs
         self._saved: dict[tuple[object, str], Callable] = {}
         self._depth = threading.local()
 
     def reset(self) -> None:
         self.traffic = Traffic()
+        self.seconds = 0.0
 
     def __enter__(self) -> CollectiveCounter:
         from torch.distributed import distributed_c10d
@@ -158,10 +163,13 @@ class CollectiveCounter:
                 group = kwargs.get("group")
                 self.traffic.add(kind, dist.get_world_size(group), size(args, kwargs), self.phase)
             self._depth.n = depth + 1
+            t0 = time.perf_counter()
             try:
                 out = fn(*args, **kwargs)
             finally:
                 self._depth.n = depth
+                if depth == 0 and self.recording:  # a real group's time inside the call (async: the launch)
+                    self.seconds += time.perf_counter() - t0
             if self.fill_outputs and depth == 0:
                 _fill(name, args, kwargs)
             return out

@@ -25,7 +25,9 @@ def add_measure_arguments(p: argparse.ArgumentParser) -> None:
         "(world = --gpus) for a few steps on synthetic batches, and print measured memory and step time beside "
         "the plan, with the communication model's time apart. Losses are meaningless (collectives move no data)",
     )
-    g.add_argument("--measure-steps", type=int, default=3, help="plan-only: timed steps of --measure (after one warm-up)")
+    g.add_argument(
+        "--measure-steps", type=int, default=3, help="plan-only: timed steps of --measure (after one warm-up)"
+    )
     g.add_argument(
         "--measure-device",
         choices=("auto", "cpu", "cuda"),
@@ -144,7 +146,9 @@ def format_report(r, plan: Plan, link: LinkModel, device: str) -> str:
     lines.append(f"  communication per step (model, not measured; {link.describe()}):")
     for kind, d in sorted(est.per_kind.items()):
         hide = "overlappable" if d["overlappable"] else "exposed"
-        lines.append(f"    {kind:<27} {d['calls']:>5} calls {d['bytes'] / 2**20:>10.1f} MiB {_ms(d['seconds'])}  {hide}")
+        lines.append(
+            f"    {kind:<27} {d['calls']:>5} calls {d['bytes'] / 2**20:>10.1f} MiB {_ms(d['seconds'])}  {hide}"
+        )
     lines.append(
         f"  communication  {_ms(est.total_s)} back to back, {_ms(est.exposed_s)} exposed; "
         f"step = {'measured' if device == 'cuda' else 'plan'} compute {_ms(compute)} + exposed "

@@ -60,6 +60,7 @@ class RehearsalResult:
     optimizer_bytes: int  # master partition + Adam state on this rank
     traffic: list  # [kind, group size, phase, calls, bytes] per step
     loss_finite: bool
+    comm_s: list = field(default_factory=list)  # wall time inside collective calls per timed step (real groups)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -104,33 +105,60 @@ def check_world(model: str, world: int, gpus_per_node: int) -> None:
 # the parent
 def rehearse(spec: RehearsalSpec, timeout_s: float = 1800.0) -> RehearsalResult:
     """Run ``spec`` in a child process under a fake world; its result, or a RehearsalError (one line)."""
+    return rehearse_many([spec], timeout_s)[0]
+
+
+def rehearse_many(specs: list[RehearsalSpec], timeout_s: float = 1800.0) -> list[RehearsalResult]:
+    """Several specs of one world size in one child process (one fake world, one engine after another)."""
+    if len({(s.world, s.gpus_per_node, s.device) for s in specs}) != 1:
+        raise RehearsalError("one child rehearses one world: give specs of one world size, node size and device")
     check_fake_group()
-    check_world(spec.model, spec.world, spec.gpus_per_node)
+    for model in {s.model for s in specs}:
+        check_world(model, specs[0].world, specs[0].gpus_per_node)
+    proc = start_child(specs)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise RehearsalError(f"the rehearsal took over {timeout_s:.0f} s; lower --measure-steps") from None
+    finally:
+        proc.tmp.cleanup()
+    return read_child(proc.returncode, out, err)
+
+
+def start_child(specs: list[RehearsalSpec]) -> subprocess.Popen:
+    """The child process, started (callers may run something else meanwhile); ``.tmp`` is its folder."""
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)  # the child is its own (fake) world, whatever launched the parent
-    with tempfile.TemporaryDirectory(prefix="dsclip-rehearsal-") as tmp:
-        try:
-            proc = subprocess.run(
-                [sys.executable, "-m", "dsclip.rehearsal", json.dumps(asdict(spec))],
-                cwd=tmp,
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=timeout_s,
-            )
-        except subprocess.TimeoutExpired:
-            raise RehearsalError(f"the rehearsal took over {timeout_s:.0f} s; lower --measure-steps") from None
-    for line in proc.stdout.splitlines():
-        if line.startswith(RESULT_TAG):
-            return RehearsalResult(**json.loads(line[len(RESULT_TAG) :]))
-    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith(ERROR_TAG)]
+    tmp = tempfile.TemporaryDirectory(prefix="dsclip-rehearsal-")
+    env["TMPDIR"] = tmp.name  # whatever the child writes lands in the folder removed afterwards
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dsclip.rehearsal", json.dumps([asdict(s) for s in specs])],
+        cwd=tmp.name,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    proc.tmp = tmp
+    return proc
+
+
+def read_child(returncode: int, out: str, err: str) -> list[RehearsalResult]:
+    results = [
+        RehearsalResult(**json.loads(ln[len(RESULT_TAG) :])) for ln in out.splitlines() if ln.startswith(RESULT_TAG)
+    ]
+    if returncode == 0 and results:
+        return results
+    errors = [ln for ln in err.splitlines() if ln.startswith(ERROR_TAG)]
     if errors:
         raise RehearsalError(errors[-1][len(ERROR_TAG) :])
-    tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
-    raise RehearsalError(f"the rehearsal's process ended with code {proc.returncode}: {tail}")
+    tail = (err.strip().splitlines() or ["(no output)"])[-1]
+    raise RehearsalError(f"the rehearsal's process ended with code {returncode}: {tail}")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -189,24 +217,27 @@ def _synthetic_batches(spec: RehearsalSpec, model_cfg: dict, tok: _Tokens, gen) 
     return out
 
 
-def run_child(spec: RehearsalSpec) -> RehearsalResult:
+def rehearse_in_world(spec: RehearsalSpec, counter) -> RehearsalResult:
+    """Build ``spec``'s engine and step in the world that is up (fake or real) and run its steps, counting
+    collectives with ``counter`` (installed before DeepSpeed's backend started)."""
     import torch
 
-    from dsclip.comm_model import CollectiveCounter, Traffic, track_phases
+    from dsclip.comm_model import Traffic, track_phases
+    from dsclip.engine.build import build_engine
     from dsclip.engine.ds_config import TrainArgs
-    from dsclip.engine.fake_world import fake_world
     from dsclip.engine.optim import OptimArgs
     from dsclip.losses import LossArgs
     from dsclip.model import ModelArgs
     from dsclip.model.factory import get_model_config
     from dsclip.train.build import build_ds_config, build_step, model_factory
 
-    Path("ds_config.json").write_text(json.dumps(spec.ds_config))  # in the child's temporary folder
+    ds_path = Path(tempfile.mkdtemp(prefix="dsclip-rehearsal-ds-")) / "ds_config.json"
+    ds_path.write_text(json.dumps(spec.ds_config))
     train = TrainArgs(
         batch_size=spec.batch_size,
         accum_freq=spec.accum_freq,
         precision=spec.precision,
-        deepspeed_config=str(Path("ds_config.json").resolve()),
+        deepspeed_config=str(ds_path),
         engine_patches=spec.engine_patches,
         seed=spec.seed,
         max_steps=spec.steps + 1,
@@ -216,51 +247,52 @@ def run_child(spec: RehearsalSpec) -> RehearsalResult:
     model_cfg = get_model_config(spec.model)
     tok = _Tokens(model_cfg)
     cuda = spec.device == "cuda"
-    # installed before the fake world: DeepSpeed's backend keeps references to the collectives it finds then
-    counter = CollectiveCounter(fill_outputs=True)
-    with counter, fake_world(spec.world, spec.gpus_per_node):
-        from dsclip.engine.build import build_engine
-
-        counter.recording = False
+    counter.recording = False
+    try:
         ds_config = build_ds_config(train, optim_args, spec.world)
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated() if cuda else _rss_bytes()
-        phase = "building the engine (model states)"
-        try:
-            bundle = build_engine(
-                ds_config, train, optim_args,
-                model_factory(model_args, loss_args, model_cfg, tok, seed=spec.seed),
-                grad_checkpointing=spec.grad_checkpointing, total_steps=spec.steps + 1, steps_per_epoch=spec.steps + 1,
-            )  # fmt: skip
-            step = build_step(bundle, loss_args, train)
-            track_phases(bundle.engine, counter)
-            params = sum(getattr(p, "ds_numel", p.numel()) for p in bundle.module.parameters())
-            gen = torch.Generator().manual_seed(spec.seed)
-            micro = _synthetic_batches(spec, model_cfg, tok, gen)
-            phase = f"a step of {spec.accum_freq} micro-batch(es) of {spec.batch_size} (activations, loss)"
-            times, skipped, total, finite = [], 0, Traffic(), True
-            for i in range(spec.steps + 1):
-                counter.reset()
-                counter.recording = i > 0  # the first step warms up (ZeRO-3 traces its prefetch order)
-                t0 = time.perf_counter()
-                res = step(micro)
-                if cuda:
-                    torch.cuda.synchronize()
-                dt = time.perf_counter() - t0
-                finite &= bool(torch.isfinite(torch.tensor(res.loss)))
-                if not res.applied:  # overflow / non-finite: not a step a real run would time
-                    skipped += 1
-                    continue
-                if i > 0:
-                    times.append(dt)
-                    total.merge(counter.traffic)
-        except torch.OutOfMemoryError:
-            raise RehearsalError(f"out of device memory while {phase}; lower --batch-size or add GPUs") from None
-        peak = (torch.cuda.max_memory_allocated() if cuda else _peak_rss_bytes()) - base
-        numel, nbytes = _optimizer_partition(bundle.engine)
-    steps = max(1, len(times))
-    per_step = total.scaled(steps)
+    finally:
+        ds_path.unlink()
+        ds_path.parent.rmdir()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated() if cuda else _rss_bytes()
+    phase = "building the engine (model states)"
+    try:
+        bundle = build_engine(
+            ds_config, train, optim_args,
+            model_factory(model_args, loss_args, model_cfg, tok, seed=spec.seed),
+            grad_checkpointing=spec.grad_checkpointing, total_steps=spec.steps + 1, steps_per_epoch=spec.steps + 1,
+        )  # fmt: skip
+        step = build_step(bundle, loss_args, train)
+        track_phases(bundle.engine, counter)
+        params = sum(getattr(p, "ds_numel", p.numel()) for p in bundle.module.parameters())
+        gen = torch.Generator().manual_seed(spec.seed + int(os.environ.get("RANK", "0")))
+        micro = _synthetic_batches(spec, model_cfg, tok, gen)
+        phase = f"a step of {spec.accum_freq} micro-batch(es) of {spec.batch_size} (activations, loss)"
+        times, comm_s, skipped, total, finite = [], [], 0, Traffic(), True
+        for i in range(spec.steps + 1):
+            counter.reset()
+            counter.recording = i > 0  # the first step warms up (ZeRO-3 traces its prefetch order)
+            t0 = time.perf_counter()
+            res = step(micro)
+            if cuda:
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            counter.recording = False
+            finite &= bool(torch.isfinite(torch.tensor(res.loss)))
+            if not res.applied:  # overflow / non-finite: not a step a real run would time
+                skipped += 1
+                continue
+            if i > 0:
+                times.append(dt)
+                comm_s.append(counter.seconds)
+                total.merge(counter.traffic)
+    except torch.OutOfMemoryError:
+        raise RehearsalError(f"out of device memory while {phase}; lower --batch-size or add GPUs") from None
+    peak = (torch.cuda.max_memory_allocated() if cuda else _peak_rss_bytes()) - base
+    numel, nbytes = _optimizer_partition(bundle.engine)
+    bundle.engine.destroy() if hasattr(bundle.engine, "destroy") else None
+    per_step = total.scaled(max(1, len(times)))
     traffic = [[*key, per_step.calls[key], per_step.bytes[key]] for key in sorted(per_step.calls)]
     return RehearsalResult(
         spec=asdict(spec),
@@ -275,22 +307,49 @@ def run_child(spec: RehearsalSpec) -> RehearsalResult:
         optimizer_bytes=int(nbytes),
         traffic=traffic,
         loss_finite=finite,
+        comm_s=comm_s,
     )
 
 
+def run_child(specs: list[RehearsalSpec]) -> list[RehearsalResult]:
+    """Every spec (same world) in this process's one fake world."""
+    from dsclip.comm_model import CollectiveCounter
+    from dsclip.engine.fake_world import fake_world
+
+    # installed before the fake world: DeepSpeed's backend keeps references to the collectives it finds then
+    with CollectiveCounter(fill_outputs=True) as counter, fake_world(specs[0].world, specs[0].gpus_per_node):
+        return [rehearse_in_world(spec, counter) for spec in specs]
+
+
+def run_real_rank(rank: int, world_size: int, specs: list[dict]) -> list[dict]:
+    """One rank of a real (gloo) world already joined by the caller (tests/distutil.run_world): the same
+    rehearsal, counted the same way, nothing filled in. For validating the fake rank against a real one."""
+    import deepspeed
+
+    from dsclip.comm_model import CollectiveCounter
+
+    with CollectiveCounter(fill_outputs=False) as counter:
+        deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
+        return [asdict(rehearse_in_world(RehearsalSpec(**s), counter)) for s in specs]
+
+
 def _child_main(argv: list[str]) -> int:
-    spec = RehearsalSpec(**json.loads(argv[0]))
-    if spec.device == "cpu":
+    raw = json.loads(argv[0])
+    specs = [RehearsalSpec(**s) for s in (raw if isinstance(raw, list) else [raw])]
+    if specs[0].device == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     try:
-        result = run_child(spec)
+        results = run_child(specs)
     except Exception as e:  # one line for the parent; the traceback only under DSCLIP_DEBUG
         if os.environ.get("DSCLIP_DEBUG"):
             raise
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        print(f"{ERROR_TAG}{type(e).__name__ + ': ' if not isinstance(e, RehearsalError) else ''}{msg}", file=sys.stderr)
+        print(
+            f"{ERROR_TAG}{type(e).__name__ + ': ' if not isinstance(e, RehearsalError) else ''}{msg}", file=sys.stderr
+        )
         return 2
-    print(RESULT_TAG + json.dumps(asdict(result)), flush=True)
+    for result in results:
+        print(RESULT_TAG + json.dumps(asdict(result)), flush=True)
     return 0
 
 
