@@ -30,9 +30,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
-import torch.distributed as dist
-
+# torch is imported where used: `dsclip plan --help` reads this module's defaults and must stay light
 # Defaults, each with where it comes from (printed beside the times).
 # Intra-node: nccl-tests all_reduce_perf busbw at large sizes on 8x H100 SXM5 with NVSwitch, 460-480 GB/s;
 # we take the low end. H200 has the same NVLink-4 / NVSwitch fabric (900 GB/s bidirectional per GPU).
@@ -49,6 +47,8 @@ KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "a
 
 
 def _nbytes(t) -> int:
+    import torch
+
     if isinstance(t, torch.Tensor):
         return t.numel() * t.element_size()
     if isinstance(t, list | tuple):
@@ -72,10 +72,12 @@ _SIZES: dict[str, tuple[str, Callable]] = {
     "all_gather": ("all_gather", lambda a, k: _nbytes(_arg(a, k, 0, "tensor_list"))),
     "all_gather_into_tensor": ("all_gather", lambda a, k: _nbytes(_arg(a, k, 0, "output_tensor"))),
     "_all_gather_base": ("all_gather", lambda a, k: _nbytes(_arg(a, k, 0, "output_tensor"))),
+    "all_gather_single": ("all_gather", lambda a, k: _nbytes(_arg(a, k, 0, "output_tensor"))),  # torch >= 2.14
     "all_gather_coalesced": ("all_gather", lambda a, k: _nbytes(_arg(a, k, 0, "output_tensor_lists"))),
     "reduce_scatter": ("reduce_scatter", lambda a, k: _nbytes(_arg(a, k, 1, "input_list"))),
     "reduce_scatter_tensor": ("reduce_scatter", lambda a, k: _nbytes(_arg(a, k, 1, "input"))),
     "_reduce_scatter_base": ("reduce_scatter", lambda a, k: _nbytes(_arg(a, k, 1, "input"))),
+    "reduce_scatter_single": ("reduce_scatter", lambda a, k: _nbytes(_arg(a, k, 1, "input"))),
     "broadcast": ("broadcast", lambda a, k: _nbytes(_arg(a, k, 0, "tensor"))),
     "reduce": ("reduce", lambda a, k: _nbytes(_arg(a, k, 0, "tensor"))),
     "all_to_all_single": ("all_to_all", lambda a, k: _nbytes(_arg(a, k, 1, "input"))),
@@ -138,6 +140,7 @@ class CollectiveCounter:
         self.seconds = 0.0
 
     def __enter__(self) -> CollectiveCounter:
+        import torch.distributed as dist
         from torch.distributed import distributed_c10d
 
         for mod in (dist, distributed_c10d):
@@ -155,6 +158,8 @@ class CollectiveCounter:
         self._saved.clear()
 
     def _wrap(self, name: str, fn: Callable) -> Callable:
+        import torch.distributed as dist
+
         kind, size = _SIZES[name]
 
         def counted(*args, **kwargs):
@@ -219,10 +224,18 @@ def _exit_phased(make_cm: Callable, counter: CollectiveCounter, name: str) -> Ca
     return wrapped
 
 
-@torch.no_grad()
 def _fill(name: str, args, kwargs) -> None:
     """What a real collective would have written, with this rank's own data standing in for every peer's."""
-    if name in ("all_gather_into_tensor", "_all_gather_base"):
+    import torch
+
+    with torch.no_grad():
+        _fill_outputs(name, args, kwargs)
+
+
+def _fill_outputs(name: str, args, kwargs) -> None:
+    import torch.distributed as dist
+
+    if name in ("all_gather_into_tensor", "_all_gather_base", "all_gather_single"):
         out, inp = _arg(args, kwargs, 0, "output_tensor"), _arg(args, kwargs, 1, "input_tensor")
         flat = inp.reshape(-1)
         for slot in out.view(-1, inp.numel()):  # the own slot may be the input itself (in place)
@@ -233,7 +246,7 @@ def _fill(name: str, args, kwargs) -> None:
         for o in outs:
             if o.data_ptr() != inp.data_ptr():
                 o.copy_(inp)
-    elif name in ("reduce_scatter_tensor", "_reduce_scatter_base"):
+    elif name in ("reduce_scatter_tensor", "_reduce_scatter_base", "reduce_scatter_single"):
         out, inp = _arg(args, kwargs, 0, "output"), _arg(args, kwargs, 1, "input")
         mine = inp.reshape(-1, out.numel())[dist.get_rank()]
         if mine.data_ptr() != out.data_ptr():

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dsclip.comm_model import INTER_NODE_GBPS, INTRA_NODE_GBPS, LinkModel, Traffic, estimate
+from dsclip.comm_model import INTER_NODE_GBPS, INTRA_NODE_GBPS, LinkModel, Traffic, estimate  # no torch at import
 from dsclip.plan import Plan, model_state_bytes
 
 GiB = 2**30

@@ -22,8 +22,13 @@ CONFIGS = [(2, 1), (2, 2), (3, 1), (3, 2)]  # (ZeRO stage, accum_freq)
 def _specs(world: int) -> list[RehearsalSpec]:
     return [
         RehearsalSpec(
-            model="demo", world=world, batch_size=4, accum_freq=k, ds_config=shipped_ds_config(z, "bf16")[1],
-            precision="bf16", steps=1,
+            model="demo",
+            world=world,
+            batch_size=4,
+            accum_freq=k,
+            ds_config=shipped_ds_config(z, "bf16")[1],
+            precision="bf16",
+            steps=1,
         )  # fmt: skip
         for z, k in CONFIGS
     ]
