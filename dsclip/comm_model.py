@@ -133,6 +133,7 @@ class CollectiveCounter:
         self.seconds = 0.0  # wall time inside counted calls while recording
         self.fill_outputs = fill_outputs
         self._saved: dict[tuple[object, str], Callable] = {}
+        self._installed = False
         self._depth = threading.local()
 
     def reset(self) -> None:
@@ -140,19 +141,34 @@ class CollectiveCounter:
         self.seconds = 0.0
 
     def __enter__(self) -> CollectiveCounter:
+        import sys
+
         import torch.distributed as dist
         from torch.distributed import distributed_c10d
 
+        wrappers: dict[int, Callable] = {}  # id(original) -> its wrapper
         for mod in (dist, distributed_c10d):
             for name in _SIZES:
                 fn = getattr(mod, name, None)
                 if fn is None or (mod, name) in self._saved:
                     continue
+                wrapper = wrappers.setdefault(id(fn), self._wrap(name, fn))
                 self._saved[(mod, name)] = fn
-                setattr(mod, name, self._wrap(name, fn))
+                setattr(mod, name, wrapper)
+        # modules that took a reference at import (dsclip's loss: ``_all_gather_single = dist.all_gather_single``)
+        for mod in list(sys.modules.values()):
+            attrs = getattr(mod, "__dict__", None)
+            if not isinstance(attrs, dict) or mod in (dist, distributed_c10d):
+                continue
+            for attr, value in list(attrs.items()):
+                if callable(value) and id(value) in wrappers and (mod, attr) not in self._saved:
+                    self._saved[(mod, attr)] = value
+                    setattr(mod, attr, wrappers[id(value)])
+        self._installed = True
         return self
 
     def __exit__(self, *exc) -> None:
+        self._installed = False  # a reference taken while installed now calls straight through
         for (mod, name), fn in self._saved.items():
             setattr(mod, name, fn)
         self._saved.clear()
@@ -163,6 +179,8 @@ class CollectiveCounter:
         kind, size = _SIZES[name]
 
         def counted(*args, **kwargs):
+            if not self._installed:
+                return fn(*args, **kwargs)
             depth = getattr(self._depth, "n", 0)
             if depth == 0 and self.recording:
                 group = kwargs.get("group")

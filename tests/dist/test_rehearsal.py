@@ -56,8 +56,10 @@ def test_fake_rank_sends_what_a_real_rank_sends(fake_and_real, i):
     assert f.traffic, "nothing was counted: the counter did not see the step's collectives"
     # [kind, group size, phase, calls, bytes] per step, identical row for row
     assert f.traffic == r["traffic"]
-    kinds = {row[0] for row in f.traffic}
-    assert "all_gather" in kinds  # the loss's embedding gather at least
+    phases = {(row[0], row[2]) for row in f.traffic}
+    # the loss's embedding gather (dsclip's loss holds its own reference to the collective) and ZeRO's own
+    assert ("all_gather", "other") in phases
+    assert phases & {("all_gather", "step"), ("all_gather", "forward")}  # ZeRO-1/2 after the step, ZeRO-3 before use
     grads = sum(row[4] for row in f.traffic if row[2] == "boundary")
     assert grads >= 2 * f.params  # the K backwards' bf16 gradients, reduced once at the boundary
 
