@@ -195,10 +195,30 @@ class CollectiveCounter:
                     self.seconds += time.perf_counter() - t0
             if self.fill_outputs and depth == 0:
                 _fill(name, args, kwargs)
+            if depth == 0 and self.recording and hasattr(out, "wait"):  # async: its wait is collective time too
+                return _TimedWork(out, self)
             return out
 
         counted.__wrapped__ = fn
         return counted
+
+
+class _TimedWork:
+    """An async collective's handle whose ``wait`` adds to the counter's time (the rest is the handle's)."""
+
+    def __init__(self, work, counter: CollectiveCounter):
+        self._work, self._counter = work, counter
+
+    def wait(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return self._work.wait(*args, **kwargs)
+        finally:
+            if self._counter.recording:
+                self._counter.seconds += time.perf_counter() - t0
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
 
 
 def track_phases(engine, counter: CollectiveCounter) -> None:
