@@ -15,6 +15,7 @@ checkpoint, nothing left behind.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -24,6 +25,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+_done: list[str] = []  # rehearsals this process has run (CPU peaks are per process)
 RESULT_TAG = "DSCLIP_REHEARSAL "  # the child's result line on stdout
 ERROR_TAG = "dsclip plan --measure: "  # the child's one-line error on stderr
 
@@ -291,7 +293,16 @@ def rehearse_in_world(spec: RehearsalSpec, counter) -> RehearsalResult:
         raise RehearsalError(f"out of device memory while {phase}; lower --batch-size or add GPUs") from None
     peak = (torch.cuda.max_memory_allocated() if cuda else _peak_rss_bytes()) - base
     numel, nbytes = _optimizer_partition(bundle.engine)
-    bundle.engine.destroy() if hasattr(bundle.engine, "destroy") else None
+    if hasattr(bundle.engine, "destroy"):
+        bundle.engine.destroy()
+    del bundle, step
+    gc.collect()  # the next rehearsal in this process measures its own memory, not this engine's
+    if cuda:
+        torch.cuda.empty_cache()
+    _done.append(spec.model)
+    cpu_kind = "CPU peak resident set (ru_maxrss) minus the resident set before the build"
+    if len(_done) > 1:  # ru_maxrss is the process's peak: a later rehearsal shows only growth above the earlier
+        cpu_kind += " (not the first rehearsal of its process: growth above the earlier peaks only)"
     per_step = total.scaled(max(1, len(times)))
     traffic = [[*key, per_step.calls[key], per_step.bytes[key]] for key in sorted(per_step.calls)]
     return RehearsalResult(
@@ -300,9 +311,7 @@ def rehearse_in_world(spec: RehearsalSpec, counter) -> RehearsalResult:
         step_s=times,
         skipped=skipped,
         peak_bytes=int(max(0, peak)),
-        peak_kind="CUDA max_memory_allocated over the build and steps"
-        if cuda
-        else "CPU peak resident set (ru_maxrss) minus the resident set before the build",
+        peak_kind="CUDA max_memory_allocated over the build and steps" if cuda else cpu_kind,
         optimizer_numel=int(numel),
         optimizer_bytes=int(nbytes),
         traffic=traffic,
