@@ -164,6 +164,11 @@ class CollectiveCounter:
                 if callable(value) and id(value) in wrappers and (mod, attr) not in self._saved:
                     self._saved[(mod, attr)] = value
                     setattr(mod, attr, wrappers[id(value)])
+        # collectives issued inside torch's coalescing manager are queued and sent at its exit: time it too
+        cm = getattr(distributed_c10d, "_coalescing_manager", None)
+        if cm is not None:
+            self._saved[(distributed_c10d, "_coalescing_manager")] = cm
+            distributed_c10d._coalescing_manager = _timed_exit(cm, self)
         self._installed = True
         return self
 
@@ -201,6 +206,29 @@ class CollectiveCounter:
 
         counted.__wrapped__ = fn
         return counted
+
+
+def _timed_exit(make_cm: Callable, counter: CollectiveCounter) -> Callable:
+    """A context-manager factory whose exit time (where queued collectives are sent) adds to the counter's."""
+
+    def wrapped(*args, **kwargs):
+        cm = make_cm(*args, **kwargs)
+
+        class Timed:
+            def __enter__(self):
+                return cm.__enter__()
+
+            def __exit__(self, *exc):
+                t0 = time.perf_counter()
+                try:
+                    return cm.__exit__(*exc)
+                finally:
+                    if counter._installed and counter.recording:
+                        counter.seconds += time.perf_counter() - t0
+
+        return Timed()
+
+    return wrapped
 
 
 class _TimedWork:
