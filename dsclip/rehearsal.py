@@ -63,6 +63,7 @@ class RehearsalResult:
     traffic: list  # [kind, group size, phase, calls, bytes] per step
     loss_finite: bool
     comm_s: list = field(default_factory=list)  # wall time inside collective calls per timed step (real groups)
+    cpu_s: list = field(default_factory=list)  # this process's CPU time per timed step (all its threads)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -271,15 +272,15 @@ def rehearse_in_world(spec: RehearsalSpec, counter) -> RehearsalResult:
         gen = torch.Generator().manual_seed(spec.seed + int(os.environ.get("RANK", "0")))
         micro = _synthetic_batches(spec, model_cfg, tok, gen)
         phase = f"a step of {spec.accum_freq} micro-batch(es) of {spec.batch_size} (activations, loss)"
-        times, comm_s, skipped, total, finite = [], [], 0, Traffic(), True
+        times, cpu_s, comm_s, skipped, total, finite = [], [], [], 0, Traffic(), True
         for i in range(spec.steps + 1):
             counter.reset()
             counter.recording = i > 0  # the first step warms up (ZeRO-3 traces its prefetch order)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             res = step(micro)
             if cuda:
                 torch.cuda.synchronize()
-            dt = time.perf_counter() - t0
+            dt, dc = time.perf_counter() - t0, time.process_time() - c0
             counter.recording = False
             finite &= bool(torch.isfinite(torch.tensor(res.loss)))
             if not res.applied:  # overflow / non-finite: not a step a real run would time
@@ -287,6 +288,7 @@ def rehearse_in_world(spec: RehearsalSpec, counter) -> RehearsalResult:
                 continue
             if i > 0:
                 times.append(dt)
+                cpu_s.append(dc)
                 comm_s.append(counter.seconds)
                 total.merge(counter.traffic)
     except torch.OutOfMemoryError:
@@ -317,6 +319,7 @@ def rehearse_in_world(spec: RehearsalSpec, counter) -> RehearsalResult:
         traffic=traffic,
         loss_finite=finite,
         comm_s=comm_s,
+        cpu_s=cpu_s,
     )
 
 
