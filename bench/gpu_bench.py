@@ -9,6 +9,12 @@ Both train in bf16 autocast / bf16 DeepSpeed with fused AdamW on identical synth
 InfoNCE, no accumulation. MFU = 3 x forward FLOPs per sample (FlopCounterMode, bench/utilisation.py)
 x samples/s / the bf16 GEMM rate measured at the start (8192^3 products).
 Then the loss alone: tiled vs local InfoNCE forward+backward at large N (time and memory above baseline).
+
+``--world N`` (issue #49): every trainer runs as rank 0 of a world-N job under torch's fake process group
+(dsclip.engine.fake_world): open_clip_train's model wrapped in DDP with its loss gathering over N ranks,
+dsclip's engine partitioning over N, as a rank of an N-GPU job. Collectives return at once (each rank's
+own shard stands in for its peers', dsclip.comm_model), so the ratio is a world-N rank's without the
+communication; the link model's time is ``dsclip plan --measure``'s. Default 1: one GPU, the whole job.
 """
 
 from __future__ import annotations
@@ -77,6 +83,15 @@ def make_batches(cfg, bs, n, dev):
     return out
 
 
+WORLD = 1  # --world: the fake world every trainer runs in (set by main)
+
+
+def _bucket_unchanged(state, bucket):
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
 def openclip_run(name, cfg, bs, steps, dev):
     import open_clip
     from open_clip.loss import ClipLoss
@@ -88,6 +103,11 @@ def openclip_run(name, cfg, bs, steps, dev):
     torch.manual_seed(0)
     model = open_clip.create_model(f"gpu-bench-{Path(name).stem}", precision=precision, device=dev, output_dict=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=dev.type == "cuda")
+    if WORLD > 1:  # open_clip_train's rank: its model in DDP (as its main() wraps it), its loss over WORLD ranks
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[dev] if dev.type == "cuda" else None)
+        # the fake group's all-reduce future carries no tensor, which DDP's reducer refuses: a hook that hands the
+        # bucket back unchanged stands in for it (what the fake all-reduce would have done, minus its launch)
+        model.register_comm_hook(None, _bucket_unchanged)
     args = SimpleNamespace(
         device=str(dev),
         precision=precision,
@@ -98,7 +118,7 @@ def openclip_run(name, cfg, bs, steps, dev):
         grad_clip_norm=None,
         log_every_n_steps=10**9,
         batch_size=bs,
-        world_size=1,
+        world_size=WORLD,
         rank=0,
         local_rank=0,
         wandb=False,
@@ -111,7 +131,7 @@ def openclip_run(name, cfg, bs, steps, dev):
 
     def epoch(batches):
         data = {"train": SimpleNamespace(dataloader=Loader(batches), set_epoch=lambda e: None)}
-        train_one_epoch(model, data, ClipLoss(), 0, opt, None, None, None, args)
+        train_one_epoch(model, data, ClipLoss(rank=0, world_size=WORLD), 0, opt, None, None, None, args)
 
     epoch(make_batches(cfg, bs, 2, dev))
     sync(dev)
@@ -142,7 +162,14 @@ def dsclip_run(name, cfg, bs, steps, dev, compile_blocks=False, engine_patches="
         extra["deepspeed_config"] = f"ds_configs/{ds_json.format(p=precision)}.json"
     mb = bs // accum
     engine, bundle, _ = V.dsclip_engine(
-        precision, mb, accum, cfg, 1, extra=extra, ds_overrides={"zero_optimization": zero or {}}, device_type=dev.type
+        precision,
+        mb,
+        accum,
+        cfg,
+        WORLD,
+        extra=extra,
+        ds_overrides={"zero_optimization": zero or {}},
+        device_type=dev.type,
     )
     step = GradCacheStep(engine, build_loss("infonce"), compute_dtype=autocast_dtype(bundle), accum_freq=accum)
 
@@ -274,16 +301,33 @@ def main(argv=None) -> int:
     ap.add_argument("--loss-sizes", default="32768,65536,131072", help="N for the loss-memory rows ('' skips them)")
     ap.add_argument("--loss-dim", type=int, default=768)
     ap.add_argument("--json-out")
+    ap.add_argument(
+        "--world", type=int, default=1, help="run every trainer as rank 0 of a world-N job (torch's fake process group)"
+    )
     a = ap.parse_args(argv)
+    unknown = set(a.trainers.split(",")) - set(TRAINERS)
+    if unknown:
+        ap.error(f"unknown trainer(s) {sorted(unknown)}; choose from {sorted(TRAINERS)}")
+    if a.world > 1:
+        global WORLD
+        WORLD = a.world
+        from dsclip.comm_model import CollectiveCounter
+        from dsclip.engine.fake_world import fake_world
+
+        # the counter before the world: DeepSpeed's backend keeps references to the collectives it finds then
+        with CollectiveCounter(fill_outputs=True), fake_world(a.world):
+            return run(a)
     for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29533", "RANK": "0", "WORLD_SIZE": "1"}.items():
         os.environ.setdefault(k, v)
     os.environ.setdefault("LOCAL_RANK", "0")
+    return run(a)
+
+
+def run(a) -> int:
     trainers = a.trainers.split(",")
-    unknown = set(trainers) - set(TRAINERS)
-    if unknown:
-        ap.error(f"unknown trainer(s) {sorted(unknown)}; choose from {sorted(TRAINERS)}")
     dev = torch.device(a.device)
-    report = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "models": {}}
+    report = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "world": WORLD, "models": {}}
+    print(f"world {WORLD}" + (" (rank 0 under torch's fake process group: no communication)" if WORLD > 1 else ""))
     peak = report["bf16_peak_tflops"] = bf16_peak_tflops(dev)
     print(f"measured dense bf16 GEMM rate (8192^3): {peak:.0f} TFLOP/s", flush=True)
     for spec in a.models.split(","):

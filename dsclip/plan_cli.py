@@ -22,6 +22,7 @@ from dsclip.config_base import ConfigError
 from dsclip.engine.ds_config import PRECISIONS, PURE_PRECISIONS, load_ds_json, normalize_precision
 from dsclip.losses.config import LOSS_NAMES as LOSS_MODES
 from dsclip.losses.config import TRAIN_TILE_SIZE
+from dsclip.measure_cli import add_measure_arguments, run_measure
 from dsclip.model.lock import LockConfig
 from dsclip.plan import ROOT, Plan, format_plan, largest_batch, make_plan, shipped_ds_config, train_args
 from dsclip.plan_efficiency import DEFAULT_GPU, GPUS, gpu_spec
@@ -173,6 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="plan-only: print the plan as JSON")
     for old in RENAMED:
         p.add_argument(old, action=_Renamed, help=argparse.SUPPRESS)
+    add_measure_arguments(p)  # --measure: the rehearsal (dsclip/measure_cli.py)
     return p
 
 
@@ -432,7 +434,17 @@ def _search_and_print(a, model: str, batch: int, micro, precision: str, ds, gpu_
         print(format_search(found) + "\n\n" + format_plan(plan) + "\n".join(["", *tail] if tail else []))
     if moved:
         print(f"dsclip plan: {BATCH_SIZE_MOVED}", file=sys.stderr)
+    if a.measure and plan.fits:  # rank 0 of the chosen plan, rehearsed under a fake world (dsclip/measure_cli.py)
+        return run_measure(a, plan, _chosen_ds_config(plan))
+    if a.measure:
+        print("dsclip plan --measure: nothing rehearsed, the plan does not fit", file=sys.stderr)
     return 0 if plan.fits else 1
+
+
+def _chosen_ds_config(plan: Plan) -> tuple[str, dict]:
+    """(name as printed, JSON) of the DeepSpeed config the search chose: a shipped file under the checkout."""
+    path = Path(plan.ds_config)
+    return plan.ds_config, load_ds_json(str(path if path.is_absolute() else ROOT / path))
 
 
 def main_plan(argv: list[str]) -> int:
@@ -493,4 +505,6 @@ def main_plan(argv: list[str]) -> int:
     if gpu_note:
         plan.notes.append(gpu_note)
     print(json.dumps(asdict(plan), indent=2) if a.json else format_plan(plan))
+    if a.measure:  # rank 0 of this plan, rehearsed under a fake world (dsclip/measure_cli.py)
+        return run_measure(a, plan, ds) or (0 if plan.fits else 1)
     return 0 if plan.fits else 1

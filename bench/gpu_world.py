@@ -1,0 +1,129 @@
+"""One rank of a world-8 / world-64 job on one GPU: dsclip's ZeRO-1/2/3 under torch's fake process group.
+
+Every GPU figure before this was a world-1 rank's, where patches such as ``local_flush`` apply that a rank of
+an 8-GPU job never runs. Here each row is rank 0 of a world-N job (dsclip.rehearsal: ``dsclip train``'s
+engine and gradient-cache step, synthetic batches, bf16), its collectives answered at once by the fake
+group: the GPU time of everything a real rank does except communicating. The communication model
+(dsclip.comm_model, nccl-tests bus bandwidths, printed with their source) adds what the links would cost,
+shown apart. Each (world, model) runs in its own child process (one fake world per process); rows print as
+each child finishes. ``--json-out`` keeps every result.
+
+    python3 bench/gpu_world.py --worlds 8 64 --models ViT-B-32=512,ViT-L-14=128,ViT-H-14=64:ckpt \\
+        --configs zero2,zero2_none,zero1,zero3 --steps 3 --json-out OUT/world.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dsclip.comm_model import LinkModel, Traffic, estimate  # noqa: E402
+from dsclip.measure_cli import hideable_compute_s  # noqa: E402
+from dsclip.plan import make_plan, shipped_ds_config  # noqa: E402
+from dsclip.rehearsal import RehearsalError, RehearsalSpec, rehearse_many  # noqa: E402
+
+# config name -> (ZeRO stage, engine patches)
+CONFIGS = {"zero2": (2, "all"), "zero2_none": (2, "none"), "zero1": (1, "all"), "zero3": (3, "all")}
+GiB = 2**30
+
+
+def parse_models(text: str) -> list[tuple[str, int, bool]]:
+    out = []
+    for item in text.split(","):
+        name, _, rest = item.partition("=")
+        micro, _, flag = rest.partition(":")
+        out.append((name, int(micro), flag == "ckpt"))
+    return out
+
+
+def row(world: int, model: str, config: str, r, link: LinkModel, k: int) -> tuple[str, dict]:
+    zero, patches = CONFIGS[config]
+    spec = r.spec
+    step = statistics.median(r.step_s) if r.step_s else float("nan")
+    traffic = Traffic()
+    for kind, n, phase, calls, nbytes in r.traffic:
+        traffic.calls[(kind, n, phase)], traffic.bytes[(kind, n, phase)] = calls, nbytes
+    est = estimate(
+        traffic, link, zero=zero, overlap_comm=bool(spec["ds_config"]["zero_optimization"].get("overlap_comm")),
+        hideable_compute_s=hideable_compute_s(step, zero),
+    )  # fmt: skip
+    plan = make_plan(
+        model, gpus=world, gpu_memory_gb=141.0, batch_size=spec["batch_size"] * k * world, zero=zero,
+        precision="bf16", grad_checkpointing=spec["grad_checkpointing"], micro_batch=spec["batch_size"],
+    )  # fmt: skip
+    samples = spec["batch_size"] * k / (step + est.exposed_s)
+    line = (
+        f"| {world} | {model} | {spec['batch_size']}x{k}{' ckpt' if spec['grad_checkpointing'] else ''} | {config} | "
+        f"{step * 1e3:.1f} | {est.exposed_s * 1e3:.1f} | {samples:.0f} | {r.peak_bytes / GiB:.2f} | "
+        f"{plan.memory_gb.get('total', float('nan')):.2f} | {plan.step_time_s * 1e3:.1f} | {r.skipped} |"
+    )
+    return line, {
+        "world": world,
+        "model": model,
+        "config": config,
+        "result": asdict(r),
+        "exposed_comm_s": est.exposed_s,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--worlds", type=int, nargs="+", default=[8, 64])
+    ap.add_argument("--models", default="ViT-B-32=512,ViT-L-14=128,ViT-H-14=64:ckpt")
+    ap.add_argument("--configs", default="zero2,zero2_none,zero1,zero3")
+    ap.add_argument("--accum-freq", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds per child (one world, one model)")
+    ap.add_argument("--json-out")
+    a = ap.parse_args()
+    link = LinkModel()
+    print(f"# link model: {link.describe()}")
+    print("# step = rank 0's measured time per step (fake collectives); comm = the link model's exposed time")
+    print(
+        "| world | model | micro x K | config | step ms | comm ms (model) | samples/s/rank | peak GiB "
+        "| plan GiB | plan step ms | skipped |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    kept = []
+    for world in a.worlds:
+        for model, micro, ckpt in parse_models(a.models):
+            specs = []
+            for config in a.configs.split(","):
+                zero, patches = CONFIGS[config]
+                specs.append(
+                    RehearsalSpec(
+                        model=model,
+                        world=world,
+                        batch_size=micro,
+                        accum_freq=a.accum_freq,
+                        ds_config=shipped_ds_config(zero, "bf16")[1],
+                        precision="bf16",
+                        grad_checkpointing=ckpt,
+                        engine_patches=patches,
+                        steps=a.steps,
+                        device=a.device,
+                    )  # fmt: skip
+                )
+            try:
+                results = rehearse_many(specs, timeout_s=a.timeout)
+            except RehearsalError as e:
+                print(f"| {world} | {model} | {micro} | - | failed: {e} |", flush=True)
+                continue
+            for config, r in zip(a.configs.split(","), results, strict=True):
+                line, data = row(world, model, config, r, link, a.accum_freq)
+                print(line, flush=True)
+                kept.append(data)
+            if a.json_out:
+                Path(a.json_out).write_text(json.dumps(kept, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

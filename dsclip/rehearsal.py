@@ -1,0 +1,369 @@
+"""Rehearse rank 0 of a world-N job on this machine: ``dsclip plan ... --measure``.
+
+The child process builds the model, the DeepSpeed engine and the gradient-cache step exactly as
+``dsclip train`` does (dsclip.train.build, dsclip.engine.build) under torch's fake process group
+(dsclip.engine.fake_world), runs a few steps on synthetic batches and reports, as one JSON line:
+peak memory, host time per step, the bytes and calls of every collective (dsclip.comm_model), and the
+optimizer's partition. Collectives move no data, so losses are meaningless; the collective counter writes
+each rank's own shard where its peers' would land so every tensor stays finite, and a step DeepSpeed
+skipped (overflow) is never timed.
+
+One fake world per process (DeepSpeed keeps its groups in module globals), so the parent spawns a child
+per rehearsal. The child runs in a temporary folder that is removed afterwards: no run folder, no
+checkpoint, nothing left behind.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+_done: list[str] = []  # rehearsals this process has run (CPU peaks are per process)
+RESULT_TAG = "DSCLIP_REHEARSAL "  # the child's result line on stdout
+ERROR_TAG = "dsclip plan --measure: "  # the child's one-line error on stderr
+
+
+class RehearsalError(RuntimeError):
+    """A one-line reason the rehearsal could not run or finish."""
+
+
+@dataclass
+class RehearsalSpec:
+    model: str
+    world: int
+    batch_size: int  # micro-batch per rank
+    accum_freq: int = 1
+    ds_config: dict = field(default_factory=dict)  # the plan's DeepSpeed JSON ("auto" values allowed)
+    precision: str = "bf16"
+    grad_checkpointing: bool = False
+    gpus_per_node: int = 8
+    engine_patches: str = "all"
+    steps: int = 3  # timed steps (after one warm-up step)
+    device: str = "cpu"  # "cpu" or "cuda": where this rank runs
+    seed: int = 0
+
+
+@dataclass
+class RehearsalResult:
+    spec: dict
+    params: int
+    step_s: list  # host wall time of each timed, applied step
+    skipped: int  # steps DeepSpeed (or the non-finite check) skipped: not timed
+    peak_bytes: int
+    peak_kind: str  # what peak_bytes measures
+    optimizer_numel: int  # fp32 master partition elements on this rank
+    optimizer_bytes: int  # master partition + Adam state on this rank
+    traffic: list  # [kind, group size, phase, calls, bytes] per step
+    loss_finite: bool
+    comm_s: list = field(default_factory=list)  # wall time inside collective calls per timed step (real groups)
+    cpu_s: list = field(default_factory=list)  # this process's CPU time per timed step (all its threads)
+
+
+# ---------------------------------------------------------------------------------------------------
+# checks the parent makes before spawning anything
+def check_fake_group() -> None:
+    """torch's fake process group must exist, or nothing can stand in for the peers."""
+    try:
+        from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: F401
+    except ImportError as e:
+        raise RehearsalError(
+            f"this torch has no fake process group ({e}); --measure needs torch >= 2.1 (torch.testing's fake_pg)"
+        ) from None
+
+
+def smallest_group_numel(model: str) -> int:
+    """Elements of the smaller of the two optimizer parameter groups (decayed / not), from a meta-device model."""
+    from dsclip.engine.optim import param_groups
+    from dsclip.model import create_model
+    from dsclip.model.factory import get_model_config
+
+    m = create_model(get_model_config(model), device="meta")
+    return min(sum(p.numel() for p in g["params"]) for g in param_groups(m, 0.1) if g["params"])
+
+
+def check_world(model: str, world: int, gpus_per_node: int) -> None:
+    """A world the model can be partitioned for: ZeRO gives every rank a 1/N slice of each parameter group's
+    flat buffer, so every group needs at least one element per rank (a rank holding only padding has an
+    empty optimizer partition, which DeepSpeed does not support), and whole nodes above one node."""
+    if world < 1:
+        raise RehearsalError(f"--gpus {world}: a world needs at least one rank")
+    if world > gpus_per_node and world % gpus_per_node:
+        raise RehearsalError(f"--gpus {world} does not fill whole nodes of --gpus-per-node {gpus_per_node}")
+    smallest = smallest_group_numel(model)
+    if world > smallest:
+        raise RehearsalError(
+            f"--gpus {world}: {model}'s smallest parameter group has {smallest} elements, fewer than one per "
+            f"rank, so ZeRO cannot partition it; rehearse at most {smallest} ranks"
+        )
+
+
+# ---------------------------------------------------------------------------------------------------
+# the parent
+def rehearse(spec: RehearsalSpec, timeout_s: float = 1800.0) -> RehearsalResult:
+    """Run ``spec`` in a child process under a fake world; its result, or a RehearsalError (one line)."""
+    return rehearse_many([spec], timeout_s)[0]
+
+
+def rehearse_many(specs: list[RehearsalSpec], timeout_s: float = 1800.0) -> list[RehearsalResult]:
+    """Several specs of one world size in one child process (one fake world, one engine after another)."""
+    if len({(s.world, s.gpus_per_node, s.device) for s in specs}) != 1:
+        raise RehearsalError("one child rehearses one world: give specs of one world size, node size and device")
+    check_fake_group()
+    for model in {s.model for s in specs}:
+        check_world(model, specs[0].world, specs[0].gpus_per_node)
+    proc = start_child(specs)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise RehearsalError(f"the rehearsal took over {timeout_s:.0f} s; lower --measure-steps") from None
+    finally:
+        proc.tmp.cleanup()
+    return read_child(proc.returncode, out, err)
+
+
+def start_child(specs: list[RehearsalSpec]) -> subprocess.Popen:
+    """The child process, started (callers may run something else meanwhile); ``.tmp`` is its folder."""
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)  # the child is its own (fake) world, whatever launched the parent
+    tmp = tempfile.TemporaryDirectory(prefix="dsclip-rehearsal-")
+    env["TMPDIR"] = tmp.name  # whatever the child writes lands in the folder removed afterwards
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dsclip.rehearsal", json.dumps([asdict(s) for s in specs])],
+        cwd=tmp.name,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    proc.tmp = tmp
+    return proc
+
+
+def read_child(returncode: int, out: str, err: str) -> list[RehearsalResult]:
+    results = [
+        RehearsalResult(**json.loads(ln[len(RESULT_TAG) :])) for ln in out.splitlines() if ln.startswith(RESULT_TAG)
+    ]
+    if returncode == 0 and results:
+        return results
+    errors = [ln for ln in err.splitlines() if ln.startswith(ERROR_TAG)]
+    if errors:
+        raise RehearsalError(errors[-1][len(ERROR_TAG) :])
+    tail = (err.strip().splitlines() or ["(no output)"])[-1]
+    raise RehearsalError(f"the rehearsal's process ended with code {returncode}: {tail}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# the child
+class _Tokens:
+    """What the model factory reads from a tokenizer; the rehearsal feeds synthetic token ids."""
+
+    def __init__(self, model_cfg: dict):
+        text = model_cfg.get("text_cfg", {})
+        self.vocab_size = int(text.get("vocab_size", 49408))
+        self.context_length = int(text.get("context_length", 77))
+        self.eos_id, self.pad_id = self.vocab_size - 1, 0
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _peak_rss_bytes() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+def _optimizer_partition(engine) -> tuple[int, int]:
+    """(fp32 master elements, master + Adam state bytes) this rank holds. ZeRO-1/2: the inner torch
+    optimizer's parameters are ZeRO's flat fp32 partitions; ZeRO-3 lends each sub-group's partition
+    (``fp32_partitioned_groups_flat``) to the inner optimizer only during its step, so read them there."""
+    zero = engine.optimizer
+    inner = getattr(zero, "optimizer", zero)
+    flats = getattr(zero, "fp32_partitioned_groups_flat", None)
+    if flats is None:
+        flats = [p for g in inner.param_groups for p in g["params"]]
+    numel = nbytes = 0
+    for p in flats:
+        numel += p.numel()
+        nbytes += p.numel() * p.element_size()
+        for v in inner.state.get(p, {}).values():
+            if hasattr(v, "numel") and v.dim() > 0:
+                nbytes += v.numel() * v.element_size()
+    return numel, nbytes
+
+
+def _synthetic_batches(spec: RehearsalSpec, model_cfg: dict, tok: _Tokens, gen) -> list:
+    import torch
+
+    size = model_cfg["vision_cfg"]["image_size"]
+    size = size if isinstance(size, int) else size[0]
+    out = []
+    for _ in range(spec.accum_freq):
+        images = torch.randn(spec.batch_size, 3, size, size, generator=gen)
+        tokens = torch.randint(1, tok.vocab_size - 1, (spec.batch_size, tok.context_length), generator=gen)
+        tokens[:, -1] = tok.eos_id
+        out.append((images, tokens))
+    return out
+
+
+def rehearse_in_world(spec: RehearsalSpec, counter) -> RehearsalResult:
+    """Build ``spec``'s engine and step in the world that is up (fake or real) and run its steps, counting
+    collectives with ``counter`` (installed before DeepSpeed's backend started)."""
+    import torch
+
+    from dsclip.comm_model import Traffic, track_phases
+    from dsclip.engine.build import build_engine
+    from dsclip.engine.ds_config import TrainArgs
+    from dsclip.engine.optim import OptimArgs
+    from dsclip.losses import LossArgs
+    from dsclip.model import ModelArgs
+    from dsclip.model.factory import get_model_config
+    from dsclip.train.build import build_ds_config, build_step, model_factory
+
+    ds_path = Path(tempfile.mkdtemp(prefix="dsclip-rehearsal-ds-")) / "ds_config.json"
+    ds_path.write_text(json.dumps(spec.ds_config))
+    train = TrainArgs(
+        batch_size=spec.batch_size,
+        accum_freq=spec.accum_freq,
+        precision=spec.precision,
+        deepspeed_config=str(ds_path),
+        engine_patches=spec.engine_patches,
+        seed=spec.seed,
+        max_steps=spec.steps + 1,
+    )
+    model_args = ModelArgs(model=spec.model, grad_checkpointing=spec.grad_checkpointing)
+    loss_args, optim_args = LossArgs(), OptimArgs()
+    model_cfg = get_model_config(spec.model)
+    tok = _Tokens(model_cfg)
+    cuda = spec.device == "cuda"
+    counter.recording = False
+    try:
+        ds_config = build_ds_config(train, optim_args, spec.world)
+    finally:
+        ds_path.unlink()
+        ds_path.parent.rmdir()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated() if cuda else _rss_bytes()
+    phase = "building the engine (model states)"
+    try:
+        bundle = build_engine(
+            ds_config, train, optim_args,
+            model_factory(model_args, loss_args, model_cfg, tok, seed=spec.seed),
+            grad_checkpointing=spec.grad_checkpointing, total_steps=spec.steps + 1, steps_per_epoch=spec.steps + 1,
+        )  # fmt: skip
+        step = build_step(bundle, loss_args, train)
+        track_phases(bundle.engine, counter)
+        params = sum(getattr(p, "ds_numel", p.numel()) for p in bundle.module.parameters())
+        gen = torch.Generator().manual_seed(spec.seed + int(os.environ.get("RANK", "0")))
+        micro = _synthetic_batches(spec, model_cfg, tok, gen)
+        phase = f"a step of {spec.accum_freq} micro-batch(es) of {spec.batch_size} (activations, loss)"
+        times, cpu_s, comm_s, skipped, total, finite = [], [], [], 0, Traffic(), True
+        for i in range(spec.steps + 1):
+            counter.reset()
+            counter.recording = i > 0  # the first step warms up (ZeRO-3 traces its prefetch order)
+            t0, c0 = time.perf_counter(), time.process_time()
+            res = step(micro)
+            if cuda:
+                torch.cuda.synchronize()
+            dt, dc = time.perf_counter() - t0, time.process_time() - c0
+            counter.recording = False
+            finite &= bool(torch.isfinite(torch.tensor(res.loss)))
+            if not res.applied:  # overflow / non-finite: not a step a real run would time
+                skipped += 1
+                continue
+            if i > 0:
+                times.append(dt)
+                cpu_s.append(dc)
+                comm_s.append(counter.seconds)
+                total.merge(counter.traffic)
+    except torch.OutOfMemoryError:
+        raise RehearsalError(f"out of device memory while {phase}; lower --batch-size or add GPUs") from None
+    peak = (torch.cuda.max_memory_allocated() if cuda else _peak_rss_bytes()) - base
+    numel, nbytes = _optimizer_partition(bundle.engine)
+    if hasattr(bundle.engine, "destroy"):
+        bundle.engine.destroy()
+    del bundle, step
+    gc.collect()  # the next rehearsal in this process measures its own memory, not this engine's
+    if cuda:
+        torch.cuda.empty_cache()
+    _done.append(spec.model)
+    cpu_kind = "CPU peak resident set (ru_maxrss) minus the resident set before the build"
+    if len(_done) > 1:  # ru_maxrss is the process's peak: a later rehearsal shows only growth above the earlier
+        cpu_kind += " (not the first rehearsal of its process: growth above the earlier peaks only)"
+    per_step = total.scaled(max(1, len(times)))
+    traffic = [[*key, per_step.calls[key], per_step.bytes[key]] for key in sorted(per_step.calls)]
+    return RehearsalResult(
+        spec=asdict(spec),
+        params=int(params),
+        step_s=times,
+        skipped=skipped,
+        peak_bytes=int(max(0, peak)),
+        peak_kind="CUDA max_memory_allocated over the build and steps" if cuda else cpu_kind,
+        optimizer_numel=int(numel),
+        optimizer_bytes=int(nbytes),
+        traffic=traffic,
+        loss_finite=finite,
+        comm_s=comm_s,
+        cpu_s=cpu_s,
+    )
+
+
+def run_child(specs: list[RehearsalSpec]) -> list[RehearsalResult]:
+    """Every spec (same world) in this process's one fake world."""
+    from dsclip.comm_model import CollectiveCounter
+    from dsclip.engine.fake_world import fake_world
+
+    # installed before the fake world: DeepSpeed's backend keeps references to the collectives it finds then
+    with CollectiveCounter(fill_outputs=True) as counter, fake_world(specs[0].world, specs[0].gpus_per_node):
+        return [rehearse_in_world(spec, counter) for spec in specs]
+
+
+def run_real_rank(rank: int, world_size: int, specs: list[dict]) -> list[dict]:
+    """One rank of a real (gloo) world already joined by the caller (tests/distutil.run_world): the same
+    rehearsal, counted the same way, nothing filled in. For validating the fake rank against a real one."""
+    import deepspeed
+
+    from dsclip.comm_model import CollectiveCounter
+
+    with CollectiveCounter(fill_outputs=False) as counter:
+        deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
+        return [asdict(rehearse_in_world(RehearsalSpec(**s), counter)) for s in specs]
+
+
+def _child_main(argv: list[str]) -> int:
+    raw = json.loads(argv[0])
+    specs = [RehearsalSpec(**s) for s in (raw if isinstance(raw, list) else [raw])]
+    if specs[0].device == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    try:
+        results = run_child(specs)
+    except Exception as e:  # one line for the parent; the traceback only under DSCLIP_DEBUG
+        if os.environ.get("DSCLIP_DEBUG"):
+            raise
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(
+            f"{ERROR_TAG}{type(e).__name__ + ': ' if not isinstance(e, RehearsalError) else ''}{msg}", file=sys.stderr
+        )
+        return 2
+    for result in results:
+        print(RESULT_TAG + json.dumps(asdict(result)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_child_main(sys.argv[1:]))
