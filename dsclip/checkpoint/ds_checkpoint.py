@@ -260,6 +260,12 @@ class CheckpointArgs:
         "loss (0: never). No checkpoint is saved from such steps, and latest is left on the last checkpoint "
         "whose weights a later step trained on with a finite loss.",
     )
+    overwrite: bool = opt(
+        False,
+        "dsclip's own flag (OpenCLIP has none): start over in a run folder (--name) that already holds "
+        "checkpoints, deleting that run's checkpoints and logs first. Without it such a folder is refused "
+        "unless --resume is given.",
+    )
     save_most_recent: bool = opt(
         False,
         "Also save at every epoch end, removing the previous checkpoint saved only for this (OpenCLIP's "
@@ -338,6 +344,8 @@ class Checkpointer:
             self._remove_leftovers()
         found = self._resolve(resume) if resume else None
         if found is None:
+            if resume is not None and self.rank == 0:  # 'latest' with nothing yet: right for a first launch
+                say(f"dsclip: --resume {resume}: no checkpoint in {self.dir} yet; starting the run from step 0")
             return {}
         if not universal.needs_universal(universal.saved_state(*found), world_size):
             self.resume_point = ResumePoint(*found)

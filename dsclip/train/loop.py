@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dsclip.checkpoint import resume_optim, run_lock
+from dsclip.checkpoint import resume_optim, run_folder, run_lock
 from dsclip.checkpoint.ds_checkpoint import Checkpointer, record_tokenizer, tag_for_step
 from dsclip.config import RunConfig, settle_run_name, validate
 from dsclip.config_base import ConfigError
@@ -248,13 +248,16 @@ def fit(run: Run) -> tuple[int, str | None]:
     return step, preempted
 
 
-def take_run_lock(run_dir, rank: int) -> None:
-    """Rank 0 takes the run folder's lock (held until the process ends); every rank raises its refusal,
-    so no rank of a second job goes on to write (collective)."""
+def take_run_lock(run_dir, rank: int, ckpt=None) -> None:
+    """Rank 0 takes the run folder's lock (held until the process ends) and, with ``ckpt`` (the checkpoint
+    section), refuses to start a new run over one that holds checkpoints (dsclip.checkpoint.run_folder);
+    every rank raises its refusal, so no rank of a second job goes on to write (collective)."""
     error = None
     if rank == 0:
         try:
             run_lock.acquire(run_dir)
+            if ckpt is not None:
+                run_folder.check_new_run(run_dir, resume=ckpt.resume, overwrite=ckpt.overwrite, say=console)
         except ConfigError as e:
             error = str(e)
     error = from_rank0(error)
@@ -269,7 +272,7 @@ def build_run(cfg: RunConfig) -> Run:
     world.install_preemption_handler()
     cfg = settle_run_name(cfg)  # the clock's default, decided on rank 0 (collective)
     validate(cfg)
-    take_run_lock(cfg.run_dir, rank)  # before anything is written into the run folder
+    take_run_lock(cfg.run_dir, rank, cfg.checkpoint)  # before anything is written into the run folder
     runlog.setup(cfg.log, cfg.run_dir, rank)  # RUN/out.log from here: the console lines of the set-up too
     world.check_workers(cfg.data.workers)
     ft = finetune.prepare(cfg, rank=rank)  # --pretrained by name, --force-image-size, locking, quick_gelu
