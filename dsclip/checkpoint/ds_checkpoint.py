@@ -37,6 +37,7 @@ previous tag.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -256,9 +257,24 @@ class CheckpointArgs:
     delete_previous_checkpoint: bool = opt(False, "OpenCLIP's flag: same as --keep-last 1.")
     max_skipped_steps: int = opt(
         20,
-        "Stop the run (exit code 2) after N consecutive optimizer steps that were skipped or had a non-finite "
-        "loss (0: never). No checkpoint is saved from such steps, and latest is left on the last checkpoint "
-        "whose weights a later step trained on with a finite loss.",
+        "Stop the run (exit code 2) after N consecutive optimizer steps that were skipped, had a non-finite "
+        "loss or broke a --divergence-* bound (0: never). No checkpoint is saved from such steps, latest is "
+        "left on the last checkpoint whose weights a later healthy step trained on, and a run whose last step "
+        "is non-finite or unhealthy also ends with exit code 2.",
+    )
+    divergence_window: int = opt(
+        50,
+        "Divergence rule: a finite loss above median + K x MAD (at least 0.05 x the median) of the last N "
+        "healthy losses is unhealthy (needs 10 of them; 0: no loss bound). docs/checkpoints.md.",
+    )
+    divergence_k: float = opt(6.0, "Divergence rule: K of --divergence-window's bound (> 0).")
+    divergence_min_scale: float = opt(
+        1.0, "Divergence rule: a logit scale (exp of logit_scale) below this is unhealthy (>= 0; 0: off)."
+    )
+    divergence_scale_step: float = opt(
+        0.05,
+        "Divergence rule: a step that moves log(logit scale) by more than this is unhealthy (> 0; healthy "
+        "AdamW steps move it by about the learning rate).",
     )
     overwrite: bool = opt(
         False,
@@ -281,6 +297,15 @@ class CheckpointArgs:
             raise ConfigError("'keep_last' must be >= 0")
         if self.max_skipped_steps < 0:
             raise ConfigError(f"'max_skipped_steps' must be >= 0 (0: never stop), got {self.max_skipped_steps}")
+        bounds = (
+            ("divergence_window", self.divergence_window, self.divergence_window >= 0, ">= 0 (0: no loss bound)"),
+            ("divergence_k", self.divergence_k, self.divergence_k > 0, "> 0"),
+            ("divergence_min_scale", self.divergence_min_scale, self.divergence_min_scale >= 0, ">= 0 (0: off)"),
+            ("divergence_scale_step", self.divergence_scale_step, self.divergence_scale_step > 0, "> 0"),
+        )
+        for name, value, ok, want in bounds:
+            if not (ok and math.isfinite(value)):
+                raise ConfigError(f"--{name.replace('_', '-')} must be {want}, got {value} (docs/checkpoints.md)")
 
 
 @dataclass
@@ -547,6 +572,26 @@ class Checkpointer:
                 (self.dir / LATEST).unlink(missing_ok=True)
         barrier()
         return None if good is None else self.dir / good
+
+    def refuse_resumed(self, why: str) -> ConfigError:
+        """The tag this run resumed from holds diverged weights (``why``): rank 0 marks it ``DIVERGED`` (so
+        ``--resume latest`` falls back past it next time) and points ``latest`` at the newest earlier usable
+        tag; returns the one-line error naming that tag (collective)."""
+        point = self.resume_point
+        tag_dir = point.load_dir / point.tag
+        earlier = [t for t in complete_tags(point.load_dir) if t < point.tag and _usable(point.load_dir / t)]
+        good = point.load_dir / earlier[-1] if earlier else None
+        if self.rank == 0:
+            atomic_write(tag_dir / DIVERGED, json.dumps({"first_bad_step": _step_of(point.tag), "why": why}))
+            if good is not None and point.load_dir == self.dir:
+                atomic_write(self.dir / LATEST, good.name)
+        barrier()
+        way = (
+            f"resume from {good} (--resume latest now takes it) with a lower --lr"
+            if good is not None
+            else "no earlier checkpoint is left: start again with a lower --lr"
+        )
+        return ConfigError(f"--resume: checkpoint {tag_dir} holds diverged weights ({why}); marked {DIVERGED}; {way}")
 
     def _remove_tag(self, tag: str) -> None:
         if not (self.dir / tag).is_dir():

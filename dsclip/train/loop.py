@@ -41,7 +41,7 @@ from dsclip.train.build import (
     resolved_model_config,
     write_run_files,
 )
-from dsclip.train.divergence import DivergenceGuard
+from dsclip.train.divergence import DivergenceGuard, HealthRule, loaded_scale, resumed_problem
 from dsclip.train.evaluation import TrainingEvaluator
 from dsclip.train.gradcache import GradCacheStep
 from dsclip.train.metrics import MetricsLogger, console, data_counters
@@ -115,13 +115,20 @@ def _train(cfg: RunConfig) -> dict:
     run = build_run(cfg)
     cfg = run.cfg  # with the run name decided
     step, preempted = fit(run)
+    if run.guard.ended_unhealthy:  # the last steps were unhealthy: nothing from them is saved or kept as good
+        raise stop_diverged(run, step, at_end=True)
     if run.checkpointer.last_saved_step != step and (
         preempted or cfg.checkpoint.save_frequency or cfg.checkpoint.save_every_n_steps
     ):
         save_if_good(run, step)
     if not preempted and run.guard.good_to_save:
-        # a finished run: its last step's finite loss is all that will vouch for the final weights, so the
-        # checkpoint --keep-last kept back for safety (Checkpointer.certify) is released
+        # a finished run: no later step will vouch for the final weights (--lr 1e6 blows them up in the last
+        # step with a finite loss), so they are judged by the rule's bound on their logit scale; only then is
+        # the checkpoint --keep-last kept back for safety (Checkpointer.certify) released
+        why = resumed_problem(run.guard.rule, loaded_scale(run.engine))
+        if why:
+            run.guard.final_weights_bad(step, why, run.last_loss)
+            raise stop_diverged(run, step, at_end=True)
         run.checkpointer.certify(step)
     summary = {"step": step, "run_dir": str(cfg.run_dir), "preempted": bool(preempted)}
     # the last checkpoint is safe: say how this start ends before any rank can exit (the barrier), so a
@@ -147,6 +154,19 @@ def _train(cfg: RunConfig) -> dict:
         console(f"preempted: checkpoint saved at step {step}; exiting with {world.exit_code(preempted)} {what}")
     summary["exit_code"] = world.exit_code(preempted)
     return summary
+
+
+def stop_diverged(run: Run, step: int, *, at_end: bool = False) -> Exception:
+    """The run diverged at ``step``: unconfirmed tags marked, ``latest`` on the last good one, exit_status.json
+    saying so (not the status of the start it resumed from), the error logged; returns the error to raise."""
+    good = run.checkpointer.mark_diverged(step, run.guard.first_bad)
+    error = run.guard.error(step, good, at_end=at_end)
+    if run.rank == 0:
+        runlog.write_exit_status(
+            run.cfg.run_dir, exit_code=2, stop="diverged", step=step, checkpoint=None if good is None else str(good)
+        )
+    log.error(str(error))  # into RUN/out.log; the console gets it as the run's error line
+    return error
 
 
 def save_if_good(run: Run, step: int, *, epoch_end: bool | None = None, epoch: int = 0) -> bool:
@@ -231,9 +251,7 @@ def fit(run: Run) -> tuple[int, str | None]:
             if run.guard.observe(step, result):
                 run.checkpointer.certify(step - 1)  # the weights this step trained on were good
             if run.guard.diverged:  # before any save: nothing from the diverged state reaches the disk
-                error = run.guard.error(step, run.checkpointer.mark_diverged(step, run.guard.first_bad))
-                log.error(str(error))  # into RUN/out.log; the console gets it as the run's error line
-                raise error
+                raise stop_diverged(run, step)
             save_if_good(run, step, epoch_end=epoch_end, epoch=epoch)
             if epoch_end:
                 run.evaluator.epoch_end(engine, step, epoch)
@@ -316,7 +334,13 @@ def build_run(cfg: RunConfig) -> Run:
         announce(cfg, bundle, plan, world_size, ft.summary(bundle.precision, bundle.zero_stage, world_size))
         if teacher is not None:
             console(f"dsclip: {teacher.describe()}")
-    guard = DivergenceGuard(cfg.checkpoint.max_skipped_steps)
+    c = cfg.checkpoint
+    rule = HealthRule(c.divergence_window, c.divergence_k, c.divergence_min_scale, c.divergence_scale_step)
+    guard = DivergenceGuard(c.max_skipped_steps, rule)
+    if checkpointer.resume_point is not None:  # weights blown up by an unguarded run are not trained on
+        why = resumed_problem(rule, loaded_scale(bundle.engine))
+        if why:
+            raise checkpointer.refuse_resumed(why)
     return Run(
         cfg, rank, world_size, bundle.engine, data, step_fn, checkpointer, metrics, evaluator, plan, start_step, guard
     )
