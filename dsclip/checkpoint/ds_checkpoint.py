@@ -338,6 +338,7 @@ class Checkpointer:
         self.rank = rank
         self.most_recent = most_recent  # OpenCLIP --save-most-recent: a checkpoint at every epoch end
         self.last_saved_step: int | None = None
+        self.saving_step: int | None = None  # the step whose save is under way
         self._recent_only: str | None = None  # the tag saved only because of most_recent, removed by the next
         self.resume_point: ResumePoint | None = None
         # tags up to this step hold weights that a later step trained on with a finite loss (certify)
@@ -443,6 +444,7 @@ class Checkpointer:
         tag = tag_for_step(step)
         tag_dir = self.dir / tag
         partial = PARTIAL_PREFIX + tag
+        self.saving_step = step  # cleared once the tag is complete: a rank lost meanwhile is said to be mid-save
         if self.rank == 0:
             self.dir.mkdir(parents=True, exist_ok=True)
             self._remove_leftovers()  # of saves or prunes a kill interrupted
@@ -467,6 +469,7 @@ class Checkpointer:
                     raise
                 full = str(e)
         full = from_rank0(full)  # collective: the tag is complete (or not) for every rank
+        self.saving_step = None
         if full is not None:
             self._fail_disk_full(self.dir / partial)
         self.last_saved_step = step

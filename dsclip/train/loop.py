@@ -79,6 +79,7 @@ class Run:
     start_step: int = 0
     guard: DivergenceGuard = field(default_factory=lambda: DivergenceGuard(0))
     last_loss: float = float("nan")  # of the last optimizer step (recorded with a checkpoint)
+    step: int = 0  # the last optimizer step done (what a lost rank's line names)
 
     def client_state(self, step: int) -> dict:
         """What a checkpoint records besides DeepSpeed's state: the data position and batch geometry, the
@@ -113,6 +114,35 @@ def train(cfg: RunConfig) -> dict:
 def _train(cfg: RunConfig) -> dict:
     t_start = time.perf_counter()
     run = build_run(cfg)
+    try:
+        return _train_run(run, t_start)
+    except RuntimeError as e:  # another rank died: one line on the survivors, the traceback with --debug
+        why = world.peer_lost(e)
+        if why is None:
+            raise
+        raise rank_lost(run, why) from e
+
+
+class RankLostError(ConfigError):
+    """Another rank of the job is gone (killed, crashed): one line on the survivors."""
+
+
+def rank_lost(run: Run, why: str) -> RankLostError:
+    saving, latest = run.checkpointer.saving_step, latest_tag(run)
+    during = f"in the save of checkpoint {tag_for_step(saving)} (incomplete, never used)" if saving else (
+        f"during step {run.step + 1}"
+    )  # fmt: skip
+    kept = f"latest names {latest}" if latest else "no checkpoint was saved yet"
+    way = "continue with --resume latest" + ("" if latest else " (from step 0: nothing to resume yet)")
+    error = RankLostError(
+        f"{world.lost_peer_name(run.rank, run.world_size)} stopped {during}, after step {run.step} ({why}); "
+        f"{kept}; {way} (its own log or the launcher's output says why it stopped; the traceback: --debug)"
+    )
+    log.error(str(error))
+    return error
+
+
+def _train_run(run: Run, t_start: float) -> dict:
     cfg = run.cfg  # with the run name decided
     step, preempted = fit(run)
     if run.guard.ended_unhealthy:  # the last steps were unhealthy: nothing from them is saved or kept as good
@@ -223,6 +253,7 @@ def fit(run: Run) -> tuple[int, str | None]:
     """Optimizer steps from ``run.start_step`` to ``run.plan.total_steps`` (or a stop signal)."""
     cfg, engine, k = run.cfg, run.engine, run.cfg.train.accum_freq
     step, preempted = run.start_step, False
+    run.step = step
     epoch, in_epoch = divmod(step, run.plan.steps_per_epoch)
     while step < run.plan.total_steps and not preempted:
         batches = run.data.batches(epoch, start_step=in_epoch * k)
@@ -238,6 +269,7 @@ def fit(run: Run) -> tuple[int, str | None]:
             result = run.step_fn(chunk, grad_norm=run.metrics.logs_step(step + 1))
             chunk = []
             step, in_epoch = step + 1, in_epoch + 1
+            run.step = step
             epoch_end = in_epoch == run.plan.steps_per_epoch
             run.metrics.step(
                 step,
