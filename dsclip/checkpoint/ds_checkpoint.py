@@ -213,7 +213,8 @@ def verify_tag(tag_dir: Path, what: str, *, fix: str = RESUME_FIX, say: Callable
     earlier = sorted((t for t in complete_tags(tag_dir.parent) if t < tag_dir.name), reverse=True)
     listed = ", ".join(earlier[:3]) + (", ..." if len(earlier) > 3 else "") or f"none in {tag_dir.parent}"
     failed = "is not to be used" if note else "fails verification"
-    raise ConfigError(f"{what}: checkpoint {tag_dir} {failed}: {verdict.problem}; {fix.format(earlier=listed)}")
+    where = f"{what}: " if what else ""  # the CLI's error line already names the command (dsclip convert)
+    raise ConfigError(f"{where}checkpoint {tag_dir} {failed}: {verdict.problem}; {fix.format(earlier=listed)}")
 
 
 def resolve_resume(

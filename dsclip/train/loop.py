@@ -373,6 +373,8 @@ def build_run(cfg: RunConfig) -> Run:
         why = resumed_problem(rule, loaded_scale(bundle.engine))
         if why:
             raise checkpointer.refuse_resumed(why)
+        point = checkpointer.resume_point
+        metrics.mark_resume(start_step, str(point.load_dir / point.tag))  # metrics.jsonl: re-run steps follow
     return Run(
         cfg, rank, world_size, bundle.engine, data, step_fn, checkpointer, metrics, evaluator, plan, start_step, guard
     )

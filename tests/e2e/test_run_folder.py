@@ -1,5 +1,7 @@
 """A run folder that holds checkpoints is never started over by accident (issue 52), through the CLI: every
-case runs in ONE process (run_cli_cases) on copies of the shared 3-step tiny run."""
+case runs in ONE process (run_cli_cases) on copies of the shared 3-step tiny run. Also the small items: every
+resume leaves a ``{"resumed_from": step}`` record in metrics.jsonl, and ``--resume latest`` with nothing to
+resume says that it starts fresh."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ def test_same_name_refused_resume_forms_continue_overwrite_starts_over(tmp_path,
         shutil.copytree(tiny_const_lr_run, d)
     (runs["over"] / "checkpoints" / "step_000000003" / "old-run-marker").write_text("x")
     ck = runs["forms"] / "checkpoints"
-    forms = ["latest", str(runs["forms"]), str(ck), str(ck / "latest"), str(ck / "step_000000003")]
+    forms = ["latest", str(runs["forms"]), str(ck), str(ck / "latest"), str(ck / "step_000000002")]
     failed = tmp_path / "failed"  # a run that failed at its start: logs, no checkpoint
     failed.mkdir()
     (failed / "out.log").write_text("OLD-LOG-LINE\n")
@@ -43,6 +45,11 @@ def test_same_name_refused_resume_forms_continue_overwrite_starts_over(tmp_path,
     assert after == before  # nothing written: no second history in metrics.jsonl/out.log
     for i in range(len(forms)):
         assert out[f"form{i}"][0] == 0, out[f"form{i}"][1][-2000:]  # every form --resume takes still continues
+    records = [json.loads(ln) for ln in (runs["forms"] / "metrics.jsonl").read_text().splitlines()]
+    marks = [(i, r["resumed_from"]) for i, r in enumerate(records) if "resumed_from" in r]
+    assert [m for _, m in marks] == [3, 3, 3, 3, 2], marks  # one marker per resume, naming its step
+    step3 = [i for i, r in enumerate(records) if r.get("step") == 3 and "loss" in r]
+    assert len(step3) == 2 and step3[0] < marks[-1][0] < step3[1]  # the re-run step 3 follows its marker
     assert out["over"][0] == 0, out["over"][1][-2000:]
     over = runs["over"]
     assert sorted(p.name for p in (over / "checkpoints").glob("step_*")) == ["step_000000001", "step_000000002"]
