@@ -9,7 +9,7 @@ import json
 import shutil
 
 from tests.e2e.test_faults import CONST_LR_ARGS
-from tests.e2e.test_train_cli import run_cli_cases
+from tests.e2e.test_train_cli import ROOT, run_cli_cases
 
 
 def _steps(run_dir):
@@ -56,6 +56,8 @@ def test_same_name_refused_resume_forms_continue_overwrite_starts_over(tmp_path,
     assert not (over / "checkpoints" / "step_000000003").exists()  # the old run's tags: gone, not mixed
     assert _steps(over) == [1, 2]  # one history
     assert "--overwrite: deleting the earlier run" in (over / "out.log").read_text()
+    demo = (ROOT / "Makefile").read_text().split("\ndemo:", 1)[1].split("\n\n", 1)[0]
+    assert "--name demo --overwrite" in demo  # `make demo` twice: the second starts over, as README says
     assert out["failed"][0] == 0, out["failed"][1][-2000:]
     log = (failed / "out.log").read_text()
     assert "holds no checkpoint" in log and "reusing it" in log and "OLD-LOG-LINE" not in log
