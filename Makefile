@@ -48,7 +48,7 @@ $(VENV)/.installed: setup.py
 venv: $(VENV)/.installed
 
 demo: venv
-	$(PY) -m dsclip train --config dsclip/recipes/demo.yaml --logs runs --name demo $(ARGS)
+	$(PY) -m dsclip train --config dsclip/recipes/demo.yaml --logs runs --name demo --overwrite $(ARGS)
 
 test: venv
 	$(PY) -m ruff check dsclip tests bench

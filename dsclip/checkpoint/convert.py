@@ -275,7 +275,7 @@ def convert_checkpoint(
     out = Path(out)
     check_output(out, fmt, force=force)  # before reading gigabytes
     # stdout is for the result line: the unverified note (older dsclip) goes to stderr
-    verify_tag(ckpt_dir / tag, "dsclip convert", fix=CONVERT_FIX, say=lambda m: print(m, file=sys.stderr, flush=True))
+    verify_tag(ckpt_dir / tag, "", fix=CONVERT_FIX, say=lambda m: print(m, file=sys.stderr, flush=True))
     cfg = checkpoint_model_config(ckpt_dir, tag, model_config)
     try:
         lazy = lazy_fp32_state_dict(ckpt_dir, tag)

@@ -37,6 +37,7 @@ previous tag.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -212,7 +213,8 @@ def verify_tag(tag_dir: Path, what: str, *, fix: str = RESUME_FIX, say: Callable
     earlier = sorted((t for t in complete_tags(tag_dir.parent) if t < tag_dir.name), reverse=True)
     listed = ", ".join(earlier[:3]) + (", ..." if len(earlier) > 3 else "") or f"none in {tag_dir.parent}"
     failed = "is not to be used" if note else "fails verification"
-    raise ConfigError(f"{what}: checkpoint {tag_dir} {failed}: {verdict.problem}; {fix.format(earlier=listed)}")
+    where = f"{what}: " if what else ""  # the CLI's error line already names the command (dsclip convert)
+    raise ConfigError(f"{where}checkpoint {tag_dir} {failed}: {verdict.problem}; {fix.format(earlier=listed)}")
 
 
 def resolve_resume(
@@ -256,9 +258,30 @@ class CheckpointArgs:
     delete_previous_checkpoint: bool = opt(False, "OpenCLIP's flag: same as --keep-last 1.")
     max_skipped_steps: int = opt(
         20,
-        "Stop the run (exit code 2) after N consecutive optimizer steps that were skipped or had a non-finite "
-        "loss (0: never). No checkpoint is saved from such steps, and latest is left on the last checkpoint "
-        "whose weights a later step trained on with a finite loss.",
+        "Stop the run (exit code 2) after N consecutive optimizer steps that were skipped, had a non-finite "
+        "loss or broke a --divergence-* bound (0: never). No checkpoint is saved from such steps, latest is "
+        "left on the last checkpoint whose weights a later healthy step trained on, and a run whose last step "
+        "is non-finite or unhealthy also ends with exit code 2.",
+    )
+    divergence_window: int = opt(
+        50,
+        "Divergence rule: a finite loss above median + K x MAD (at least 0.05 x the median) of the last N "
+        "healthy losses is unhealthy (needs 10 of them; 0: no loss bound). docs/checkpoints.md.",
+    )
+    divergence_k: float = opt(6.0, "Divergence rule: K of --divergence-window's bound (> 0).")
+    divergence_min_scale: float = opt(
+        1.0, "Divergence rule: a logit scale (exp of logit_scale) below this is unhealthy (>= 0; 0: off)."
+    )
+    divergence_scale_step: float = opt(
+        0.05,
+        "Divergence rule: a step that moves log(logit scale) by more than this is unhealthy (> 0; healthy "
+        "AdamW steps move it by about the learning rate).",
+    )
+    overwrite: bool = opt(
+        False,
+        "dsclip's own flag (OpenCLIP has none): start over in a run folder (--name) that already holds "
+        "checkpoints, deleting that run's checkpoints and logs first. Without it such a folder is refused "
+        "unless --resume is given.",
     )
     save_most_recent: bool = opt(
         False,
@@ -275,6 +298,15 @@ class CheckpointArgs:
             raise ConfigError("'keep_last' must be >= 0")
         if self.max_skipped_steps < 0:
             raise ConfigError(f"'max_skipped_steps' must be >= 0 (0: never stop), got {self.max_skipped_steps}")
+        bounds = (
+            ("divergence_window", self.divergence_window, self.divergence_window >= 0, ">= 0 (0: no loss bound)"),
+            ("divergence_k", self.divergence_k, self.divergence_k > 0, "> 0"),
+            ("divergence_min_scale", self.divergence_min_scale, self.divergence_min_scale >= 0, ">= 0 (0: off)"),
+            ("divergence_scale_step", self.divergence_scale_step, self.divergence_scale_step > 0, "> 0"),
+        )
+        for name, value, ok, want in bounds:
+            if not (ok and math.isfinite(value)):
+                raise ConfigError(f"--{name.replace('_', '-')} must be {want}, got {value} (docs/checkpoints.md)")
 
 
 @dataclass
@@ -307,6 +339,7 @@ class Checkpointer:
         self.rank = rank
         self.most_recent = most_recent  # OpenCLIP --save-most-recent: a checkpoint at every epoch end
         self.last_saved_step: int | None = None
+        self.saving_step: int | None = None  # the step whose save is under way
         self._recent_only: str | None = None  # the tag saved only because of most_recent, removed by the next
         self.resume_point: ResumePoint | None = None
         # tags up to this step hold weights that a later step trained on with a finite loss (certify)
@@ -340,6 +373,8 @@ class Checkpointer:
             self._remove_leftovers()
         found = self._resolve(resume) if resume else None
         if found is None:
+            if resume is not None and self.rank == 0:  # 'latest' with nothing yet: right for a first launch
+                say(f"dsclip: --resume {resume}: no checkpoint in {self.dir} yet; starting the run from step 0")
             return {}
         if not universal.needs_universal(universal.saved_state(*found), world_size):
             self.resume_point = ResumePoint(*found)
@@ -441,6 +476,7 @@ class Checkpointer:
         tag = tag_for_step(step)
         tag_dir = self.dir / tag
         partial = PARTIAL_PREFIX + tag
+        self.saving_step = step  # cleared once the tag is complete: a rank lost meanwhile is said to be mid-save
         if self.rank == 0:
             self.dir.mkdir(parents=True, exist_ok=True)
             self._remove_leftovers()  # of saves or prunes a kill interrupted
@@ -468,6 +504,7 @@ class Checkpointer:
                     raise
                 full = str(e)
         full = from_rank0(full)  # collective: the tag is complete (or not) for every rank
+        self.saving_step = None
         if full is not None:
             self._fail_disk_full(self.dir / partial)
         self.last_saved_step = step
@@ -573,6 +610,26 @@ class Checkpointer:
                 (self.dir / LATEST).unlink(missing_ok=True)
         barrier()
         return None if good is None else self.dir / good
+
+    def refuse_resumed(self, why: str) -> ConfigError:
+        """The tag this run resumed from holds diverged weights (``why``): rank 0 marks it ``DIVERGED`` (so
+        ``--resume latest`` falls back past it next time) and points ``latest`` at the newest earlier usable
+        tag; returns the one-line error naming that tag (collective)."""
+        point = self.resume_point
+        tag_dir = point.load_dir / point.tag
+        earlier = [t for t in complete_tags(point.load_dir) if t < point.tag and _usable(point.load_dir / t)]
+        good = point.load_dir / earlier[-1] if earlier else None
+        if self.rank == 0:
+            atomic_write(tag_dir / DIVERGED, json.dumps({"first_bad_step": _step_of(point.tag), "why": why}))
+            if good is not None and point.load_dir == self.dir:
+                atomic_write(self.dir / LATEST, good.name)
+        barrier()
+        way = (
+            f"resume from {good} (--resume latest now takes it) with a lower --lr"
+            if good is not None
+            else "no earlier checkpoint is left: start again with a lower --lr"
+        )
+        return ConfigError(f"--resume: checkpoint {tag_dir} holds diverged weights ({why}); marked {DIVERGED}; {way}")
 
     def _remove_tag(self, tag: str) -> None:
         if not (self.dir / tag).is_dir():

@@ -635,6 +635,36 @@ def shutdown(barrier: bool = True) -> None:
         dist.destroy_process_group()
 
 
+# what gloo / NCCL / the TCP store raise on the survivors when a peer process is gone (killed, OOM, crashed):
+# a collective's read or write on its socket fails, or the communicator is aborted
+PEER_LOST = (
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "Broken pipe",
+    "Connection refused",
+    "remote process exited",
+    "NCCL communicator was aborted",
+    "ProcessGroupNCCL is aborted",
+)
+
+
+def peer_lost(exc: BaseException) -> str | None:
+    """The first line of ``exc`` when it says that another rank of the job is gone (else None)."""
+    text = str(exc)
+    if isinstance(exc, RuntimeError) and any(m in text for m in PEER_LOST):
+        line = text.strip().splitlines()[0] if text.strip() else text
+        return re.sub(r"^\[[^\]]*\]\s*", "", line).split(". This is typically", 1)[0]  # gloo's source path
+    return None
+
+
+def lost_peer_name(rank: int, world_size: int) -> str:
+    """Which rank died, as far as this one can tell: gloo names only an address, so with two ranks it is the
+    other one; with more, the launcher's output (or that rank's out-RANK.log with --log-local) names it."""
+    if world_size == 2:
+        return f"rank {1 - rank}"
+    return f"another of the {world_size} ranks (the launcher's output names it)"
+
+
 def mark_failed() -> None:
     """Tell the exit hook not to wait in a barrier (for code that handles an exception itself)."""
     _state["failed"] = True

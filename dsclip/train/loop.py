@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dsclip.checkpoint import resume_optim, run_lock
+from dsclip.checkpoint import resume_optim, run_folder, run_lock
 from dsclip.checkpoint.ds_checkpoint import Checkpointer, record_tokenizer, tag_for_step
 from dsclip.config import RunConfig, settle_run_name, validate
 from dsclip.config_base import ConfigError
@@ -42,7 +42,7 @@ from dsclip.train.build import (
     resolved_model_config,
     write_run_files,
 )
-from dsclip.train.divergence import DivergenceGuard
+from dsclip.train.divergence import DivergenceGuard, HealthRule, loaded_scale, resumed_problem
 from dsclip.train.evaluation import TrainingEvaluator
 from dsclip.train.gradcache import GradCacheStep
 from dsclip.train.metrics import MetricsLogger, console, data_counters
@@ -80,6 +80,7 @@ class Run:
     start_step: int = 0
     guard: DivergenceGuard = field(default_factory=lambda: DivergenceGuard(0))
     last_loss: float = float("nan")  # of the last optimizer step (recorded with a checkpoint)
+    step: int = 0  # the last optimizer step done (what a lost rank's line names)
 
     def client_state(self, step: int) -> dict:
         """What a checkpoint records besides DeepSpeed's state: the data position and batch geometry, the
@@ -114,15 +115,51 @@ def train(cfg: RunConfig) -> dict:
 def _train(cfg: RunConfig) -> dict:
     t_start = time.perf_counter()
     run = build_run(cfg)
+    try:
+        return _train_run(run, t_start)
+    except RuntimeError as e:  # another rank died: one line on the survivors, the traceback with --debug
+        why = world.peer_lost(e)
+        if why is None:
+            raise
+        raise rank_lost(run, why) from e
+
+
+class RankLostError(ConfigError):
+    """Another rank of the job is gone (killed, crashed): one line on the survivors."""
+
+
+def rank_lost(run: Run, why: str) -> RankLostError:
+    saving, latest = run.checkpointer.saving_step, latest_tag(run)
+    during = f"in the save of checkpoint {tag_for_step(saving)} (incomplete, never used)" if saving else (
+        f"during step {run.step + 1}"
+    )  # fmt: skip
+    kept = f"latest names {latest}" if latest else "no checkpoint was saved yet"
+    way = "continue with --resume latest" + ("" if latest else " (from step 0: nothing to resume yet)")
+    error = RankLostError(
+        f"{world.lost_peer_name(run.rank, run.world_size)} stopped {during}, after step {run.step} ({why}); "
+        f"{kept}; {way} (its own log or the launcher's output says why it stopped; the traceback: --debug)"
+    )
+    log.error(str(error))
+    return error
+
+
+def _train_run(run: Run, t_start: float) -> dict:
     cfg = run.cfg  # with the run name decided
     step, preempted = fit(run)
+    if run.guard.ended_unhealthy:  # the last steps were unhealthy: nothing from them is saved or kept as good
+        raise stop_diverged(run, step, at_end=True)
     if run.checkpointer.last_saved_step != step and (
         preempted or cfg.checkpoint.save_frequency or cfg.checkpoint.save_every_n_steps
     ):
         save_if_good(run, step)
     if not preempted and run.guard.good_to_save:
-        # a finished run: its last step's finite loss is all that will vouch for the final weights, so the
-        # checkpoint --keep-last kept back for safety (Checkpointer.certify) is released
+        # a finished run: no later step will vouch for the final weights (--lr 1e6 blows them up in the last
+        # step with a finite loss), so they are judged by the rule's bound on their logit scale; only then is
+        # the checkpoint --keep-last kept back for safety (Checkpointer.certify) released
+        why = resumed_problem(run.guard.rule, loaded_scale(run.engine))
+        if why:
+            run.guard.final_weights_bad(step, why, run.last_loss)
+            raise stop_diverged(run, step, at_end=True)
         run.checkpointer.certify(step)
     summary = {"step": step, "run_dir": str(cfg.run_dir), "preempted": bool(preempted)}
     # the last checkpoint is safe: say how this start ends before any rank can exit (the barrier), so a
@@ -148,6 +185,19 @@ def _train(cfg: RunConfig) -> dict:
         console(f"preempted: checkpoint saved at step {step}; exiting with {world.exit_code(preempted)} {what}")
     summary["exit_code"] = world.exit_code(preempted)
     return summary
+
+
+def stop_diverged(run: Run, step: int, *, at_end: bool = False) -> Exception:
+    """The run diverged at ``step``: unconfirmed tags marked, ``latest`` on the last good one, exit_status.json
+    saying so (not the status of the start it resumed from), the error logged; returns the error to raise."""
+    good = run.checkpointer.mark_diverged(step, run.guard.first_bad)
+    error = run.guard.error(step, good, at_end=at_end)
+    if run.rank == 0:
+        runlog.write_exit_status(
+            run.cfg.run_dir, exit_code=2, stop="diverged", step=step, checkpoint=None if good is None else str(good)
+        )
+    log.error(str(error))  # into RUN/out.log; the console gets it as the run's error line
+    return error
 
 
 def save_if_good(run: Run, step: int, *, epoch_end: bool | None = None, epoch: int = 0) -> bool:
@@ -204,6 +254,7 @@ def fit(run: Run) -> tuple[int, str | None]:
     """Optimizer steps from ``run.start_step`` to ``run.plan.total_steps`` (or a stop signal)."""
     cfg, engine, k = run.cfg, run.engine, run.cfg.train.accum_freq
     step, preempted = run.start_step, False
+    run.step = step
     epoch, in_epoch = divmod(step, run.plan.steps_per_epoch)
     while step < run.plan.total_steps and not preempted:
         batches = run.data.batches(epoch, start_step=in_epoch * k)
@@ -219,6 +270,7 @@ def fit(run: Run) -> tuple[int, str | None]:
             result = run.step_fn(chunk, grad_norm=run.metrics.logs_step(step + 1))
             chunk = []
             step, in_epoch = step + 1, in_epoch + 1
+            run.step = step
             epoch_end = in_epoch == run.plan.steps_per_epoch
             run.metrics.step(
                 step,
@@ -232,9 +284,7 @@ def fit(run: Run) -> tuple[int, str | None]:
             if run.guard.observe(step, result):
                 run.checkpointer.certify(step - 1)  # the weights this step trained on were good
             if run.guard.diverged:  # before any save: nothing from the diverged state reaches the disk
-                error = run.guard.error(step, run.checkpointer.mark_diverged(step, run.guard.first_bad))
-                log.error(str(error))  # into RUN/out.log; the console gets it as the run's error line
-                raise error
+                raise stop_diverged(run, step)
             save_if_good(run, step, epoch_end=epoch_end, epoch=epoch)
             if epoch_end:
                 run.evaluator.epoch_end(engine, step, epoch)
@@ -249,13 +299,16 @@ def fit(run: Run) -> tuple[int, str | None]:
     return step, preempted
 
 
-def take_run_lock(run_dir, rank: int) -> None:
-    """Rank 0 takes the run folder's lock (held until the process ends); every rank raises its refusal,
-    so no rank of a second job goes on to write (collective)."""
+def take_run_lock(run_dir, rank: int, ckpt=None) -> None:
+    """Rank 0 takes the run folder's lock (held until the process ends) and, with ``ckpt`` (the checkpoint
+    section), refuses to start a new run over one that holds checkpoints (dsclip.checkpoint.run_folder);
+    every rank raises its refusal, so no rank of a second job goes on to write (collective)."""
     error = None
     if rank == 0:
         try:
             run_lock.acquire(run_dir)
+            if ckpt is not None:
+                run_folder.check_new_run(run_dir, resume=ckpt.resume, overwrite=ckpt.overwrite, say=console)
         except ConfigError as e:
             error = str(e)
     error = from_rank0(error)
@@ -270,7 +323,7 @@ def build_run(cfg: RunConfig) -> Run:
     world.install_preemption_handler()
     cfg = settle_run_name(cfg)  # the clock's default, decided on rank 0 (collective)
     validate(cfg)
-    take_run_lock(cfg.run_dir, rank)  # before anything is written into the run folder
+    take_run_lock(cfg.run_dir, rank, cfg.checkpoint)  # before anything is written into the run folder
     runlog.setup(cfg.log, cfg.run_dir, rank)  # RUN/out.log from here: the console lines of the set-up too
     world.check_workers(cfg.data.workers)
     ft = finetune.prepare(cfg, rank=rank)  # --pretrained by name, --force-image-size, locking, quick_gelu
@@ -321,7 +374,15 @@ def build_run(cfg: RunConfig) -> Run:
         announce(cfg, bundle, plan, world_size, ft.summary(bundle.precision, bundle.zero_stage, world_size))
         if teacher is not None:
             console(f"dsclip: {teacher.describe()}")
-    guard = DivergenceGuard(cfg.checkpoint.max_skipped_steps)
+    c = cfg.checkpoint
+    rule = HealthRule(c.divergence_window, c.divergence_k, c.divergence_min_scale, c.divergence_scale_step)
+    guard = DivergenceGuard(c.max_skipped_steps, rule)
+    if checkpointer.resume_point is not None:  # weights blown up by an unguarded run are not trained on
+        why = resumed_problem(rule, loaded_scale(bundle.engine))
+        if why:
+            raise checkpointer.refuse_resumed(why)
+        point = checkpointer.resume_point
+        metrics.mark_resume(start_step, str(point.load_dir / point.tag))  # metrics.jsonl: re-run steps follow
     return Run(
         cfg, rank, world_size, bundle.engine, data, step_fn, checkpointer, metrics, evaluator, plan, start_step, guard
     )

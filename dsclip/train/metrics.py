@@ -346,6 +346,13 @@ class MetricsLogger:
         if self.wandb is not None:
             self.wandb.log(scalars, step)
 
+    def mark_resume(self, step: int, checkpoint: str) -> None:
+        """One ``{"resumed_from": step}`` record: the steps after it that a reader already saw before it were
+        re-run from that checkpoint (the later record of a step is the one that counts)."""
+        if self.jsonl is not None:
+            record = {"step": step, "resumed_from": step, "checkpoint": checkpoint, "time": time.time()}
+            self.jsonl.write(json.dumps(record) + "\n")
+
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()

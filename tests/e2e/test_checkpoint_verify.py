@@ -42,6 +42,7 @@ def _convert_error(capsys, args) -> str:
     assert cli_main(["convert", *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("dsclip convert: error:"), err
+    assert "error: dsclip convert:" not in err[0], err  # the command named once (issue 52)
     return err[0]
 
 

@@ -10,6 +10,9 @@ given): the first shard torch.save writes for it is left half-written and the wr
 
 ``DSCLIP_FIXTURE_DS_RECEIVED=PATH``: the config dict handed to ``deepspeed.initialize`` is written to
 PATH (as JSON, at the call), so a test can compare it with the run folder's ds_config.json.
+
+``DSCLIP_FIXTURE_DIE_IN_SAVE=RANK@STEP``: rank RANK is SIGKILLed while writing its shards of step STEP's
+checkpoint (tests/e2e/test_rank_lost.py: what the surviving ranks say).
 """
 
 import json
@@ -60,3 +63,19 @@ if _received:
         return _initialize(*args, **kwargs)
 
     deepspeed.initialize = _recording_initialize
+
+_die = os.environ.get("DSCLIP_FIXTURE_DIE_IN_SAVE")
+if _die:  # ``RANK@STEP``: that rank is SIGKILLed while writing its shards of step STEP's checkpoint
+    import signal
+
+    import torch
+
+    _rank, _, _step = _die.partition("@")
+    _save_for_die, _die_tag = torch.save, f".partial.step_{int(_step):09d}"
+
+    def _dying_save(obj, f, *args, **kwargs):
+        if _die_tag in str(f) and os.environ.get("RANK", "0") == _rank:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return _save_for_die(obj, f, *args, **kwargs)
+
+    torch.save = _dying_save
