@@ -9,7 +9,7 @@ setup(
     packages=find_packages(include=["dsclip", "dsclip.*"]) + ["dsclip.ds_configs"],
     package_dir={"dsclip.ds_configs": "ds_configs"},
     package_data={
-        "dsclip": ["model/configs/*.json", "recipes/*.yaml", "data/*.txt", "eval/*.tsv"],
+        "dsclip": ["openclip_main_options.json", "model/configs/*.json", "recipes/*.yaml", "data/*.txt", "eval/*.tsv"],
         "dsclip.ds_configs": ["*.json"],
     },
     install_requires=[

@@ -1,8 +1,12 @@
 """Every open_clip_train option and what `dsclip train` does with it: the one table.
 
 dsclip promises that an OpenCLIP command line works after changing the program name (and adding
-``--deepspeed-config``). This table is the honest record of where that holds. Each OpenCLIP option
-(``open_clip_train/params.py``, open_clip_torch 3.3.0) has exactly one row:
+``--deepspeed-config``). This table is the honest record of where that holds. Each OpenCLIP option has
+exactly one row: those of open_clip_torch 3.3.0 (``open_clip_train/params.py``, the release on PyPI,
+whose parser tests/unit/test_compat.py reads at run time) in :data:`OPENCLIP_FLAGS`, and those OpenCLIP's
+main branch added in :data:`MAIN_FLAGS`. Main is not installable, so its option list is data:
+``openclip_main_options.json``, transcribed from main's parser at the commit it names. An option in
+both keeps its 3.3.0 row; what main changed in it is in :data:`MAIN_CHANGES`. Statuses:
 
 - accepted by ``dsclip train`` under the same name:
   ``same`` (OpenCLIP's meaning and default), ``differs`` (OpenCLIP's meaning, but the default or a
@@ -12,8 +16,8 @@ dsclip promises that an OpenCLIP command line works after changing the program n
   dsclip's flag), ``not offered`` (the note says why and what to use instead), ``planned`` (not built
   yet; the note names the issue item).
 
-tests/unit/test_compat.py reads OpenCLIP's own parser and fails for an option missing here, for a
-row whose status does not match what ``dsclip train`` accepts, and when the table in
+tests/unit/test_compat.py reads OpenCLIP's own parser (and main's list) and fails for an option missing
+here, for a row whose status does not match what ``dsclip train`` accepts, and when the table in
 docs/coming-from-openclip.md is not :func:`render_markdown`'s output (``python -m dsclip.compat
 --write-docs`` rewrites it).
 """
@@ -21,6 +25,8 @@ docs/coming-from-openclip.md is not :func:`render_markdown`'s output (``python -
 from __future__ import annotations
 
 import argparse
+import functools
+import json
 import sys
 from pathlib import Path
 from typing import NamedTuple
@@ -243,6 +249,175 @@ OPENCLIP_FLAGS: dict[str, Row] = {
     ),
 }
 
+_AUDIO = "dsclip trains image-text CLIP models; it has no audio tower (OpenCLIP main's CLAP)"
+_NAFLEX = (
+    "dsclip's ViT towers take fixed-size images (one patch size and sequence length per run); NaFlex's "
+    "variable resolution needs timm's NaFlexViT and its token-budget loaders, which dsclip does not have"
+)
+_PAD = (
+    "dsclip's tokenizers pad every caption to the context length (fixed-length text, what the text tower's "
+    "EOT pooling and the gradient cache's re-forward expect): there is no per-batch padding to cut"
+)
+
+# Options OpenCLIP main (4.2.dev) has and open_clip_torch 3.3.0 has not, keyed by main's first option string,
+# in the order of main's parser. Their aliases are in openclip_main_options.json and share the row.
+MAIN_FLAGS: dict[str, Row] = {
+    "--audio-ext": Row("not offered", _AUDIO),
+    "--pretrained-audio": Row("not offered", _AUDIO),
+    "--audio-fill": Row("not offered", _AUDIO),
+    "--audio-trunc": Row("not offered", _AUDIO),
+    "--audio-fusion": Row("not offered", _AUDIO),
+    "--audio-int16-normalize": Row("not offered", _AUDIO),
+    "--audio-zeroshot-dataset": Row("not offered", _AUDIO),
+    "--audio-zeroshot-split": Row("not offered", _AUDIO),
+    "--audio-zeroshot-audio-key": Row("not offered", _AUDIO),
+    "--audio-zeroshot-target-key": Row("not offered", _AUDIO),
+    "--audio-zeroshot-class-key": Row("not offered", _AUDIO),
+    "--audio-zeroshot-template": Row("not offered", _AUDIO),
+    "--audio-zeroshot-workers": Row("not offered", _AUDIO),
+    "--audio-zeroshot-multiprocessing-context": Row("not offered", _AUDIO),
+    "--audio-multiprocessing-context": Row("not offered", _AUDIO),
+    "--image-key": Row(
+        "not offered",
+        "dsclip's webdataset reader takes the first of the members `jpg`, `jpeg`, `png`, `webp` (main's default "
+        "set); other suffixes: rename them when writing the shards",
+    ),
+    "--text-key": Row(
+        "not offered",
+        "dsclip's webdataset reader takes the `txt` member (one caption a line), else the `.json` member's "
+        "`caption`, `text` or `captions`; other members: rename them when writing the shards",
+    ),
+    "--json-text-key": Row(
+        "not offered", "dsclip reads the `.json` member's `caption`, `text` or `captions` field (after `txt`)"
+    ),
+    "--opt-kwargs": Row(
+        "not offered",
+        "a `timm/NAME` optimizer gets `--lr`, `--wd`, `--beta1/--beta2/--eps` and `--momentum`; other arguments: "
+        "a DeepSpeed JSON `optimizer` block (DeepSpeed's optimizers, with their `params`)",
+    ),
+    "--opt-fallback-list": Row(
+        "not offered",
+        "dsclip builds no Muon-family parameter split: a `timm/NAME` optimizer gets dsclip's weight-decay groups only",
+    ),
+    "--text-layer-decay": Row(
+        "same", "per text group: `lr * DECAY**d`, d groups below `text_projection`; works with locking and ZeRO-1/2/3"
+    ),
+    "--image-layer-decay": Row(
+        "same",
+        "per image group, counted as main counts them; the projection keeps `--lr`; works with locking "
+        "and ZeRO-1/2/3; the start-up summary shows the first and last block's lr",
+    ),
+    "--audio-layer-decay": Row("not offered", _AUDIO),
+    "--wd-exclude": Row(
+        "not offered",
+        "dsclip's no-decay set is fixed (biases, norms, embeddings, logit scale/bias: the `--wd` row); "
+        "there is no extra pattern list",
+    ),
+    "--text-pooler-own-group": Row(
+        "not offered",
+        "dsclip's text towers pool one token (`pool_type` argmax/eos/last/first): there is no readout pooler module "
+        "to group",
+    ),
+    "--val-retrieval-chunk-size": Row(
+        "not offered", "dsclip's retrieval metrics are always exact and chunked (1024 rows a chunk, on the device)"
+    ),
+    "--val-retrieval-precision": Row(
+        "not offered", "dsclip gathers evaluation features in fp32 and scores them in fp32 (main's `fp32`, its default)"
+    ),
+    "--torchcompile-strategy": Row(
+        "not offered",
+        "dsclip has one strategy: `--torchcompile` compiles each transformer block in place, inside DeepSpeed's "
+        "engine (main's `model`/`task`/`step` compile whole forwards or the step, which the engine owns here)",
+    ),
+    "--torchcompile-backend": Row(
+        "differs", "default `inductor` (main: unset, torch.compile's default, which is inductor)"
+    ),
+    "--torchcompile-mode": Row(
+        "differs",
+        "`default` or `max-autotune-no-cudagraphs` (main: any mode, unset by default); CUDA-graph modes "
+        "(`reduce-overhead`, `max-autotune`) are refused: the gradient cache re-forwards and ZeRO's hooks run "
+        "between blocks",
+    ),
+    "--fsdp": Row(
+        "not offered",
+        "DeepSpeed ZeRO replaces FSDP2: ZeRO-3 (`--deepspeed-config zero3_bf16`) shards parameters, gradients "
+        "and optimizer state; and dsclip's EMA (`--ema-decay`) is sharded under it, which main's is not with FSDP2",
+    ),
+    "--fsdp-no-reshard-after-forward": Row(
+        "not offered",
+        "ZeRO-2 (`zero2_bf16`) keeps whole parameters; under ZeRO-3 the DeepSpeed JSON's "
+        "`stage3_max_reuse_distance`/`stage3_param_persistence_threshold` decide what stays gathered",
+    ),
+    "--fsdp-offload-cpu": Row(
+        "not offered", "ZeRO-Offload: `--deepspeed-config zero3_offload_bf16` (or `offload_param` in the JSON)"
+    ),
+    "--fsdp-checkpoint": Row(
+        "not offered",
+        "dsclip's checkpoints are always sharded (DeepSpeed's per-rank files, main's `sharded`); "
+        "`dsclip convert` writes the single file (main's `full`)",
+    ),
+    "--log-metric-every-n-steps": Row(
+        "not offered",
+        "TensorBoard, wandb and metrics.jsonl get scalars every `--log-every-n-steps`, the loss already the "
+        "full-batch loss (mean over ranks); lower that for denser curves",
+    ),
+    "--train-loss-ema-samples": Row(
+        "not offered",
+        "the console and scalars show the loss averaged over the `--log-every-n-steps` window (full batch, mean "
+        "over ranks) and the last step's (`loss_last`); no EMA of the loss is kept",
+    ),
+    "--use-naflex": Row("not offered", _NAFLEX),
+    "--force-naflex-vision": Row("not offered", _NAFLEX),
+    "--naflex-num-train-image-tokens": Row("not offered", _NAFLEX),
+    "--naflex-patch-sizes": Row("not offered", _NAFLEX),
+    "--naflex-patch-size-probs": Row("not offered", _NAFLEX),
+    "--naflex-seq-lens": Row("not offered", _NAFLEX),
+    "--naflex-seq-len-probs": Row("not offered", _NAFLEX),
+    "--naflex-max-tokens-per-batch": Row("not offered", _NAFLEX),
+    "--naflex-max-text-tokens": Row("not offered", _NAFLEX),
+    "--naflex-batch-divisor": Row("not offered", _NAFLEX),
+    "--naflex-loss-scale": Row("not offered", _NAFLEX),
+    "--length-bucketing": Row("not offered", _PAD),
+    "--bucket-pool": Row("not offered", _PAD),
+    "--bucket-chunk": Row("not offered", _PAD),
+    "--naflex-pad-multiple": Row("not offered", _AUDIO),
+    "--text-pad-multiple": Row("not offered", _PAD),
+}
+
+# Options in both whose default or choices main changed: what that means for dsclip (appended to the 3.3.0 row).
+MAIN_CHANGES: dict[str, str] = {
+    "--dataset-type": "main adds `webdataset-audio` and `synthetic-audio`: not offered (no audio tower)",
+    "--precision": "main's default is `amp_bf16`; dsclip's stays `auto`",
+    "--opt": "main adds `nadamw` (torch's NAdam with decoupled weight decay): here an error, "
+    "the nearest is `timm/nadamw` (timm's NAdamW)",
+    "--report-to": "main adds `trackio`: not offered (tensorboard, wandb)",
+}
+
+MAIN_OPTIONS_FILE = Path(__file__).with_name("openclip_main_options.json")
+
+
+@functools.lru_cache(maxsize=1)
+def main_options() -> dict:
+    """OpenCLIP main's parser as data (openclip_main_options.json): ``{"commit": ..., "options": [...]}``."""
+    return json.loads(MAIN_OPTIONS_FILE.read_text())
+
+
+def main_flags() -> dict[str, dict]:
+    """Main's options keyed by their first option string, in main's order."""
+    return {o["flag"]: o for o in main_options()["options"]}
+
+
+def _row(flag: str) -> Row | None:
+    if flag in OPENCLIP_FLAGS:
+        return OPENCLIP_FLAGS[flag]
+    if flag in MAIN_FLAGS:
+        return MAIN_FLAGS[flag]
+    for o in main_options()["options"]:  # an alias (--visual-layer-decay) shares its option's row
+        if flag in o["aliases"]:
+            return MAIN_FLAGS.get(o["flag"]) or OPENCLIP_FLAGS.get(o["flag"])
+    return None
+
+
 README_BEGIN = "<!-- compat-table: begin (python -m dsclip.compat --write-docs) -->"
 README_END = "<!-- compat-table: end -->"
 # the page of the user guide that holds the generated table (README.md links to it)
@@ -253,35 +428,67 @@ def refusal(flag: str) -> str | None:
     """The one-line refusal of an OpenCLIP option ``dsclip train`` does not accept (its table row's reason
     and replacement), or None when ``flag`` is not such an option."""
     name = flag.split("=", 1)[0]
-    row = OPENCLIP_FLAGS.get(name)
+    row = _row(name)
     if row is None or row.status not in REJECTED:
         return None
     note = row.note
     if note.startswith("see `") and note.endswith("`"):  # "--remote-sync-frequency: see `--remote-sync`"
-        note = OPENCLIP_FLAGS[note[5:-1]].note
+        note = _row(note[5:-1]).note
     what = {"renamed": "named differently here", "not offered": "not offered", "planned": "not built yet"}
     return f"unknown flag {name}: OpenCLIP's option, {what[row.status]} in dsclip train: {note}".replace("`", "")
 
 
-def counts() -> dict[str, int]:
+def rows() -> list[tuple[str, tuple[str, ...], str, Row]]:
+    """Every row of the table: (flag, aliases, OpenCLIP versions that have it, row), in main's parser order
+    with 3.3.0's options that main dropped placed after the option that precedes them in 3.3.0."""
+    main = main_flags()
+    order = list(main)
+    prev = None
+    for flag in OPENCLIP_FLAGS:
+        if flag not in main:
+            order.insert(order.index(prev) + 1 if prev else 0, flag)
+        prev = flag
+    out = []
+    for flag in order:
+        in_main, in_330 = flag in main, flag in OPENCLIP_FLAGS
+        versions = "3.3.0, main" if in_main and in_330 else "main" if in_main else "3.3.0"
+        row = OPENCLIP_FLAGS[flag] if in_330 else MAIN_FLAGS[flag]
+        if flag in MAIN_CHANGES:
+            row = row._replace(note=f"{row.note}; {MAIN_CHANGES[flag]}" if row.note else MAIN_CHANGES[flag])
+        out.append((flag, tuple(main[flag]["aliases"]) if in_main else (), versions, row))
+    return out
+
+
+def counts(flags=None) -> dict[str, int]:
     out = {s: 0 for s in STATUSES}
-    for row in OPENCLIP_FLAGS.values():
+    for row in (OPENCLIP_FLAGS if flags is None else flags).values():
         out[row.status] += 1
     return out
 
 
-def render_markdown() -> str:
-    c = counts()
+def _summary(what: str, c: dict[str, int], n: int) -> str:
     accepted = sum(c[s] for s in ACCEPTED)
-    summary = (
-        f"{accepted} of OpenCLIP's {len(OPENCLIP_FLAGS)} training options are accepted by `dsclip train` "
-        f"({c['same']} same, {c['differs']} with a different default or detail, {c['no-op']} no-op); "
-        f"{c['renamed']} renamed, {c['not offered']} not offered, {c['planned']} planned."
+    return (
+        f"{what}: {accepted} of {n} accepted by `dsclip train` ({c['same']} same, {c['differs']} with a different "
+        f"default or detail, {c['no-op']} no-op); {c['renamed']} renamed, {c['not offered']} not offered, "
+        f"{c['planned']} planned."
     )
-    lines = [summary, "", "| flag | status | note |", "|---|---|---|"]
-    for flag, row in OPENCLIP_FLAGS.items():
+
+
+def render_markdown() -> str:
+    m = main_options()
+    main = main_flags()
+    in_main = {f: r for f, r in OPENCLIP_FLAGS.items() if f in main} | MAIN_FLAGS
+    summary = [
+        _summary("OpenCLIP 3.3.0 (open_clip_torch on PyPI)", counts(), len(OPENCLIP_FLAGS)),
+        _summary(f"OpenCLIP main ({m['version']}, `{m['path']}` at {m['commit'][:7]})", counts(in_main), len(in_main)),
+        _summary(f"Options new in main ({len(MAIN_FLAGS)})", counts(MAIN_FLAGS), len(MAIN_FLAGS)),
+    ]
+    lines = [f"- {s}" for s in summary] + ["", "| flag | OpenCLIP | status | note |", "|---|---|---|---|"]
+    for flag, aliases, versions, row in rows():
         note = row.note.replace("|", "\\|")
-        lines.append(f"| `{flag}` | {row.status} | {note} |")
+        names = ", ".join(f"`{f}`" for f in (flag, *aliases))
+        lines.append(f"| {names} | {versions} | {row.status} | {note} |")
     return "\n".join(lines)
 
 

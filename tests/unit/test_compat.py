@@ -3,7 +3,9 @@
 
 OpenCLIP's parser is built by running ``open_clip_train.params.parse_args`` with
 ``ArgumentParser.parse_args`` intercepted, so no training code runs and an option OpenCLIP adds in a
-later release shows up here (and fails until it gets a row)."""
+later release shows up here (and fails until it gets a row). OpenCLIP main is not installable: its
+options are dsclip/openclip_main_options.json (read from main's parser at the commit it names), and
+every one of them needs a row too."""
 
 from __future__ import annotations
 
@@ -42,6 +44,7 @@ OC = _openclip_parser()
 OC_OPTIONS = {a.option_strings[0]: a for a in OC._actions if a.option_strings and a.option_strings[0] != "-h"}
 DS = build_arg_parser()
 FIELDS = _field_index()
+MAIN = compat.main_flags()
 
 
 def _oc_default(action: argparse.Action):
@@ -109,6 +112,73 @@ def test_row_status_matches_what_dsclip_train_accepts(flag):
             cfg = parse_run_config(["--name", "t", flag, text])
             section = FIELDS[ds.dest][0]
             assert getattr(getattr(cfg, section), ds.dest) == oc.type(text), flag
+
+
+def test_main_option_list_is_mains_parser_as_read():
+    m = compat.main_options()
+    assert re.fullmatch(r"[0-9a-f]{40}", m["commit"]) and m["path"] == "src/open_clip_train/params.py"
+    assert len(MAIN) == len(m["options"]) == 139  # main's parser at that commit; no option listed twice
+    names = [n for o in m["options"] for n in (o["flag"], *o["aliases"])]
+    assert len(names) == len(set(names)) and "--visual-layer-decay" in names
+    for flag, o in MAIN.items():
+        assert o["kind"] in m["kinds"] and o["gist"], flag
+        if flag in OC_OPTIONS:  # the transcription agrees with the installed 3.3.0 parser on the option's kind
+            assert (OC_OPTIONS[flag].nargs == 0) == (o["kind"] in ("switch", "switch-off")), flag
+
+
+def test_every_main_option_has_exactly_one_row():
+    new = set(MAIN) - set(OC_OPTIONS)
+    missing = sorted(new - set(compat.MAIN_FLAGS))
+    assert not missing, f"OpenCLIP main options not classified in dsclip/compat.py MAIN_FLAGS: {missing}"
+    stale = sorted(set(compat.MAIN_FLAGS) - new)
+    assert not stale, f"MAIN_FLAGS rows for options main does not have, or 3.3.0 has too (use its row): {stale}"
+    for flag, row in compat.MAIN_FLAGS.items():
+        assert row.status in compat.STATUSES and row.note, (flag, row)
+    table = compat.rows()
+    assert [r[0] for r in table].count("--fsdp") == 1 and len(table) == len(set(MAIN) | set(OC_OPTIONS))
+    versions = {flag: v for flag, _, v, _ in table}
+    assert versions["--fsdp"] == "main" and versions["--horovod"] == "3.3.0" and versions["--lr"] == "3.3.0, main"
+
+
+def test_main_changes_to_shared_options_are_noted():
+    shared = set(MAIN) & set(OC_OPTIONS)
+    assert set(compat.MAIN_CHANGES) <= shared
+    for flag in sorted(shared):
+        oc, o = OC_OPTIONS[flag], MAIN[flag]
+        if _norm(oc.default) != _norm(o["default"]) or list(oc.choices or ()) != list(o["choices"] or ()):
+            assert flag in compat.MAIN_CHANGES, f"{flag}: main changed its default or choices; say so in MAIN_CHANGES"
+    # what the notes claim about dsclip
+    with pytest.raises(ConfigError, match="--opt nadamw"):
+        parse_run_config(["--name", "t", "--opt", "nadamw"])
+    assert parse_run_config(["--name", "t", "--opt", "timm/nadamw"]).optim.opt == "timm/nadamw"
+    with pytest.raises(ConfigError, match="--report-to 'trackio' is not supported"):
+        parse_run_config(["--name", "t", "--report-to", "trackio"])
+    assert "webdataset-audio" not in DS._option_string_actions["--dataset-type"].choices
+
+
+@pytest.mark.parametrize("flag", sorted(compat.MAIN_FLAGS))
+def test_main_row_status_matches_what_dsclip_train_accepts(flag):
+    row, o = compat.MAIN_FLAGS[flag], MAIN[flag]
+    names = [flag, *o["aliases"]]
+    switch = o["kind"] in ("switch", "switch-off")
+    if row.status in compat.REJECTED:
+        for name in names:
+            assert name not in DS._option_string_actions, f"{name} is accepted by dsclip train but '{row.status}'"
+            with pytest.raises(ConfigError, match=f"unknown flag {name}: OpenCLIP's option, not offered"):
+                parse_run_config([name] if switch else [name, "1"])
+        return
+    assert all(n in DS._option_string_actions for n in names), f"{names}: '{row.status}' but dsclip rejects one"
+    ds = DS._option_string_actions[flag]
+    assert all(DS._option_string_actions[n] is ds for n in names)  # an alias is the same option, as in main
+    assert switch == isinstance(ds, argparse.BooleanOptionalAction), flag
+    if row.status == "same":
+        assert _norm(o["default"]) == _norm(_ds_default(flag)), (flag, o["default"], _ds_default(flag))
+        assert set(o["choices"] or ()) <= set(ds.choices or ()), flag
+        if o["kind"] == "value" and o["type"] in ("int", "float"):
+            text = "3" if o["type"] == "int" else "0.5"
+            for name in names:
+                cfg = parse_run_config(["--name", "t", name, text])
+                assert getattr(getattr(cfg, FIELDS[ds.dest][0]), ds.dest) == float(text), name
 
 
 def test_switches_parse_on_and_off():
