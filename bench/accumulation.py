@@ -114,7 +114,7 @@ def _openclip_style_rank(rank: int, world: int, batch: int, accum_freq: int, war
 def openclip_style_worker(
     batch: int, accum_freq: int, warmup: int, steps: int, cfg: dict = V.BENCH_CFG, world: int = 1
 ) -> dict:
-    from tests.distutil import run_world
+    from dsclip.testing.gloo_world import run_world
 
     return V.combine_ranks(run_world(_openclip_style_rank, world, batch, accum_freq, warmup, steps, cfg))
 

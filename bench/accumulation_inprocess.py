@@ -115,7 +115,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--profile", default="", help="cProfile this method (dsclip, dsclip-before, openclip-style)")
     a = ap.parse_args(argv)
-    from tests.distutil import run_world
+    from dsclip.testing.gloo_world import run_world
 
     ((times, prof),) = run_world(_rank, 1, a, timeout=3600)
     print(prof)

@@ -139,7 +139,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--evals", type=int, default=3, help="evaluations per method per round (median)")
     a = ap.parse_args(argv)
-    from tests.distutil import run_world
+    from dsclip.testing.gloo_world import run_world
 
     (out,) = run_world(_rank, 1, a, timeout=3600)
     rows = out["rows"]

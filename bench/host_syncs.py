@@ -53,8 +53,8 @@ def _rank(rank, world, old_source, steps):
     from dsclip.engine.ds_config import load_ds_json, resolve_ds_config
     from dsclip.losses import build_loss
     from dsclip.model import create_model, get_model_config
+    from dsclip.testing.gradcache import make_batches, make_cfg, rank_chunks
     from dsclip.train import gradcache as new_gc
-    from tests.dist.test_gradcache import make_batches, make_cfg, rank_chunks
 
     old_gc = types.ModuleType("gradcache_before")
     sys.modules[old_gc.__name__] = old_gc  # dataclasses look their module up there
@@ -130,7 +130,7 @@ def main(argv=None) -> int:
     ap.add_argument("--before-rev", default="a108e3d")
     ap.add_argument("--steps", type=int, default=3)
     args = ap.parse_args(argv)
-    from tests.distutil import run_world
+    from dsclip.testing.gloo_world import run_world
 
     old = subprocess.run(
         ["git", "show", f"{args.before_rev}:dsclip/train/gradcache.py"],

@@ -67,7 +67,7 @@ def main(argv=None) -> int:
     ap.add_argument("--k", type=int, default=2)
     ap.add_argument("--steps", type=int, default=12)
     a = ap.parse_args(argv)
-    from tests.distutil import run_world
+    from dsclip.testing.gloo_world import run_world
 
     ranks = run_world(_rank, a.world, a, timeout=3600)
     times = {n: [max(r[n][s] for r in ranks) for s in range(a.steps)] for n in ranks[0]}  # the slowest rank

@@ -24,7 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from tests.distutil import free_port  # noqa: E402  (ports the test suite's own launches use)
+from dsclip.testing.gloo_world import free_port  # noqa: E402  (ports the test suite's own launches use)
 
 PY = sys.executable
 DEEPSPEED = str(Path(PY).parent / "deepspeed")

@@ -4,7 +4,7 @@
 return at once. If everything else a rank does is that of world N, its host time per step equals a real
 rank's minus the time the real rank spends inside collectives. This bench checks that on this CPU: for each
 world size and configuration, one fake child (dsclip.rehearsal, every configuration in one fake world) and
-one real gloo world of N processes (tests/distutil.run_world) run the same rehearsal on the demo model,
+one real gloo world of N processes (dsclip.testing.gloo_world.run_world) run the same rehearsal on the demo model,
 bf16, synthetic batches; the real rank's ``comm`` is its wall time inside collective calls (the counter's
 ``seconds``: for async calls only the launch, so the difference errs high). Rank 0's medians are reported.
 
@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dsclip.plan import shipped_ds_config  # noqa: E402
 from dsclip.rehearsal import RehearsalSpec, rehearse_many, run_real_rank  # noqa: E402
-from tests.distutil import run_world  # noqa: E402
+from dsclip.testing.gloo_world import run_world  # noqa: E402
 
 
 def main() -> int:

@@ -65,7 +65,7 @@ def main() -> None:
     ap.add_argument("--lines", type=int, default=30)
     ap.add_argument("--deepspeed-flush", action="store_true", help="DeepSpeed's own flush (the reference)")
     args = ap.parse_args()
-    from tests.distutil import run_world
+    from dsclip.testing.gloo_world import run_world
 
     out = run_world(
         _rank,

@@ -200,7 +200,7 @@ def _interleaved_rank(rank, world, cfg, batch, warmup, blocks, block_steps, name
 def interleaved(spec: dict, cfg: dict) -> dict[str, list[dict]]:
     """Per trainer, per turn: samples/s (global, the slowest rank's wall time) and samples per CPU-second
     (the slowest rank's), the fields V.alternate's runs have."""
-    from tests.distutil import run_world
+    from dsclip.testing.gloo_world import run_world
 
     world, n = spec["world"], spec["block_steps"] * spec["batch"]
     per_rank = run_world(
@@ -229,7 +229,7 @@ def _worker(spec: dict) -> dict:
     if kind == "interleaved":
         return interleaved(spec, cfg)
     if kind == "phases":
-        from tests.distutil import run_world
+        from dsclip.testing.gloo_world import run_world
 
         return run_world(_phases_rank, 1, cfg, spec["batch"], spec["steps"])[0]
     raise ValueError(kind)

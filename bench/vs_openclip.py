@@ -341,7 +341,7 @@ def dsclip_worker(
     accum_freq: int = 1,
     opts: dict | None = None,
 ) -> dict:
-    from tests.distutil import run_world
+    from dsclip.testing.gloo_world import run_world
 
     return combine_ranks(run_world(_dsclip_rank, world, precision, batch, warmup, steps, cfg, accum_freq, opts))
 

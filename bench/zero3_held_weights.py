@@ -89,7 +89,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--world", type=int, default=2)
     a = ap.parse_args(argv)
-    from tests.distutil import run_world
+    from dsclip.testing.gloo_world import run_world
 
     print(
         f"ZeRO-3 bf16, ViT-B-16 towers (32 px, 8 tokens, micro-batch 2), world {a.world}, MB per rank (rank 0)\n\n"

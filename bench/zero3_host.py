@@ -267,7 +267,7 @@ def main(argv=None) -> int:
     ap.add_argument("--lines", type=int, default=40)
     ap.add_argument("--sort", default="tottime", help="with --profile: pstats order (tottime, cumulative)")
     a = ap.parse_args(argv)
-    from tests.distutil import run_world
+    from dsclip.testing.gloo_world import run_world
 
     plan = _plan(a)
     ranks = run_world(_rank, a.world, a, plan, timeout=7200)

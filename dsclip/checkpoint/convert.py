@@ -253,6 +253,52 @@ def check_output(out: Path, fmt: str, *, force: bool) -> None:
         taken.unlink()
 
 
+def _checked_tensors(
+    ckpt_dir: Path, tag: str, cfg: dict, dtype: torch.dtype, *, ema: bool = False
+) -> list[tuple[str, LazyTensor]]:
+    """The tag's consolidated fp32 tensors (with ``ema``, the sharded EMA's in place of the trained ones), lazily
+    read, shape-checked against ``cfg`` and cast to ``dtype``."""
+    try:
+        lazy = lazy_fp32_state_dict(ckpt_dir, tag)
+    except (RuntimeError, EOFError, pickle.UnpicklingError) as e:  # a damaged shard of an unverified (old) tag
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(
+            f"checkpoint {ckpt_dir / tag} cannot be read ({first}); convert an earlier tag with --tag"
+        ) from e
+    if ema:  # the sharded EMA (dsclip.engine.ema) in place of the trained weights; locked ones never move
+        lazy = {**lazy, **ema_state_dict(ckpt_dir / tag)}
+    meta = {k: torch.empty(t.shape, device="meta") for k, t in lazy.items()}
+    check_state_dict(meta, expected_shapes(cfg), f"checkpoint {ckpt_dir / tag}")
+    return [(k, _cast(t, dtype)) for k, t in lazy.items()]
+
+
+def _ship_tokenizer(
+    ckpt_dir: Path, folder: Path, fmt: str, cfg: dict, config: dict, hf_tokenizer_name: str | None
+) -> None:
+    """Copy the run's tokenizer beside the weights; for OpenCLIP, as files OpenCLIP's ``get_tokenizer``
+    reads (a Hugging Face tokenizer, announced in ``config``'s text_cfg.hf_tokenizer_name)."""
+    _copy_tokenizer(ckpt_dir, folder)
+    spm, spec = folder / TOKENIZER_FILE, folder / TOKENIZER_SPEC_FILE
+    text_cfg = config.get("model_cfg", {}).get("text_cfg", {})
+    if fmt == "open_clip" and not spm.is_file() and spec.is_file() and text_cfg.get("hf_tokenizer_name"):
+        # a model fine-tuned from an OpenCLIP model with a Hugging Face tokenizer (hf-hub:...): ship those
+        # tokenizer files (they replace the {"tokenizer": spec} note, which OpenCLIP would misread)
+        _save_hf_tokenizer(json.loads(spec.read_text())["tokenizer"], folder, text_cfg["context_length"])
+        if hf_tokenizer_name:
+            text_cfg["hf_tokenizer_name"] = hf_tokenizer_name
+    if fmt == "open_clip" and spm.is_file():
+        # OpenCLIP's own get_tokenizer("local-dir:OUT") must give dsclip's ids: a Hugging Face tokenizer.json
+        # built from the sentencepiece model, announced by text_cfg.hf_tokenizer_name (OpenCLIP's mechanism).
+        from dsclip.data.hf_tokenizer import write_hf_tokenizer
+
+        try:
+            write_hf_tokenizer(spm, folder, cfg["text_cfg"]["context_length"])
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        text_cfg = config["model_cfg"]["text_cfg"]
+        text_cfg["hf_tokenizer_name"] = hf_tokenizer_name or str(folder.resolve())
+
+
 def convert_checkpoint(
     ckpt_dir: Path,
     tag: str,
@@ -277,18 +323,7 @@ def convert_checkpoint(
     # stdout is for the result line: the unverified note (older dsclip) goes to stderr
     verify_tag(ckpt_dir / tag, "", fix=CONVERT_FIX, say=lambda m: print(m, file=sys.stderr, flush=True))
     cfg = checkpoint_model_config(ckpt_dir, tag, model_config)
-    try:
-        lazy = lazy_fp32_state_dict(ckpt_dir, tag)
-    except (RuntimeError, EOFError, pickle.UnpicklingError) as e:  # a damaged shard of an unverified (old) tag
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ConfigError(
-            f"checkpoint {ckpt_dir / tag} cannot be read ({first}); convert an earlier tag with --tag"
-        ) from e
-    if ema:  # the sharded EMA (dsclip.engine.ema) in place of the trained weights; locked ones never move
-        lazy = {**lazy, **ema_state_dict(ckpt_dir / tag)}
-    meta = {k: torch.empty(t.shape, device="meta") for k, t in lazy.items()}
-    check_state_dict(meta, expected_shapes(cfg), f"checkpoint {ckpt_dir / tag}")
-    items = [(k, _cast(t, DTYPES[dtype])) for k, t in lazy.items()]
+    items = _checked_tensors(ckpt_dir, tag, cfg, DTYPES[dtype], ema=ema)
 
     weights = _weights_path(out, fmt)
     weights.parent.mkdir(parents=True, exist_ok=True)
@@ -303,26 +338,7 @@ def convert_checkpoint(
         write_safetensors_streaming(weights, [_to_openclip(k, t, cfg) for k, t in items], {"format": "pt"})
         config_file = weights.parent / "open_clip_config.json"
         config = openclip_model_config(cfg, run_preprocess_cfg(ckpt_dir.parent))
-    _copy_tokenizer(ckpt_dir, weights.parent)
-    spm, spec = weights.parent / TOKENIZER_FILE, weights.parent / TOKENIZER_SPEC_FILE
-    text_cfg = config.get("model_cfg", {}).get("text_cfg", {})
-    if fmt == "open_clip" and not spm.is_file() and spec.is_file() and text_cfg.get("hf_tokenizer_name"):
-        # a model fine-tuned from an OpenCLIP model with a Hugging Face tokenizer (hf-hub:...): ship those
-        # tokenizer files (they replace the {"tokenizer": spec} note, which OpenCLIP would misread)
-        _save_hf_tokenizer(json.loads(spec.read_text())["tokenizer"], weights.parent, text_cfg["context_length"])
-        if hf_tokenizer_name:
-            text_cfg["hf_tokenizer_name"] = hf_tokenizer_name
-    if fmt == "open_clip" and spm.is_file():
-        # OpenCLIP's own get_tokenizer("local-dir:OUT") must give dsclip's ids: a Hugging Face tokenizer.json
-        # built from the sentencepiece model, announced by text_cfg.hf_tokenizer_name (OpenCLIP's mechanism).
-        from dsclip.data.hf_tokenizer import write_hf_tokenizer
-
-        try:
-            write_hf_tokenizer(spm, weights.parent, cfg["text_cfg"]["context_length"])
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-        text_cfg = config["model_cfg"]["text_cfg"]
-        text_cfg["hf_tokenizer_name"] = hf_tokenizer_name or str(weights.parent.resolve())
+    _ship_tokenizer(ckpt_dir, weights.parent, fmt, cfg, config, hf_tokenizer_name)
     config_file.write_text(json.dumps(config, indent=2))
     return weights
 

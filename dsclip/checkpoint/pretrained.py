@@ -255,52 +255,48 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0] if text else ''}"
 
 
-def resolve_pretrained(model: str, pretrained: str, cache_dir: str | None = None) -> ResolvedPretrained:
-    """``--pretrained`` -> a local weights file, the architecture and the tokenizer that go with it.
+def _export_folder(p: Path) -> ResolvedPretrained:
+    """An export folder (dsclip convert, OpenCLIP local-dir): its architecture and tokenizer come with it."""
+    cfg_file = p / "open_clip_config.json" if (p / "open_clip_config.json").is_file() else p / "config.json"
+    cfg = json.loads(cfg_file.read_text())
+    tokenizer = None
+    if (p / "tokenizer.model").is_file():
+        tokenizer = str(p / "tokenizer.model")
+    elif cfg_file.name == "open_clip_config.json":
+        tokenizer = f"{OPEN_CLIP}local-dir:{p}"
+    return ResolvedPretrained(str(p), str(p), cfg.get("model_cfg", cfg), tokenizer)
 
-    - an existing file: used as is (architecture = ``--model``; tokenizer: ``open_clip:MODEL`` for an
-      OpenCLIP file with OpenCLIP's 49408-token vocabulary, else ``--tokenizer``);
-    - an export folder (``open_clip_config.json`` or dsclip's ``config.json``): its architecture, and its
-      ``tokenizer.model`` (else OpenCLIP's tokenizer for that folder);
-    - ``hf-hub:ORG/NAME``: the repo's ``open_clip_config.json`` and weights through open_clip's own
-      ``download_pretrained_from_hf`` (Hugging Face cache; ``HF_HUB_OFFLINE=1`` works from a filled cache);
-    - ``open_clip:MODEL/TAG`` or a bare ``TAG`` of ``--model``: ``open_clip.get_pretrained_cfg`` +
-      ``open_clip.download_pretrained`` (``cache_dir`` = OpenCLIP's ``--cache-dir``).
-    Every failure is a one-line ``ConfigError`` (an unknown tag lists the tags of that architecture)."""
-    p = Path(pretrained)
-    if p.is_dir() and any((p / n).is_file() for n in ("open_clip_config.json", "config.json")):
-        # an export folder (dsclip convert, OpenCLIP local-dir): its architecture and tokenizer come with it
-        cfg_file = p / "open_clip_config.json" if (p / "open_clip_config.json").is_file() else p / "config.json"
-        cfg = json.loads(cfg_file.read_text())
-        tokenizer = None
-        if (p / "tokenizer.model").is_file():
-            tokenizer = str(p / "tokenizer.model")
-        elif cfg_file.name == "open_clip_config.json":
-            tokenizer = f"{OPEN_CLIP}local-dir:{p}"
-        return ResolvedPretrained(str(p), str(p), cfg.get("model_cfg", cfg), tokenizer)
-    if p.exists():
-        # an OpenCLIP file with OpenCLIP's BPE vocabulary was trained with OpenCLIP's tokenizer
-        src = WeightSource(p)
-        vocab = src.shapes.get("token_embedding.weight", (0,))[0] if src.is_openclip() else 0
-        return ResolvedPretrained(
-            pretrained, model, None, f"{OPEN_CLIP}{model}" if vocab == OPENCLIP_BPE_VOCAB else None
-        )
-    if pretrained.startswith(HF_HUB):
-        repo = pretrained[len(HF_HUB) :].strip("/")
-        _open_clip(pretrained)
-        from open_clip.pretrained import download_pretrained_from_hf
 
-        try:
-            cfg_path = download_pretrained_from_hf(repo, filename="open_clip_config.json", cache_dir=cache_dir)
-            weights = download_pretrained_from_hf(repo, cache_dir=cache_dir)
-        except Exception as e:  # huggingface_hub raises many types (offline, 404, gated, ...)
-            raise ConfigError(
-                f"--pretrained {pretrained}: no OpenCLIP model found on the Hugging Face hub or in its cache "
-                f"({_first_line(e)})"
-            ) from None
-        cfg = json.loads(Path(cfg_path).read_text())
-        model_cfg = cfg.get("model_cfg", cfg)
-        return ResolvedPretrained(weights, pretrained, model_cfg, OPEN_CLIP + pretrained)
+def _weights_file(model: str, pretrained: str) -> ResolvedPretrained:
+    """A weights file, used as is; an OpenCLIP file with OpenCLIP's BPE vocabulary was trained with
+    OpenCLIP's tokenizer."""
+    src = WeightSource(Path(pretrained))
+    vocab = src.shapes.get("token_embedding.weight", (0,))[0] if src.is_openclip() else 0
+    return ResolvedPretrained(pretrained, model, None, f"{OPEN_CLIP}{model}" if vocab == OPENCLIP_BPE_VOCAB else None)
+
+
+def _hf_hub(pretrained: str, cache_dir: str | None) -> ResolvedPretrained:
+    """``hf-hub:ORG/NAME`` through open_clip's own download (Hugging Face cache, HF_HUB_OFFLINE honoured)."""
+    repo = pretrained[len(HF_HUB) :].strip("/")
+    _open_clip(pretrained)
+    from open_clip.pretrained import download_pretrained_from_hf
+
+    try:
+        cfg_path = download_pretrained_from_hf(repo, filename="open_clip_config.json", cache_dir=cache_dir)
+        weights = download_pretrained_from_hf(repo, cache_dir=cache_dir)
+    except Exception as e:  # huggingface_hub raises many types (offline, 404, gated, ...)
+        raise ConfigError(
+            f"--pretrained {pretrained}: no OpenCLIP model found on the Hugging Face hub or in its cache "
+            f"({_first_line(e)})"
+        ) from None
+    cfg = json.loads(Path(cfg_path).read_text())
+    model_cfg = cfg.get("model_cfg", cfg)
+    return ResolvedPretrained(weights, pretrained, model_cfg, OPEN_CLIP + pretrained)
+
+
+def _registry_name(model: str, pretrained: str) -> tuple[str, str]:
+    """(architecture, tag) of ``open_clip:MODEL/TAG`` or of a bare TAG of ``--model``; a path-like name
+    that is not a file is a missing file, not a tag."""
     if pretrained.startswith(OPEN_CLIP):
         rest = pretrained[len(OPEN_CLIP) :]
         if "/" not in rest:
@@ -308,10 +304,15 @@ def resolve_pretrained(model: str, pretrained: str, cache_dir: str | None = None
                 f"--pretrained {pretrained}: expected open_clip:MODEL/TAG (e.g. open_clip:ViT-B-32/openai)"
             )
         model, tag = rest.rsplit("/", 1)
-    else:
-        if pretrained.endswith(_WEIGHT_SUFFIXES) or "/" in pretrained or os.sep in pretrained:
-            raise FileNotFoundError(f"pretrained weights not found: {pretrained}")
-        tag = pretrained
+        return model, tag
+    if pretrained.endswith(_WEIGHT_SUFFIXES) or "/" in pretrained or os.sep in pretrained:
+        raise FileNotFoundError(f"pretrained weights not found: {pretrained}")
+    return model, pretrained
+
+
+def _openclip_registry(model: str, pretrained: str, cache_dir: str | None) -> ResolvedPretrained:
+    """OpenCLIP's pretrained registry: ``get_pretrained_cfg`` + ``download_pretrained`` (OpenCLIP's cache)."""
+    model, tag = _registry_name(model, pretrained)
     oc = _open_clip(pretrained)
     pcfg = oc.get_pretrained_cfg(model, tag)
     if not pcfg:
@@ -331,3 +332,25 @@ def resolve_pretrained(model: str, pretrained: str, cache_dir: str | None = None
     if not weights:
         raise ConfigError(f"--pretrained {model}/{tag}: OpenCLIP's registry gives no download location")
     return ResolvedPretrained(weights, model, None, OPEN_CLIP + model, bool(pcfg.get("quick_gelu", False)))
+
+
+def resolve_pretrained(model: str, pretrained: str, cache_dir: str | None = None) -> ResolvedPretrained:
+    """``--pretrained`` -> a local weights file, the architecture and the tokenizer that go with it.
+
+    - an existing file: used as is (architecture = ``--model``; tokenizer: ``open_clip:MODEL`` for an
+      OpenCLIP file with OpenCLIP's 49408-token vocabulary, else ``--tokenizer``);
+    - an export folder (``open_clip_config.json`` or dsclip's ``config.json``): its architecture, and its
+      ``tokenizer.model`` (else OpenCLIP's tokenizer for that folder);
+    - ``hf-hub:ORG/NAME``: the repo's ``open_clip_config.json`` and weights through open_clip's own
+      ``download_pretrained_from_hf`` (Hugging Face cache; ``HF_HUB_OFFLINE=1`` works from a filled cache);
+    - ``open_clip:MODEL/TAG`` or a bare ``TAG`` of ``--model``: ``open_clip.get_pretrained_cfg`` +
+      ``open_clip.download_pretrained`` (``cache_dir`` = OpenCLIP's ``--cache-dir``).
+    Every failure is a one-line ``ConfigError`` (an unknown tag lists the tags of that architecture)."""
+    p = Path(pretrained)
+    if p.is_dir() and any((p / n).is_file() for n in ("open_clip_config.json", "config.json")):
+        return _export_folder(p)
+    if p.exists():
+        return _weights_file(model, pretrained)
+    if pretrained.startswith(HF_HUB):
+        return _hf_hub(pretrained, cache_dir)
+    return _openclip_registry(model, pretrained, cache_dir)

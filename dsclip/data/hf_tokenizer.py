@@ -44,7 +44,7 @@ def write_hf_tokenizer(spm_model: str | os.PathLike, out_dir: str | os.PathLike,
     """Write ``tokenizer.json`` + ``tokenizer_config.json`` + ``special_tokens_map.json`` into ``out_dir``."""
     try:
         from sentencepiece import sentencepiece_model_pb2
-        from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+        from tokenizers import Tokenizer  # noqa: F401  (checked here: one message for either missing package)
     except ImportError as e:
         raise ValueError(
             f"exporting a sentencepiece tokenizer for OpenCLIP needs the 'tokenizers' and 'protobuf' packages "
@@ -52,7 +52,7 @@ def write_hf_tokenizer(spm_model: str | os.PathLike, out_dir: str | os.PathLike,
         ) from None
     proto = sentencepiece_model_pb2.ModelProto()
     proto.ParseFromString(Path(spm_model).read_bytes())
-    trainer, norm = proto.trainer_spec, proto.normalizer_spec
+    trainer = proto.trainer_spec
     if trainer.model_type not in (_UNIGRAM, _BPE):
         raise ValueError(
             f"{spm_model}: only unigram and BPE sentencepiece models can be exported for OpenCLIP "
@@ -64,7 +64,16 @@ def write_hf_tokenizer(spm_model: str | os.PathLike, out_dir: str | os.PathLike,
     eos = pieces[trainer.eos_id][0]
     pad_id = trainer.pad_id if trainer.pad_id >= 0 else 0  # dsclip pads with 0 when the model has no pad piece
     pad, unk = pieces[pad_id][0], pieces[trainer.unk_id][0]
+    tok = _hf_tokenizer(proto, pieces, eos, unk)
+    return _save(tok, Path(out_dir), context_length, {"eos_token": eos, "pad_token": pad, "unk_token": unk})
 
+
+def _hf_tokenizer(proto, pieces: list[tuple[str, float]], eos: str, unk: str):
+    """A ``tokenizers.Tokenizer`` giving the sentencepiece model's ids: its unigram or BPE model, its
+    normalizer (precompiled charsmap, whitespace folding), the ``▁`` pre-tokenizer and EOS appended."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+
+    trainer, norm = proto.trainer_spec, proto.normalizer_spec
     if trainer.model_type == _UNIGRAM:
         model = models.Unigram(pieces, unk_id=trainer.unk_id, byte_fallback=trainer.byte_fallback)
     else:
@@ -84,12 +93,14 @@ def write_hf_tokenizer(spm_model: str | os.PathLike, out_dir: str | os.PathLike,
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=scheme)
     tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme=scheme)
     tok.post_processor = processors.TemplateProcessing(single=f"$A {eos}", special_tokens=[(eos, trainer.eos_id)])
+    return tok
 
-    out = Path(out_dir)
+
+def _save(tok, out: Path, context_length: int, special: dict) -> list[Path]:
+    """tokenizer.json and the two files transformers' PreTrainedTokenizerFast reads beside it."""
     out.mkdir(parents=True, exist_ok=True)
     written = [out / "tokenizer.json", out / "tokenizer_config.json", out / "special_tokens_map.json"]
     tok.save(str(written[0]))
-    special = {"eos_token": eos, "pad_token": pad, "unk_token": unk}
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "model_max_length": int(context_length),

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import io
 import json
 import logging
@@ -155,38 +156,47 @@ def write_shards(
 
     bar = tqdm(total=len(samples), initial=state["next_row"], unit="img", disable=not progress, desc="shards")
     row = state["next_row"]
-
-    def save_state():
-        state["skipped"] = dict(skipped)
-        tmp = manifest_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(state, indent=1))
-        os.replace(tmp, manifest_path)
-        sizes_tmp = out / ".sizes.json.tmp"
-        sizes_tmp.write_text(json.dumps(state["sizes"], indent=1))
-        os.replace(sizes_tmp, out / "sizes.json")
-
     while row < len(samples):
         name = f"{prefix}-{len(state['sizes']):05d}.tar"
         tmp = out / f".{name}.tmp"
-        count, nbytes = 0, 0
         with tarfile.open(tmp, "w", format=tarfile.USTAR_FORMAT) as tar:
-            while row < len(samples) and count < shard_size and not (max_shard_bytes and nbytes >= max_shard_bytes):
-                path, caption = samples[row]
-                written = _add_sample(tar, f"{row:09d}", path, caption, resize, verify, skipped, quality)
-                row += 1
-                bar.update(1)
-                if written is not None:
-                    count += 1
-                    nbytes += written
+            add = functools.partial(_add_sample, tar, resize=resize, verify=verify, skipped=skipped, quality=quality)
+            row, count = _fill_shard(add, samples, row, shard_size, max_shard_bytes, bar)
         if count == 0:
             tmp.unlink()
         else:
             os.replace(tmp, out / name)
             state["sizes"][name] = count
         state["next_row"] = row
-        save_state()  # after the rename: a crash before it just rewrites this shard
+        _save_progress(out, manifest_path, state, skipped)  # after the rename: a crash before it rewrites this shard
     bar.close()
     return _summary(state, skipped)
+
+
+def _fill_shard(add, samples, row: int, shard_size: int, max_shard_bytes: int | None, bar) -> tuple[int, int]:
+    """``add`` (_add_sample into one shard) samples from ``row`` on until the shard holds ``shard_size`` of
+    them or ``max_shard_bytes``; unreadable ones add nothing. Returns (the next row, the samples written)."""
+    count, nbytes = 0, 0
+    while row < len(samples) and count < shard_size and not (max_shard_bytes and nbytes >= max_shard_bytes):
+        path, caption = samples[row]
+        written = add(f"{row:09d}", path, caption)
+        row += 1
+        bar.update(1)
+        if written is not None:
+            count += 1
+            nbytes += written
+    return row, count
+
+
+def _save_progress(out: Path, manifest_path: Path, state: dict, skipped: Counter) -> None:
+    """The resumable state and sizes.json, each replaced atomically."""
+    state["skipped"] = dict(skipped)
+    tmp = manifest_path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(state, indent=1))
+    os.replace(tmp, manifest_path)
+    sizes_tmp = out / ".sizes.json.tmp"
+    sizes_tmp.write_text(json.dumps(state["sizes"], indent=1))
+    os.replace(sizes_tmp, out / "sizes.json")
 
 
 def _progress_state(out: Path, manifest_path: Path, options: dict) -> dict:

@@ -126,7 +126,6 @@ def image_transform(
         raise ValueError(f"interpolation must be one of {INTERPOLATIONS}, got {interpolation!r}")
     # OpenCLIP: 'random' only means something to timm's training crop; resizing otherwise is bicubic
     fixed = "bilinear" if interpolation == "bilinear" else "bicubic"
-    interp = T.InterpolationMode(fixed)
     resize_mode = resize_mode or "shortest"
     if resize_mode not in RESIZE_MODES:
         raise ValueError(f"resize_mode must be one of {RESIZE_MODES}, got {resize_mode!r}")
@@ -134,39 +133,49 @@ def image_transform(
     to_tensor = ToNormalizedTensor(mean, std)  # = T.ToTensor() + T.Normalize(mean, std)
 
     if is_train:
-        aug = {k: v for k, v in parse_aug_cfg(dict(aug_cfg or {})).items() if v is not None}
-        if aug.pop("use_timm", False):
-            aug.setdefault("scale", (0.9, 1.0))  # OpenCLIP's default crop scale, not timm's (0.08, 1)
-            aug.setdefault("color_jitter", None)  # OpenCLIP turns timm's default jitter off
-            aug.pop("color_jitter_prob", None)
-            aug.pop("gray_scale_prob", None)
-            return create_transform(
-                input_size=(3, *size),
-                is_training=True,
-                hflip=0.0,
-                mean=mean,
-                std=std,
-                re_mode="pixel",
-                interpolation=interpolation,
-                **{k: tuple(v) if isinstance(v, list) else v for k, v in aug.items()},
-            )
-        unused = sorted(set(aug) - set(_NON_TIMM_KEYS))
-        if aug.get("color_jitter") is not None and not aug.get("color_jitter_prob"):
-            unused.append("color_jitter")
-        if unused:
-            warnings.warn(f"--aug-cfg {', '.join(unused)} unused without use_timm=True (as in OpenCLIP)", stacklevel=2)
-        steps = [
-            T.RandomResizedCrop(
-                size, scale=tuple(aug.get("scale", (0.9, 1.0))), interpolation=T.InterpolationMode.BICUBIC
-            ),
-            ConvertToRGB(),
-        ]
-        if aug.get("color_jitter_prob"):
-            steps.append(RandomApplyPy(T.ColorJitter(*aug["color_jitter"]), aug["color_jitter_prob"]))
-        if aug.get("gray_scale_prob"):
-            steps.append(RandomApplyPy(T.Grayscale(num_output_channels=3), aug["gray_scale_prob"]))
-        return T.Compose([*steps, to_tensor])
+        return _train_transform(size, aug_cfg, mean, std, interpolation, to_tensor)
+    return _eval_transform(size, resize_mode, fixed, fill_color, to_tensor)
 
+
+def _train_transform(size, aug_cfg, mean, std, interpolation, to_tensor):
+    """OpenCLIP's training transform: timm's ``create_transform`` with ``use_timm``, else a bicubic
+    RandomResizedCrop with OpenCLIP's optional color jitter and grayscale."""
+    aug = {k: v for k, v in parse_aug_cfg(dict(aug_cfg or {})).items() if v is not None}
+    if aug.pop("use_timm", False):
+        aug.setdefault("scale", (0.9, 1.0))  # OpenCLIP's default crop scale, not timm's (0.08, 1)
+        aug.setdefault("color_jitter", None)  # OpenCLIP turns timm's default jitter off
+        aug.pop("color_jitter_prob", None)
+        aug.pop("gray_scale_prob", None)
+        return create_transform(
+            input_size=(3, *size),
+            is_training=True,
+            hflip=0.0,
+            mean=mean,
+            std=std,
+            re_mode="pixel",
+            interpolation=interpolation,
+            **{k: tuple(v) if isinstance(v, list) else v for k, v in aug.items()},
+        )
+    unused = sorted(set(aug) - set(_NON_TIMM_KEYS))
+    if aug.get("color_jitter") is not None and not aug.get("color_jitter_prob"):
+        unused.append("color_jitter")
+    if unused:  # stacklevel 3: the caller of image_transform
+        warnings.warn(f"--aug-cfg {', '.join(unused)} unused without use_timm=True (as in OpenCLIP)", stacklevel=3)
+    steps = [
+        T.RandomResizedCrop(size, scale=tuple(aug.get("scale", (0.9, 1.0))), interpolation=T.InterpolationMode.BICUBIC),
+        ConvertToRGB(),
+    ]
+    if aug.get("color_jitter_prob"):
+        steps.append(RandomApplyPy(T.ColorJitter(*aug["color_jitter"]), aug["color_jitter_prob"]))
+    if aug.get("gray_scale_prob"):
+        steps.append(RandomApplyPy(T.Grayscale(num_output_channels=3), aug["gray_scale_prob"]))
+    return T.Compose([*steps, to_tensor])
+
+
+def _eval_transform(size, resize_mode, fixed, fill_color, to_tensor):
+    """OpenCLIP's eval transform: resize by the shortest side + center crop, by the longest side + center
+    crop-or-pad, or a squash resize (``fixed``: the bilinear/bicubic resize interpolation)."""
+    interp = T.InterpolationMode(fixed)
     if resize_mode == "longest":
         steps = [ResizeKeepRatio(size, longest=1, interpolation=fixed), CenterCropOrPad(size, fill=fill_color)]
     elif resize_mode == "squash":

@@ -103,78 +103,108 @@ def preprocess_for(a: argparse.Namespace) -> dict:
     return {**saved, **flags}
 
 
+def _flag_error(a: argparse.Namespace) -> str | None:
+    """What is wrong with the combination of data flags, if anything (each flag alone argparse checked)."""
+    if a.imagenet_val and a.zeroshot_data and a.imagenet_val != a.zeroshot_data:
+        return "give either --imagenet-val or --zeroshot-data, not both"
+    if not (a.zeroshot_data or a.imagenet_val) and not a.val_data and not a.imagenet_v2:
+        return "give --zeroshot-data (or --imagenet-val), --imagenet-v2 and/or --val-data"
+    return None
+
+
+def _saved_tokenizer(a: argparse.Namespace) -> str | None:
+    """The tokenizer saved beside a dsclip/OpenCLIP model folder: a SentencePiece model, or the
+    ``open_clip:`` name ``dsclip convert`` noted in tokenizer.json, or the folder's Hugging Face tokenizer."""
+    mp = Path(a.model)
+    folder = mp if mp.is_dir() else mp.parent
+    if (folder / "tokenizer.model").is_file():
+        return str(folder / "tokenizer.model")
+    if (folder / "tokenizer.json").is_file():
+        note = json.loads((folder / "tokenizer.json").read_text())
+        if "tokenizer" in note:  # {"tokenizer": "open_clip:NAME"} written by convert
+            return note["tokenizer"]
+        if (folder / "open_clip_config.json").is_file():  # a Hugging Face tokenizer of an OpenCLIP export
+            return f"open_clip:local-dir:{folder}"
+    return None
+
+
+def _tokenizer(a: argparse.Namespace, cfg: dict):
+    """--tokenizer, else the one saved beside the model, else OpenCLIP's BPE for OpenCLIP weights with its
+    vocabulary, else the built-in demo tokenizer."""
+    from ..data.demo import ensure_demo_tokenizer
+    from ..data.openclip_tokenizer import OpenCLIPTokenizer
+    from ..data.tokenizer import SentencePieceTokenizer
+
+    ctx = int(cfg["text_cfg"]["context_length"])
+    tok_path = a.tokenizer
+    if tok_path is None and not a.pretrained:
+        tok_path = _saved_tokenizer(a)
+    if tok_path is None and a.pretrained and int(cfg["text_cfg"]["vocab_size"]) == OPENCLIP_BPE_VOCAB:
+        tok_path = f"open_clip:{a.model}"  # OpenCLIP weights with OpenCLIP's vocabulary: its BPE tokenizer
+    if tok_path is None:
+        tok_path = ensure_demo_tokenizer(Path.home() / ".cache" / "dsclip")
+    if tok_path.startswith("open_clip:"):
+        return OpenCLIPTokenizer(tok_path, ctx)
+    return SentencePieceTokenizer(tok_path, ctx)
+
+
+def _data_config(a: argparse.Namespace, pre: dict) -> DataConfig:
+    """The evaluation sets and their reading/preprocessing settings, as training's DataConfig holds them."""
+    return DataConfig(
+        zeroshot_data=a.zeroshot_data,
+        imagenet_v2=a.imagenet_v2,
+        zeroshot_templates=a.zeroshot_templates,
+        val_data=a.val_data,
+        val_num_samples=a.val_num_samples,
+        csv_img_key=a.csv_img_key,
+        csv_caption_key=a.csv_caption_key,
+        csv_separator=a.csv_separator,
+        force_image_size=a.force_image_size,
+        demo_eval_samples=a.demo_eval_samples,
+        workers=a.workers,
+        **pre,
+    )
+
+
+def _evaluate(a: argparse.Namespace, pre: dict) -> tuple[dict, float]:
+    """Load the model and its tokenizer, run zero-shot and retrieval; the metrics and the seconds spent."""
+    import torch
+
+    from ..model.weights import load_model
+    from .evaluator import Evaluator
+
+    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if a.pretrained:
+        model = _load_openclip_pretrained(a.model, a.pretrained, device)
+    else:
+        model = load_model(a.model, device=device)
+    cfg = model.config
+    image_size = cfg["vision_cfg"]["image_size"]
+    image_size = image_size[0] if isinstance(image_size, (list, tuple)) else int(image_size)
+    tokenizer = _tokenizer(a, cfg)
+    dcfg = _data_config(a, pre)
+    ev = Evaluator(dcfg, tokenizer=tokenizer, image_size=image_size, batch_size=a.batch_size, device=device)
+    t0 = time.time()
+    metrics = {**ev.zeroshot(model), **ev.retrieval(model)}
+    return metrics, t0
+
+
 def main_eval(argv: list[str]) -> int:
     """Entry point of ``dsclip eval``; returns the exit code."""
     a = _parser().parse_args(argv)
-    if a.imagenet_val and a.zeroshot_data and a.imagenet_val != a.zeroshot_data:
-        print("dsclip eval: error: give either --imagenet-val or --zeroshot-data, not both", file=sys.stderr)
+    problem = _flag_error(a)
+    if problem:
+        print(f"dsclip eval: error: {problem}", file=sys.stderr)
         return 2
     a.zeroshot_data = a.zeroshot_data or a.imagenet_val
-    if not a.zeroshot_data and not a.val_data and not a.imagenet_v2:
-        print(
-            "dsclip eval: error: give --zeroshot-data (or --imagenet-val), --imagenet-v2 and/or --val-data",
-            file=sys.stderr,
-        )
-        return 2
 
     pre = preprocess_for(a)
     check_mean_std("image-mean", pre.get("image_mean"))  # before any work
     check_mean_std("image-std", pre.get("image_std"))
-    import torch
-
-    from ..data.demo import ensure_demo_tokenizer
-    from ..data.openclip_tokenizer import OpenCLIPTokenizer
-    from ..data.tokenizer import SentencePieceTokenizer
-    from ..model.weights import load_model
-    from .evaluator import Evaluator, append_results
+    from .evaluator import append_results
 
     try:
-        device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        if a.pretrained:
-            model = _load_openclip_pretrained(a.model, a.pretrained, device)
-        else:
-            model = load_model(a.model, device=device)
-        cfg = model.config
-        ctx = int(cfg["text_cfg"]["context_length"])
-        image_size = cfg["vision_cfg"]["image_size"]
-        image_size = image_size[0] if isinstance(image_size, (list, tuple)) else int(image_size)
-        tok_path = a.tokenizer
-        if tok_path is None and not a.pretrained:
-            mp = Path(a.model)
-            folder = mp if mp.is_dir() else mp.parent
-            if (folder / "tokenizer.model").is_file():
-                tok_path = str(folder / "tokenizer.model")
-            elif (folder / "tokenizer.json").is_file():
-                note = json.loads((folder / "tokenizer.json").read_text())
-                if "tokenizer" in note:  # {"tokenizer": "open_clip:NAME"} written by convert
-                    tok_path = note["tokenizer"]
-                elif (folder / "open_clip_config.json").is_file():  # a Hugging Face tokenizer of an OpenCLIP export
-                    tok_path = f"open_clip:local-dir:{folder}"
-        if tok_path is None and a.pretrained and int(cfg["text_cfg"]["vocab_size"]) == OPENCLIP_BPE_VOCAB:
-            tok_path = f"open_clip:{a.model}"  # OpenCLIP weights with OpenCLIP's vocabulary: its BPE tokenizer
-        if tok_path is None:
-            tok_path = ensure_demo_tokenizer(Path.home() / ".cache" / "dsclip")
-        if tok_path.startswith("open_clip:"):
-            tokenizer = OpenCLIPTokenizer(tok_path, ctx)
-        else:
-            tokenizer = SentencePieceTokenizer(tok_path, ctx)
-        dcfg = DataConfig(
-            zeroshot_data=a.zeroshot_data,
-            imagenet_v2=a.imagenet_v2,
-            zeroshot_templates=a.zeroshot_templates,
-            val_data=a.val_data,
-            val_num_samples=a.val_num_samples,
-            csv_img_key=a.csv_img_key,
-            csv_caption_key=a.csv_caption_key,
-            csv_separator=a.csv_separator,
-            force_image_size=a.force_image_size,
-            demo_eval_samples=a.demo_eval_samples,
-            workers=a.workers,
-            **pre,
-        )
-        ev = Evaluator(dcfg, tokenizer=tokenizer, image_size=image_size, batch_size=a.batch_size, device=device)
-        t0 = time.time()
-        metrics = {**ev.zeroshot(model), **ev.retrieval(model)}
+        metrics, t0 = _evaluate(a, pre)
     except (ValueError, FileNotFoundError, KeyError) as e:
         print(f"dsclip eval: error: {e}", file=sys.stderr)
         return 2

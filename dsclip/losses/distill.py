@@ -70,24 +70,37 @@ class DistillInfoNCELoss(InfoNCELoss):
         all_x, all_y, all_tx, all_ty = all_gather_columns_with_grad((x, y, tx, ty), lay.sizes, self.group)
         all_tx, all_ty = all_tx.detach(), all_ty.detach()  # (N, Dt)
         t_scale = torch.as_tensor(teacher_logit_scale).detach().to(dt).reshape(())
-        ls = self.label_smoothing
-        if not self.local:
-            # OpenCLIP's global branch for both models: (scale * X) @ Y^T, the text logits its transpose
-            logits = logit_scale * all_x @ all_y.T  # (N, N)
-            if logit_bias is not None:
-                logits = logits + logit_bias
-            t_logits = t_scale * all_tx @ all_ty.T  # (N, N)
-            labels = torch.arange(lay.total, device=x.device)
-            contrastive = (
-                F.cross_entropy(logits, labels, label_smoothing=ls)
-                + F.cross_entropy(logits.T, labels, label_smoothing=ls)
-            ) / 2
-            distill = (
-                soft_cross_entropy(t_logits, logits).mean() + soft_cross_entropy(t_logits.T, logits.T).mean()
-            ) / 2
-            self.last_terms = {"contrastive_loss": contrastive.detach(), "distill_loss": distill.detach()}
-            return contrastive + distill
+        gathered = (all_x, all_y, all_tx, all_ty)
+        if self.local:
+            contrastive, distill = self._local_terms(logit_scale, logit_bias, t_scale, (x, y, tx, ty), gathered, lay)
+        else:
+            contrastive, distill = self._global_terms(logit_scale, logit_bias, t_scale, gathered, lay)
+        self.last_terms = {"contrastive_loss": contrastive.detach(), "distill_loss": distill.detach()}
+        return contrastive + distill
 
+    def _global_terms(self, logit_scale, logit_bias, t_scale, gathered, lay):
+        """(contrastive, distill) as OpenCLIP's global branch for both models: (scale * X) @ Y^T over all N
+        rows, the text logits its transpose. ``gathered``: all ranks' student image/text and teacher
+        image/text rows."""
+        all_x, all_y, all_tx, all_ty = gathered
+        ls = self.label_smoothing
+        logits = logit_scale * all_x @ all_y.T  # (N, N)
+        if logit_bias is not None:
+            logits = logits + logit_bias
+        t_logits = t_scale * all_tx @ all_ty.T  # (N, N)
+        labels = torch.arange(lay.total, device=all_x.device)
+        contrastive = (
+            F.cross_entropy(logits, labels, label_smoothing=ls) + F.cross_entropy(logits.T, labels, label_smoothing=ls)
+        ) / 2
+        distill = (soft_cross_entropy(t_logits, logits).mean() + soft_cross_entropy(t_logits.T, logits.T).mean()) / 2
+        return contrastive, distill
+
+    def _local_terms(self, logit_scale, logit_bias, t_scale, local, gathered, lay):
+        """(contrastive, distill) from this rank's rows (``local``) against all N (``gathered``), for
+        ``local_loss``: the rank's share, whose mean over ranks is the full loss."""
+        x, y, tx, ty = local
+        all_x, all_y, all_tx, all_ty = gathered
+        ls = self.label_smoothing
         logits_img = logit_scale * x @ all_y.T  # (b, N)
         logits_txt = logit_scale * y @ all_x.T  # (b, N)
         if logit_bias is not None:
@@ -104,5 +117,4 @@ class DistillInfoNCELoss(InfoNCELoss):
         # * world / N, so the mean over ranks is the full loss.
         weight = 1 / (2 * lay.local) if lay.even else lay.world / (2 * lay.total)
         contrastive, distill = contrastive_rows.sum() * weight, distill_rows.sum() * weight
-        self.last_terms = {"contrastive_loss": contrastive.detach(), "distill_loss": distill.detach()}
-        return contrastive + distill
+        return contrastive, distill

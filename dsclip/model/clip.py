@@ -40,52 +40,8 @@ class CLIP(nn.Module):
         super().__init__()
         self.config = resolve_model_config(config)
         cfg = self.config
-        vcfg, tcfg = cfg["vision_cfg"], cfg["text_cfg"]
-        timm_layout = (
-            timm_vit_spec(vcfg["timm_model_name"], vcfg["timm_pool"], vcfg["timm_proj"])
-            if is_timm_tower(vcfg)
-            else None
-        )
-        self.visual = VisionTower(
-            embed_dim=cfg["embed_dim"],
-            image_size=vcfg["image_size"],
-            patch_size=vcfg["patch_size"],
-            width=vcfg["width"],
-            layers=vcfg["layers"],
-            head_width=vcfg["head_width"],
-            mlp_ratio=vcfg["mlp_ratio"],
-            patch_dropout=vcfg["patch_dropout"],
-            ls_init_value=vcfg["ls_init_value"],
-            norm_kwargs=vcfg.get("norm_kwargs"),
-            quick_gelu=cfg["quick_gelu"],
-            force_patch_dropout=force_patch_dropout,
-            dropout=vcfg["dropout"],
-            attn_dropout=vcfg["attn_dropout"],
-            drop_path_rate=vcfg["drop_path_rate"],
-            timm_layout=timm_layout,
-            project=timm_layout is None or vcfg["timm_proj"] != "none",
-        )
-        self.text = TextTower(
-            embed_dim=cfg["embed_dim"],
-            context_length=tcfg["context_length"],
-            vocab_size=tcfg["vocab_size"],
-            width=tcfg["width"],
-            heads=tcfg["heads"],
-            layers=tcfg["layers"],
-            mlp_ratio=tcfg["mlp_ratio"],
-            ls_init_value=tcfg["ls_init_value"],
-            pool_type=tcfg["pool_type"],
-            eos_id=tcfg["eos_id"],
-            pad_id=tcfg["pad_id"],
-            norm_kwargs=tcfg.get("norm_kwargs"),
-            dropout=tcfg["dropout"],
-            attn_dropout=tcfg["attn_dropout"],
-            drop_path_rate=tcfg["drop_path_rate"],
-            quick_gelu=cfg["quick_gelu"],
-            causal=not tcfg["no_causal_mask"],
-            proj_bias=tcfg["proj_bias"],
-            act_kwargs=tcfg["act_kwargs"],
-        )
+        self.visual = _vision_tower(cfg, force_patch_dropout)
+        self.text = _text_tower(cfg)
         self.logit_scale = nn.Parameter(torch.full((1,), init_logit_scale(cfg)))
         if cfg.get("init_logit_bias") is not None:
             self.logit_bias = nn.Parameter(torch.full((1,), float(cfg["init_logit_bias"])))
@@ -182,3 +138,56 @@ class CLIP(nn.Module):
         names |= {"logit_scale", "logit_bias"}
         params = {n for n, _ in self.named_parameters()}
         return names & params
+
+
+def _vision_tower(cfg: dict, force_patch_dropout: bool) -> VisionTower:
+    """The image tower of a resolved model config: OpenCLIP's ViT, or one of timm's (``timm_model_name``)."""
+    vcfg = cfg["vision_cfg"]
+    timm_layout = (
+        timm_vit_spec(vcfg["timm_model_name"], vcfg["timm_pool"], vcfg["timm_proj"]) if is_timm_tower(vcfg) else None
+    )
+    return VisionTower(
+        embed_dim=cfg["embed_dim"],
+        image_size=vcfg["image_size"],
+        patch_size=vcfg["patch_size"],
+        width=vcfg["width"],
+        layers=vcfg["layers"],
+        head_width=vcfg["head_width"],
+        mlp_ratio=vcfg["mlp_ratio"],
+        patch_dropout=vcfg["patch_dropout"],
+        ls_init_value=vcfg["ls_init_value"],
+        norm_kwargs=vcfg.get("norm_kwargs"),
+        quick_gelu=cfg["quick_gelu"],
+        force_patch_dropout=force_patch_dropout,
+        dropout=vcfg["dropout"],
+        attn_dropout=vcfg["attn_dropout"],
+        drop_path_rate=vcfg["drop_path_rate"],
+        timm_layout=timm_layout,
+        project=timm_layout is None or vcfg["timm_proj"] != "none",
+    )
+
+
+def _text_tower(cfg: dict) -> TextTower:
+    """The text tower of a resolved model config."""
+    tcfg = cfg["text_cfg"]
+    return TextTower(
+        embed_dim=cfg["embed_dim"],
+        context_length=tcfg["context_length"],
+        vocab_size=tcfg["vocab_size"],
+        width=tcfg["width"],
+        heads=tcfg["heads"],
+        layers=tcfg["layers"],
+        mlp_ratio=tcfg["mlp_ratio"],
+        ls_init_value=tcfg["ls_init_value"],
+        pool_type=tcfg["pool_type"],
+        eos_id=tcfg["eos_id"],
+        pad_id=tcfg["pad_id"],
+        norm_kwargs=tcfg.get("norm_kwargs"),
+        dropout=tcfg["dropout"],
+        attn_dropout=tcfg["attn_dropout"],
+        drop_path_rate=tcfg["drop_path_rate"],
+        quick_gelu=cfg["quick_gelu"],
+        causal=not tcfg["no_causal_mask"],
+        proj_bias=tcfg["proj_bias"],
+        act_kwargs=tcfg["act_kwargs"],
+    )

@@ -23,20 +23,12 @@ TIMM_POOLS = ("map", "avg", "token")
 TIMM_PROJS = ("none", "linear")
 
 
-@functools.cache
-def timm_vit_spec(name: str, pool: str, proj: str = "none") -> dict[str, Any]:
-    """What ``VisionTower`` needs to build timm's ``name`` as OpenCLIP's TimmModel builds it, measured on
-    the meta device. Raises ValueError naming what dsclip cannot build.
-
-    TimmModel builds the trunk two ways: with ``timm_proj`` 'none' as ``create_model(name, num_classes=0,
-    global_pool=pool)`` (timm picks norms for that pool: 'avg' gets an fc_norm and no final norm), with a
-    projection as ``create_model(name)`` then ``reset_classifier(0, global_pool=pool)`` (the norms of
-    the model's default pool stay). Both are mirrored here, so the tower has OpenCLIP's exact tensors."""
+def _meta_trunk(name: str, pool: str, proj: str):
+    """timm's ``name`` on the meta device, built as OpenCLIP's TimmModel builds its trunk (see timm_vit_spec).
+    Raises ValueError for a pool, name or model class dsclip cannot build."""
     import timm
     import torch
-    from timm.layers import GELUTanh
-    from timm.models.vision_transformer import Block, VisionTransformer
-    from torch import nn
+    from timm.models.vision_transformer import VisionTransformer
 
     if pool not in TIMM_POOLS:
         raise ValueError(f"vision_cfg.timm_pool={pool!r}: dsclip builds timm ViT pools {TIMM_POOLS}")
@@ -59,6 +51,22 @@ def timm_vit_spec(name: str, pool: str, proj: str = "none") -> dict[str, Any]:
             f"vision tower timm:{name} (a timm {type(m).__name__}; dsclip builds timm VisionTransformer towers, "
             "e.g. the SigLIP ViTs)"
         )
+    return m
+
+
+def _final_norm(m):
+    """The trunk's last norm: ``norm`` (before pooling) or, where that is Identity, ``fc_norm`` (after)."""
+    from torch import nn
+
+    return m.norm if not isinstance(m.norm, nn.Identity) else m.fc_norm
+
+
+def _unsupported(m) -> list[str]:
+    """What the timm ViT ``m`` has that dsclip's VisionTower does not build, by name."""
+    from timm.layers import GELUTanh
+    from timm.models.vision_transformer import Block
+    from torch import nn
+
     blk = m.blocks[0]
     act = blk.mlp.act
     unsupported = {
@@ -73,28 +81,45 @@ def timm_vit_spec(name: str, pool: str, proj: str = "none") -> dict[str, Any]:
         "a patch-embed norm": not isinstance(m.patch_embed.norm, nn.Identity),
         f"activation {type(act).__name__}": type(act) not in (nn.GELU, GELUTanh),
         # timm's LayerNorm subclass computes F.layer_norm like torch's, which dsclip builds
-        "a norm that is not LayerNorm": not isinstance(
-            m.norm if not isinstance(m.norm, nn.Identity) else m.fc_norm, nn.LayerNorm
-        ),
+        "a norm that is not LayerNorm": not isinstance(_final_norm(m), nn.LayerNorm),
     }
-    bad = [what for what, present in unsupported.items() if present]
-    if bad:
-        raise ValueError(f"vision_cfg.timm_model_name={name!r} has {', '.join(bad)}: dsclip's ViT does not build it")
-    width, hidden = m.embed_dim, blk.mlp.fc1.out_features
-    # timm sizes the MLP as int(width * mlp_ratio); pick a ratio that gives back exactly this hidden size
+    return [what for what, present in unsupported.items() if present]
+
+
+def _mlp_ratio(width: int, hidden: int) -> float:
+    """timm sizes the MLP as int(width * mlp_ratio): a ratio that gives back exactly this hidden size."""
     mlp_ratio = round(hidden / width, 6)
     if int(width * mlp_ratio) != hidden:
         mlp_ratio = (hidden + 0.25) / width
-    norm = m.norm if not isinstance(m.norm, nn.Identity) else m.fc_norm
+    return mlp_ratio
+
+
+@functools.cache
+def timm_vit_spec(name: str, pool: str, proj: str = "none") -> dict[str, Any]:
+    """What ``VisionTower`` needs to build timm's ``name`` as OpenCLIP's TimmModel builds it, measured on
+    the meta device. Raises ValueError naming what dsclip cannot build.
+
+    TimmModel builds the trunk two ways: with ``timm_proj`` 'none' as ``create_model(name, num_classes=0,
+    global_pool=pool)`` (timm picks norms for that pool: 'avg' gets an fc_norm and no final norm), with a
+    projection as ``create_model(name)`` then ``reset_classifier(0, global_pool=pool)`` (the norms of
+    the model's default pool stay). Both are mirrored here, so the tower has OpenCLIP's exact tensors."""
+    from torch import nn
+
+    m = _meta_trunk(name, pool, proj)
+    bad = _unsupported(m)
+    if bad:
+        raise ValueError(f"vision_cfg.timm_model_name={name!r} has {', '.join(bad)}: dsclip's ViT does not build it")
+    blk = m.blocks[0]
+    width = m.embed_dim
     return {
         "image_size": int(m.patch_embed.img_size[0]),
         "patch_size": int(m.patch_embed.patch_size[0]),
         "width": int(width),
         "layers": len(m.blocks),
         "head_width": int(width // blk.attn.num_heads),
-        "mlp_ratio": mlp_ratio,
-        "norm_eps": float(norm.eps),
-        "act_layer": type(act),  # nn.GELU, or timm's GELUTanh (SigLIP 2's patch-16 towers)
+        "mlp_ratio": _mlp_ratio(width, blk.mlp.fc1.out_features),
+        "norm_eps": float(_final_norm(m).eps),
+        "act_layer": type(blk.mlp.act),  # nn.GELU, or timm's GELUTanh (SigLIP 2's patch-16 towers)
         # tower layout, as VisionTransformer's arguments
         "class_token": m.cls_token is not None,
         "pre_norm": not isinstance(m.norm_pre, nn.Identity),

@@ -91,20 +91,22 @@ class VisionTower(VisionTransformer):
             drop_path_rate=drop_path_rate,
             # blocks: timm's default Block (qkv bias, proj bias), the same class text.py uses
         )
-        # Always present (a no-op at prob 0) so create_model / set_patch_dropout can change it later.
-        self.patch_drop = PatchDropout(
-            patch_dropout, num_prefix_tokens=self.num_prefix_tokens, force=force_patch_dropout
-        )
-        # OpenCLIP's visual.proj (or a timm tower's head.proj); absent for timm_proj 'none' (width = embed_dim)
-        if not project and width != embed_dim:
-            raise ValueError(f"a vision tower without projection needs width == embed_dim, got {width} vs {embed_dim}")
-        self.proj = nn.Parameter(torch.empty(width, embed_dim)) if project else None
+        self._add_head(embed_dim, width, patch_dropout, force_patch_dropout, project)
         self.width = width
         self.output_dim = embed_dim
         self.checkpoint_fn: CheckpointFn | None = None
         # Under ZeRO-3 zero.Init child layers are already partitioned here and get skipped;
         # CLIP.init_weights(gather=...) completes the init (see its docstring).
         self.init_skipped = apply_init_plan(self.init_plan())
+
+    def _add_head(self, embed_dim: int, width: int, patch_dropout: float, force: bool, project: bool) -> None:
+        """Patch dropout (always present, a no-op at prob 0, so create_model / set_patch_dropout can change it
+        later) and the projection to the embedding: OpenCLIP's visual.proj (or a timm tower's head.proj),
+        absent for timm_proj 'none' (width = embed_dim)."""
+        self.patch_drop = PatchDropout(patch_dropout, num_prefix_tokens=self.num_prefix_tokens, force=force)
+        if not project and width != embed_dim:
+            raise ValueError(f"a vision tower without projection needs width == embed_dim, got {width} vs {embed_dim}")
+        self.proj = nn.Parameter(torch.empty(width, embed_dim)) if project else None
 
     def init_plan(self) -> InitPlan:
         return self._openclip_init_plan() if self.timm_layout is None else self._timm_init_plan()

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dsclip.model import create_model, get_model_config  # before zero.Init patches torch.Tensor
-from tests.distutil import run_world
+from dsclip.testing.gloo_world import run_world
 
 pytestmark = [pytest.mark.dist]
 B = 4

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from dsclip.model import create_model  # imported before zero.Init patches torch.Tensor (timm -> dynamo)
-from tests.distutil import run_world
+from dsclip.testing.gloo_world import run_world
 from tests.tolerances import embedding_tol
 
 pytestmark = [pytest.mark.dist]

@@ -23,19 +23,9 @@ import pytest
 import torch
 
 from dsclip.model import create_model, get_model_config  # before zero.Init patches torch.Tensor
-from tests.dist.test_gradcache import (
-    EPS,
-    LR,
-    SEED,
-    assert_matches,
-    grad_terms,
-    make_batches,
-    make_cfg,
-    make_model,
-    rank_chunks,
-    whole_batch_features,
-)
-from tests.distutil import run_world
+from dsclip.testing.gloo_world import run_world
+from dsclip.testing.gradcache import EPS, LR, SEED, make_batches, make_cfg, make_model, rank_chunks
+from tests.dist.test_gradcache import assert_matches, grad_terms, whole_batch_features
 from tests.tolerances import loss_size, loss_terms, rounding, worst_case
 from tests.unit.test_losses import loss_and_grads, make_batch
 

@@ -35,8 +35,8 @@ from safetensors.torch import load_file
 
 from dsclip.checkpoint.convert import convert_checkpoint
 from dsclip.model import create_model  # noqa: F401  (imported before zero.Init patches torch.Tensor)
-from tests.dist.test_gradcache import EPS, B, ds_json_path, make_batches, make_model, rank_chunks
-from tests.distutil import run_world
+from dsclip.testing.gloo_world import run_world
+from dsclip.testing.gradcache import EPS, B, ds_json_path, make_batches, make_model, rank_chunks
 from tests.tolerances import embedding_tol, worst_case
 
 pytestmark = [pytest.mark.dist]

@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.dist.test_gradcache import make_batches, make_cfg, make_model, rank_chunks
-from tests.distutil import run_world
+from dsclip.testing.gloo_world import run_world
+from dsclip.testing.gradcache import make_batches, make_cfg, make_model, rank_chunks
 
 pytestmark = [pytest.mark.dist]
 K, STEPS = 2, 3

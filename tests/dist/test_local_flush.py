@@ -16,8 +16,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.dist.test_gradcache import EVERY_PATCH, make_batches, make_cfg, make_model, rank_chunks
-from tests.distutil import run_world
+from dsclip.testing.gloo_world import run_world
+from dsclip.testing.gradcache import make_batches, make_cfg, make_model, rank_chunks
+from tests.dist.test_gradcache import EVERY_PATCH
 
 pytestmark = [pytest.mark.dist]
 K, STEPS = 3, 3

@@ -11,18 +11,9 @@ import torch
 
 from dsclip.model import create_model  # noqa: F401  (imported before zero.Init patches torch.Tensor)
 from dsclip.model.lock import LockConfig, apply_locking
-from tests.dist.test_gradcache import (
-    EPS,
-    SEED,
-    B,
-    ds_json_path,
-    grad_terms,
-    make_batches,
-    make_model,
-    rank_chunks,
-    reference_loss,
-)
-from tests.distutil import run_world
+from dsclip.testing.gloo_world import run_world
+from dsclip.testing.gradcache import EPS, SEED, B, ds_json_path, make_batches, make_model, rank_chunks
+from tests.dist.test_gradcache import grad_terms, reference_loss
 from tests.tolerances import rounding
 
 pytestmark = [pytest.mark.dist]

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.distutil import run_world
+from dsclip.testing.gloo_world import run_world
 from tests.tolerances import loss_size, rounding, unit_roundoff
 from tests.unit.test_losses import MaxNumel, assert_close, loss_and_grads, make_batch, ref_infonce, reference
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distutil import run_world
+from dsclip.testing.gloo_world import run_world
 from tests.unit.test_losses import assert_close, loss_and_grads, make_batch
 
 pytestmark = pytest.mark.dist

@@ -12,7 +12,7 @@ import torch
 from timm.optim import Lion
 from torch import nn
 
-from tests.distutil import run_world
+from dsclip.testing.gloo_world import run_world
 from tests.tolerances import rounding
 
 pytestmark = [pytest.mark.dist]

@@ -14,7 +14,7 @@ import pytest
 
 from dsclip.plan import model_state_bytes, shipped_ds_config
 from dsclip.rehearsal import RehearsalSpec, read_child, run_real_rank, start_child
-from tests.distutil import run_world
+from dsclip.testing.gloo_world import run_world
 
 CONFIGS = [(2, 1), (2, 2), (3, 1), (3, 2)]  # (ZeRO stage, accum_freq)
 

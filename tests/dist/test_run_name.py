@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tests.distutil import run_world
+from dsclip.testing.gloo_world import run_world
 
 pytestmark = [pytest.mark.dist]
 T0 = 1_700_000_000.0  # a fixed instant; rank r's clock reads T0 + 1.5 r seconds

@@ -22,7 +22,7 @@ import os
 import pytest
 
 from dsclip.model import create_model  # noqa: F401  (import before zero.Init patches torch; see test_gradcache)
-from tests.distutil import run_world
+from dsclip.testing.gloo_world import run_world
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 GB = 1e9

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dsclip.model import create_model  # noqa: F401  (import before zero.Init patches torch)
-from tests.distutil import run_world
+from dsclip.testing.gloo_world import run_world
 
 pytestmark = [pytest.mark.dist]
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distutil import run_world
+from dsclip.testing.gloo_world import run_world
 
 pytestmark = [pytest.mark.dist]
 

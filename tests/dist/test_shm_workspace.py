@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from tests.distutil import run_world
+from dsclip.testing.gloo_world import run_world
 
 pytestmark = [pytest.mark.dist]
 

@@ -9,7 +9,7 @@ import signal
 import pytest
 
 from dsclip.model import create_model, get_model_config  # before zero.Init patches torch.Tensor
-from tests.distutil import run_world
+from dsclip.testing.gloo_world import run_world
 
 pytestmark = [pytest.mark.dist]
 
@@ -22,8 +22,8 @@ def _rank(rank, world, send_signal):
     from dsclip.engine.build import build_engine
     from dsclip.engine.ds_config import load_ds_json, resolve_ds_config
     from dsclip.losses import build_loss
+    from dsclip.testing.gradcache import make_batches, make_cfg, rank_chunks
     from dsclip.train.gradcache import GradCacheStep
-    from tests.dist.test_gradcache import make_batches, make_cfg, rank_chunks
 
     cfg = make_cfg(2, 2)
     ds = resolve_ds_config(

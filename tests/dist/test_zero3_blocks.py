@@ -25,9 +25,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.dist.test_gradcache import make_batches, make_cfg, make_model, rank_chunks
+from dsclip.testing.gloo_world import run_world
+from dsclip.testing.gradcache import make_batches, make_cfg, make_model, rank_chunks
 from tests.dist.test_local_flush import same_bits
-from tests.distutil import run_world
 
 pytestmark = [pytest.mark.dist]
 STEPS, WORLD = 3, 2

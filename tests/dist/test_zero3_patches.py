@@ -29,17 +29,10 @@ import functools
 import pytest
 import torch
 
-from tests.dist.test_gradcache import (
-    EVERY_PATCH,
-    LR,
-    ZERO3_PATCHES,
-    make_batches,
-    make_cfg,
-    make_model,
-    rank_chunks,
-)
+from dsclip.testing.gloo_world import run_world
+from dsclip.testing.gradcache import LR, make_batches, make_cfg, make_model, rank_chunks
+from tests.dist.test_gradcache import EVERY_PATCH, ZERO3_PATCHES
 from tests.dist.test_local_flush import same_bits
-from tests.distutil import run_world
 from tests.tolerances import unit_roundoff, worst_case
 
 pytestmark = [pytest.mark.dist]

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from dsclip.model import create_model  # noqa: F401  (imported before zero.Init patches torch.Tensor)
-from tests.distutil import run_world
+from dsclip.testing.gloo_world import run_world
 
 pytestmark = [pytest.mark.dist]
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distutil import free_port
+from dsclip.testing.gloo_world import free_port
 from tests.e2e.test_train_cli import DEEPSPEED, ROOT, env, losses, run_cli
 
 pytestmark = [pytest.mark.dist]

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from dsclip.cli import main as cli_main
-from tests.distutil import free_port
+from dsclip.testing.gloo_world import free_port
 from tests.e2e.test_train_cli import DEEPSPEED, PY, ROOT, assert_one_error_line, env, losses, run_cli
 
 SHARD = "zero_pp_rank_0_mp_rank_00_optim_states.pt"

@@ -400,7 +400,7 @@ def test_zero3_two_ranks_loads_resamples_and_locks_pretrained(tmp_path):
     from timm.layers import resample_abs_pos_embed
 
     from dsclip.model import load_model
-    from tests.distutil import free_port
+    from dsclip.testing.gloo_world import free_port
     from tests.e2e.test_train_cli import DEEPSPEED
 
     cache = tmp_path / "hf"

@@ -13,7 +13,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.distutil import free_port
+from dsclip.testing.gloo_world import free_port
 from tests.e2e.test_train_cli import PY, ROOT, assert_bad_train_in_process, assert_bad_train_process, env
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distutil import free_port
+from dsclip.testing.gloo_world import free_port
 from tests.e2e.test_train_cli import PY, ROOT, env
 
 pytestmark = [pytest.mark.dist]

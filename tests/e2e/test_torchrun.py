@@ -8,7 +8,7 @@ import shlex
 import subprocess
 from pathlib import Path
 
-from tests.distutil import free_port
+from dsclip.testing.gloo_world import free_port
 from tests.e2e.test_train_cli import PY, ROOT, env
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from dsclip.cli import main as cli_main
-from tests.distutil import free_port
+from dsclip.testing.gloo_world import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tests.distutil import run_world
+from dsclip.testing.gloo_world import run_world
 
 
 def _evaluate(rank, world, tok_path):

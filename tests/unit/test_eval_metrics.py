@@ -106,7 +106,7 @@ def _dist_encode(rank, world, n):
 
 @pytest.mark.dist
 def test_encode_dataset_distributed_matches_single():
-    from tests.distutil import run_world
+    from dsclip.testing.gloo_world import run_world
 
     n = 7
     (f0, c0), (f1, c1) = run_world(_dist_encode, 2, n, timeout=120)

@@ -80,6 +80,6 @@ def _engine_checkpointing(rank, world, grad_checkpointing):
 def test_the_bench_engine_checkpoints_when_asked():
     # the probes of the bigg stage asked for --grad-checkpointing and ran without it (the same peak memory on
     # the H200, 2026-12-04): bench's engine builder must hand the flag to build_engine, as dsclip train does
-    from tests.distutil import run_world
+    from dsclip.testing.gloo_world import run_world
 
     assert run_world(_engine_checkpointing, 1, True) == [(True, True)]

@@ -1,4 +1,5 @@
-"""Imports flow one way: model/losses/data/eval never import DeepSpeed nor the trainer."""
+"""Imports flow one way: model/losses/data/eval never import DeepSpeed nor the trainer; nothing outside
+tests/ imports tests/."""
 
 import ast
 from pathlib import Path
@@ -28,5 +29,18 @@ def test_pure_packages_do_not_import_deepspeed_or_trainer(package):
         for path in sorted((PKG / package).rglob("*.py"))
         for name in imports(path)
         if name.startswith(FORBIDDEN)
+    ]
+    assert not offenders, offenders
+
+
+def test_bench_and_the_package_import_nothing_from_tests():
+    """bench/ and dsclip/ run without the test suite on the path: what both share lives in dsclip.testing."""
+    root = PKG.parent
+    offenders = [
+        f"{path.relative_to(root)} imports {name}"
+        for folder in ("bench", "dsclip")
+        for path in sorted((root / folder).rglob("*.py"))
+        for name in imports(path)
+        if name == "tests" or name.startswith("tests.")
     ]
     assert not offenders, offenders

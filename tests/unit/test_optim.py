@@ -129,7 +129,7 @@ def test_zero2_flat_buffer_views_are_16_byte_aligned():
     """Every parameter of a size that allows it starts on a 16-byte boundary inside ZeRO-2's flat bf16 buffer
     (cuBLAS picks alignment-1 kernels otherwise: a 2.4x slower step on an H200, bench/README.md)."""
     from dsclip.engine.optim import ALIGN_ELEMENTS
-    from tests.distutil import run_world
+    from dsclip.testing.gloo_world import run_world
 
     (views,) = run_world(_flat_buffer_alignment, 1)
     misaligned = [(n, off) for n, off, numel in views if off and numel % ALIGN_ELEMENTS == 0]

@@ -1,7 +1,7 @@
 """Run a function on N gloo ranks in fresh processes and collect what each rank returns.
 
-Used by the multi-process tests (losses, gradient cache, sharding). Each rank is a fresh process, so
-state never leaks between ranks, between tests or into the pytest process.
+Used by the multi-process tests (losses, gradient cache, sharding) and by bench/. Each rank is a fresh
+process, so state never leaks between ranks, between tests or into the pytest process.
 
 The ranks come from a fork server (one per pytest worker) that has imported torch, timm, DeepSpeed and
 dsclip once and done nothing else: a rank is a fork of that pristine process. Spawning an interpreter per
