@@ -318,18 +318,8 @@ def take_run_lock(run_dir, rank: int, ckpt=None) -> None:
 
 def build_run(cfg: RunConfig) -> Run:
     """The composition root: config -> world -> data/model -> engine -> step, checkpointer, metrics, evaluator."""
-    info = world.init_distributed(backend=cfg.train.dist_backend, init_method=cfg.train.dist_url)
+    info, cfg, ft, model_cfg = _start(cfg)
     rank, world_size = info.rank, info.world_size
-    world.install_preemption_handler()
-    cfg = settle_run_name(cfg)  # the clock's default, decided on rank 0 (collective)
-    validate(cfg)
-    take_run_lock(cfg.run_dir, rank, cfg.checkpoint)  # before anything is written into the run folder
-    runlog.setup(cfg.log, cfg.run_dir, rank)  # RUN/out.log from here: the console lines of the set-up too
-    world.check_workers(cfg.data.workers)
-    ft = finetune.prepare(cfg, rank=rank)  # --pretrained by name, --force-image-size, locking, quick_gelu
-    cfg, model_cfg = ft.cfg, ft.model_cfg  # + the pretrained weights' architecture name and tokenizer
-    check_torchcompile(cfg.train, device_type())
-    cfg = auto_ds.resolve(cfg, model_cfg, world_size, rank)  # --deepspeed-config auto: rank 0's choice, on every rank
     ds_config = build_ds_config(cfg.train, cfg.optim, world_size)
     checkpointer = Checkpointer.from_args(cfg.checkpoint, cfg.run_dir, rank=rank)
     ds_config = merge_ds_config(ds_config, checkpointer.prepare_resume(cfg.checkpoint.resume, world_size=world_size))
@@ -339,12 +329,7 @@ def build_run(cfg: RunConfig) -> Run:
     checkpointer.check_model(student_cfg, cfg.model.model)  # --resume: the same architecture, before any write
     teacher_plan = plan_teacher(cfg.loss, cfg.model, tokenizer, student_cfg)  # --distill-model: checked, not loaded
     if rank == 0:
-        if note := one_rank_zero3_note(ds_config, world_size):
-            console(note)
-        write_run_files(cfg, ds_config)  # exactly what deepspeed.initialize receives below
-        record_tokenizer(cfg.run_dir, tokenizer)  # `dsclip convert` ships it with the weights
-    if rank == 0 and cfg.log.copy_codebase:  # after the checks above: a refused run leaves no copy behind
-        runlog.copy_codebase(cfg.run_dir, resuming=cfg.checkpoint.resume is not None)
+        _write_run_files(cfg, ds_config, tokenizer, world_size)
     plan = StepPlan.of(cfg.train, data, world_size)
     bundle = build_engine(
         ds_config, cfg.train, cfg.optim, model_factory(cfg.model, cfg.loss, model_cfg, tokenizer, seed=cfg.train.seed),
@@ -363,6 +348,45 @@ def build_run(cfg: RunConfig) -> Run:
     )  # fmt: skip
     evaluator = build_evaluator(cfg.log, cfg.data, tokenizer, model_cfg, metrics, run_dir=cfg.run_dir, device=device)
     step_fn = ema_step.attach(cfg.ema, bundle.engine, step_fn, checkpointer)  # --ema-decay: before resume loads it
+    start_step, guard = _resume(cfg, bundle, checkpointer, plan, step_fn, evaluator, metrics)
+    if rank == 0:
+        announce(cfg, bundle, plan, world_size, ft.summary(bundle.precision, bundle.zero_stage, world_size))
+        if teacher is not None:
+            console(f"dsclip: {teacher.describe()}")
+    return Run(
+        cfg, rank, world_size, bundle.engine, data, step_fn, checkpointer, metrics, evaluator, plan, start_step, guard
+    )
+
+
+def _start(cfg: RunConfig):
+    """The world and the settled run config (name, checks, run lock, logs, fine-tuning, `auto`), before any data."""
+    info = world.init_distributed(backend=cfg.train.dist_backend, init_method=cfg.train.dist_url)
+    world.install_preemption_handler()
+    cfg = settle_run_name(cfg)  # the clock's default, decided on rank 0 (collective)
+    validate(cfg)
+    take_run_lock(cfg.run_dir, info.rank, cfg.checkpoint)  # before anything is written into the run folder
+    runlog.setup(cfg.log, cfg.run_dir, info.rank)  # RUN/out.log from here: the console lines of the set-up too
+    world.check_workers(cfg.data.workers)
+    ft = finetune.prepare(cfg, rank=info.rank)  # --pretrained by name, --force-image-size, locking, quick_gelu
+    cfg, model_cfg = ft.cfg, ft.model_cfg  # + the pretrained weights' architecture name and tokenizer
+    check_torchcompile(cfg.train, device_type())
+    cfg = auto_ds.resolve(cfg, model_cfg, info.world_size, info.rank)  # --deepspeed-config auto: rank 0's choice
+    return info, cfg, ft, model_cfg
+
+
+def _write_run_files(cfg: RunConfig, ds_config: dict, tokenizer, world_size: int) -> None:
+    """Rank 0, once every check has passed: the run's config files, its tokenizer, the codebase copy."""
+    if note := one_rank_zero3_note(ds_config, world_size):
+        console(note)
+    write_run_files(cfg, ds_config)  # exactly what deepspeed.initialize receives
+    record_tokenizer(cfg.run_dir, tokenizer)  # `dsclip convert` ships it with the weights
+    if cfg.log.copy_codebase:  # after the checks: a refused run leaves no copy behind
+        runlog.copy_codebase(cfg.run_dir, resuming=cfg.checkpoint.resume is not None)
+
+
+def _resume(cfg: RunConfig, bundle, checkpointer, plan, step_fn, evaluator, metrics) -> tuple[int, DivergenceGuard]:
+    """--resume loaded (weights, EMA, data position) and the divergence guard set up; a tag whose weights the
+    guard's rule marks is refused (weights blown up by an unguarded run are not trained on)."""
     start_step = checkpointer.resume(
         bundle.engine, global_batch=plan.samples_per_step, steps_per_epoch=plan.steps_per_epoch,
         optim=resume_optim.recorded(cfg.optim, plan.total_steps),
@@ -370,19 +394,12 @@ def build_run(cfg: RunConfig) -> Run:
     if isinstance(step_fn, ema_step.EmaStep):
         step_fn.step = start_step
         ema_step.attach_eval(cfg.ema, step_fn, evaluator)
-    if rank == 0:
-        announce(cfg, bundle, plan, world_size, ft.summary(bundle.precision, bundle.zero_stage, world_size))
-        if teacher is not None:
-            console(f"dsclip: {teacher.describe()}")
     c = cfg.checkpoint
     rule = HealthRule(c.divergence_window, c.divergence_k, c.divergence_min_scale, c.divergence_scale_step)
     guard = DivergenceGuard(c.max_skipped_steps, rule)
-    if checkpointer.resume_point is not None:  # weights blown up by an unguarded run are not trained on
-        why = resumed_problem(rule, loaded_scale(bundle.engine))
-        if why:
+    if checkpointer.resume_point is not None:
+        if why := resumed_problem(rule, loaded_scale(bundle.engine)):
             raise checkpointer.refuse_resumed(why)
         point = checkpointer.resume_point
         metrics.mark_resume(start_step, str(point.load_dir / point.tag))  # metrics.jsonl: re-run steps follow
-    return Run(
-        cfg, rank, world_size, bundle.engine, data, step_fn, checkpointer, metrics, evaluator, plan, start_step, guard
-    )
+    return start_step, guard
