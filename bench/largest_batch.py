@@ -49,13 +49,13 @@ def baseline_worker() -> None:
     import torch
 
     import dsclip.train.loop  # noqa: F401  (everything `dsclip train` imports, DeepSpeed included)
-    from dsclip.engine import world
+    from dsclip.engine.world import process_group
 
-    info = world.init_distributed()
+    info = process_group.init_distributed()
     torch.distributed.all_reduce(torch.ones(8))
     torch.distributed.barrier()
     print("BASELINE " + json.dumps({"rank": info.rank, "vmhwm_gb": _vm("VmHWM"), "vmrss_gb": _vm("VmRSS")}), flush=True)
-    world.shutdown()
+    process_group.shutdown()
 
 
 def _launch(args: list[str], world: int, log: Path, timeout: float) -> str:
