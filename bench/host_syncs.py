@@ -48,9 +48,9 @@ def _rank(rank, world, old_source, steps):
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from dsclip.engine import world as w
     from dsclip.engine.build import build_engine
     from dsclip.engine.ds_config import load_ds_json, resolve_ds_config
+    from dsclip.engine.world import stop
     from dsclip.losses import build_loss
     from dsclip.model import create_model, get_model_config
     from dsclip.train import gradcache as new_gc
@@ -104,10 +104,10 @@ def _rank(rank, world, old_source, steps):
     ).engine
     images, tokens = make_batches(world, 2)
     chunks = rank_chunks(images, tokens, rank, world, 2)
-    w.install_preemption_handler()
+    stop.install_preemption_handler()
     variants = {
         "before": (old_gc.GradCacheStep(engine, build_loss("infonce")), _old_preemption_check),
-        "after": (new_gc.GradCacheStep(engine, build_loss("infonce"), extra_flags=w.local_stop_flags), None),
+        "after": (new_gc.GradCacheStep(engine, build_loss("infonce"), extra_flags=stop.local_stop_flags), None),
     }
     out = {}
     for name, (step, check) in variants.items():
@@ -119,7 +119,7 @@ def _rank(rank, world, old_source, steps):
                 if check is not None:
                     check()
                 else:
-                    w.stop_reason(r.flags)
+                    stop.stop_reason(r.flags)
             per_step.append(dict(c.ops))
         out[name] = per_step
     return out
