@@ -9,9 +9,9 @@ the stream: a pipeline stall per call. This counts them on CPU, per optimizer st
   collectives    ``c10d::*`` ops (all-reduce, all-gather, reduce-scatter, broadcast, barrier)
 
 before  the loop and gradient cache of ``--before-rev`` (default a108e3d, before issue 16): the step,
-        then ``world.preemption_requested()`` every step (one all-reduce of one int, one ``.item()``).
+        then ``stop.preemption_requested()`` every step (one all-reduce of one int, one ``.item()``).
 after   this checkout: the stop flags ride on the non-finite check's all-reduce inside the step
-        (``GradCacheStep(extra_flags=world.local_stop_flags)``), as ``dsclip.train.loop`` runs it.
+        (``GradCacheStep(extra_flags=stop.local_stop_flags)``), as ``dsclip.train.loop`` runs it.
 
 The old gradient cache is loaded from git (``git show REV:dsclip/train/gradcache.py``), so "before" is
 the code as it was, not a re-enactment. A GPU time needs a device; the counts are what can be counted
@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def _old_preemption_check():
-    """dsclip.engine.world.preemption_requested() of the before-revision, verbatim in effect."""
+    """dsclip.engine.world.stop.preemption_requested() of the before-revision, verbatim in effect."""
     import torch
     import torch.distributed as dist
 

@@ -5,7 +5,7 @@
 1. Baseline, measured: the same command at K = 1 (one micro-batch per rank, effective batch W·M); its
    peak minus what the planner counts for that run is the baseline (everything no planner term models). For
    reference, ``--baseline-worker`` ranks (started by `deepspeed --num_gpus W`) import what `dsclip
-   train` imports (torch, DeepSpeed, dsclip), join the gloo group through dsclip.engine.world (DeepSpeed's
+   train` imports (torch, DeepSpeed, dsclip), join the gloo group through dsclip.engine.world.process_group (DeepSpeed's
    CPU shm all-reduce workspace included), run one all-reduce and report their VmHWM: the imports' share.
 2. The run: `deepspeed --num_gpus W --module dsclip train --config demo --tiled-loss --batch-size M
    --accum-freq K` at the effective batch N = W·M·K, one optimizer step; every rank's peak resident

@@ -1,7 +1,8 @@
 """Who am I in the job, and the process group's life cycle — the one place dsclip reads launcher env.
 
-One module per concern; import from the one that owns what you need (this package re-exports nothing,
-so a test's monkeypatch lands on the module whose code reads the name):
+One module per concern; import from the one that owns what you need. This package re-exports nothing on
+purpose: a monkeypatch on a re-export would silently miss the module whose code reads the name, while one
+on this package fails at once (no such attribute).
 
 ``discovery``      rank, world size and rendezvous address from the deepspeed / torchrun / SLURM
                    environment (:func:`~.discovery.discover_world`), SLURM hostlists, ports,
@@ -12,6 +13,5 @@ so a test's monkeypatch lands on the module whose code reads the name):
                    timeout, the exit hook and barrier, recognising a lost peer
 ``stop``           SIGUSR1 / SIGTERM stop requests, the flags every rank sums, the exit codes
 
-Only ``process_group`` and ``stop`` load torch: the CLI's error path and train/preflight.py import the
-others without it.
+``discovery`` and ``devices`` import no torch; ``cores``, ``process_group`` and ``stop`` do.
 """
