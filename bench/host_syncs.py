@@ -9,9 +9,9 @@ the stream: a pipeline stall per call. This counts them on CPU, per optimizer st
   collectives    ``c10d::*`` ops (all-reduce, all-gather, reduce-scatter, broadcast, barrier)
 
 before  the loop and gradient cache of ``--before-rev`` (default a108e3d, before issue 16): the step,
-        then ``world.preemption_requested()`` every step (one all-reduce of one int, one ``.item()``).
+        then ``stop.preemption_requested()`` every step (one all-reduce of one int, one ``.item()``).
 after   this checkout: the stop flags ride on the non-finite check's all-reduce inside the step
-        (``GradCacheStep(extra_flags=world.local_stop_flags)``), as ``dsclip.train.loop`` runs it.
+        (``GradCacheStep(extra_flags=stop.local_stop_flags)``), as ``dsclip.train.loop`` runs it.
 
 The old gradient cache is loaded from git (``git show REV:dsclip/train/gradcache.py``), so "before" is
 the code as it was, not a re-enactment. A GPU time needs a device; the counts are what can be counted
@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def _old_preemption_check():
-    """dsclip.engine.world.preemption_requested() of the before-revision, verbatim in effect."""
+    """dsclip.engine.world.stop.preemption_requested() of the before-revision, verbatim in effect."""
     import torch
     import torch.distributed as dist
 
@@ -48,9 +48,9 @@ def _rank(rank, world, old_source, steps):
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from dsclip.engine import world as w
     from dsclip.engine.build import build_engine
     from dsclip.engine.ds_config import load_ds_json, resolve_ds_config
+    from dsclip.engine.world import stop
     from dsclip.losses import build_loss
     from dsclip.model import create_model, get_model_config
     from dsclip.testing.gradcache import make_batches, make_cfg, rank_chunks
@@ -104,10 +104,10 @@ def _rank(rank, world, old_source, steps):
     ).engine
     images, tokens = make_batches(world, 2)
     chunks = rank_chunks(images, tokens, rank, world, 2)
-    w.install_preemption_handler()
+    stop.install_preemption_handler()
     variants = {
         "before": (old_gc.GradCacheStep(engine, build_loss("infonce")), _old_preemption_check),
-        "after": (new_gc.GradCacheStep(engine, build_loss("infonce"), extra_flags=w.local_stop_flags), None),
+        "after": (new_gc.GradCacheStep(engine, build_loss("infonce"), extra_flags=stop.local_stop_flags), None),
     }
     out = {}
     for name, (step, check) in variants.items():
@@ -119,7 +119,7 @@ def _rank(rank, world, old_source, steps):
                 if check is not None:
                     check()
                 else:
-                    w.stop_reason(r.flags)
+                    stop.stop_reason(r.flags)
             per_step.append(dict(c.ops))
         out[name] = per_step
     return out

@@ -5,7 +5,7 @@
 1. Baseline, measured: the same command at K = 1 (one micro-batch per rank, effective batch W·M); its
    peak minus what the planner counts for that run is the baseline (everything no planner term models). For
    reference, ``--baseline-worker`` ranks (started by `deepspeed --num_gpus W`) import what `dsclip
-   train` imports (torch, DeepSpeed, dsclip), join the gloo group through dsclip.engine.world (DeepSpeed's
+   train` imports (torch, DeepSpeed, dsclip), join the gloo group through dsclip.engine.world.process_group (DeepSpeed's
    CPU shm all-reduce workspace included), run one all-reduce and report their VmHWM: the imports' share.
 2. The run: `deepspeed --num_gpus W --module dsclip train --config demo --tiled-loss --batch-size M
    --accum-freq K` at the effective batch N = W·M·K, one optimizer step; every rank's peak resident
@@ -49,13 +49,13 @@ def baseline_worker() -> None:
     import torch
 
     import dsclip.train.loop  # noqa: F401  (everything `dsclip train` imports, DeepSpeed included)
-    from dsclip.engine import world
+    from dsclip.engine.world import process_group
 
-    info = world.init_distributed()
+    info = process_group.init_distributed()
     torch.distributed.all_reduce(torch.ones(8))
     torch.distributed.barrier()
     print("BASELINE " + json.dumps({"rank": info.rank, "vmhwm_gb": _vm("VmHWM"), "vmrss_gb": _vm("VmRSS")}), flush=True)
-    world.shutdown()
+    process_group.shutdown()
 
 
 def _launch(args: list[str], world: int, log: Path, timeout: float) -> str:

@@ -1,6 +1,6 @@
 """Ranks sharing a host's cores, side by side: torch's default intra-op threads in every rank (what a
 `deepspeed --num_gpus N` CPU run got before dsclip divided the cores) against dsclip's division
-(dsclip/engine/world.py share_cores: the host's cores / the local ranks on them, OMP_NUM_THREADS unset).
+(dsclip/engine/world/cores.py share_cores: the host's cores / the local ranks on them, OMP_NUM_THREADS unset).
 
 Each round runs the same `deepspeed --num_gpus W --module dsclip train` twice, order alternating:
   default  OMP_NUM_THREADS = torch's own default (this machine's physical cores) in every rank

@@ -44,11 +44,15 @@ class UserError(Exception):
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     errors: list[type[BaseException]] = [ConfigError, UserError, FileNotFoundError]
-    # Launch problems (dsclip.engine.world: bad launcher env, a GPU view no rank can use, MASTER_PORT taken)
-    # and unknown architectures are one line too. Looked up only where their module is loaded (an error of a
-    # module never imported was never raised): importing dsclip.engine.world here would load torch at every
-    # exit, `--help` and a misconfigured run's error included (issue #33).
-    for module, name in (("dsclip.engine.world", "WorldDiscoveryError"), ("dsclip.model.factory", "UnknownModelError")):
+    # Launch problems (dsclip.engine.world.discovery, DeviceBindingError of .devices a subclass: bad launcher
+    # env, a GPU view no rank can use, MASTER_PORT taken) and unknown architectures are one line too. Looked up
+    # only where their module is loaded (an error of a module never imported was never raised): importing
+    # them here would load the world package, and through it torch, at every exit, `--help` and a
+    # misconfigured run's error included (issue #33).
+    for module, name in (
+        ("dsclip.engine.world.discovery", "WorldDiscoveryError"),
+        ("dsclip.model.factory", "UnknownModelError"),
+    ):
         if module in sys.modules:
             errors.append(getattr(sys.modules[module], name))
     return tuple(errors)
@@ -131,10 +135,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def _mark_failed() -> None:
     # Other ranks may not reach the exit barrier after a user error on this one. Only a run that loaded
-    # dsclip.engine.world can have a process group (and an exit barrier) to skip.
-    world = sys.modules.get("dsclip.engine.world")
-    if world is not None:
-        world.mark_failed()
+    # dsclip.engine.world.process_group can have a process group (and an exit barrier) to skip.
+    process_group = sys.modules.get("dsclip.engine.world.process_group")
+    if process_group is not None:
+        process_group.mark_failed()
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from dsclip.console import say
 from dsclip.dist import rank_world
-from dsclip.engine import optim, world
+from dsclip.engine import optim
 from dsclip.engine.compile import compile_towers
 from dsclip.engine.ds_config import TrainArgs, precision_of, zero_stage
 from dsclip.engine.input_grads import needs_input_grads, require_input_grads
@@ -32,7 +32,8 @@ from dsclip.engine.optim import OptimArgs
 from dsclip.engine.patches import PatchReport, install_patches, parse_selection
 from dsclip.engine.shm_workspace import release_shm_workspace
 from dsclip.engine.versions import deepspeed_version
-from dsclip.engine.world import DeviceBindingError
+from dsclip.engine.world import process_group
+from dsclip.engine.world.devices import DeviceBindingError
 
 
 @dataclass
@@ -108,8 +109,8 @@ def build_engine(
     after_construction: Callable[[nn.Module], None] | None = None,
 ) -> EngineBundle:
     # zero.Init and activation checkpointing read the world from deepspeed.comm, which must exist
-    # before them (a no-op after dsclip.engine.world.init_distributed; needed when a caller set up
-    # torch.distributed directly, as the multi-process tests do).
+    # before them (a no-op after dsclip.engine.world.process_group.init_distributed; needed when a caller
+    # set up torch.distributed directly, as the multi-process tests do).
     selection = parse_selection(train.engine_patches)  # a typo fails before any work
     deepspeed.init_distributed(dist_backend="nccl" if device_type() == "cuda" else "gloo")
     release_shm_workspace()  # DeepSpeed's CPU all-reduce segment would outlive the run in /dev/shm
@@ -144,8 +145,8 @@ def build_engine(
             model, optim_args, device_type(), cpu_offload=optimizer_offloaded(ds_config)
         )
     # DeepSpeed binds set_device(LOCAL_RANK) unless told otherwise: with one GPU per task
-    # (--gpus-per-task=1) local rank 3 would ask for device 3 of 1. Hand it the index world.py bound.
-    dev = world.device_rank()
+    # (--gpus-per-task=1) local rank 3 would ask for device 3 of 1. Hand it the index process_group bound.
+    dev = process_group.device_rank()
     if dev is not None:
         kwargs["args"] = SimpleNamespace(device_rank=dev)
     engine, _, _, _ = deepspeed.initialize(**kwargs)

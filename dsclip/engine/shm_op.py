@@ -1,6 +1,6 @@
 """DeepSpeed's CPU shared-memory all-reduce op at the process group's start: not at one rank, and quietly.
 
-Part of the process group's start (dsclip/engine/world.py, fake_world.py), not a patch of the seam: it
+Part of the process group's start (dsclip/engine/world/process_group.py, fake_world.py), not a patch of the seam: it
 flips an entry of an internal DeepSpeed table for the duration of ``init_distributed`` and restores it.
 DeepSpeed's TorchBackend builds (JIT-compiles
 on first use) and loads ``deepspeed_shm_comm`` every time it starts, whatever the world size, and prints

@@ -14,13 +14,13 @@ What the wrapper does (Linux):
   installs its own SIGTERM handler, which replaces SIG_IGN but not a blocked mask. The mask is inherited
   down to the ranks; every ``dsclip`` command unblocks both first thing (:func:`dsclip.cli.main`), so a
   rank still starting up dies of them as without the supervisor, and ``train`` handles them from
-  :func:`dsclip.engine.world.install_preemption_handler` on. Ranks that are not dsclip keep them blocked:
+  :func:`dsclip.engine.world.stop.install_preemption_handler` on. Ranks that are not dsclip keep them blocked:
   the supervisor is for dsclip ranks.
 - On SIGTERM/SIGUSR1 it forwards the signal to every rank among its descendants: the topmost process of a
   branch whose environment has its own ``RANK`` and ``LOCAL_RANK`` (a rank's data-loader workers share
   the rank's values; the launchers have none). Ranks that appear later get the signals they missed.
   A signal to the whole process group (or to every process of a SLURM step) reaches the ranks both
-  directly and forwarded, milliseconds apart: they count it once (``world.TERM_REPEAT_S``).
+  directly and forwarded, milliseconds apart: they count it once (``dsclip.engine.world.stop.TERM_REPEAT_S``).
 - It exits when the launcher and every descendant have, with the launcher's exit code (143 after SIGTERM,
   85 after SIGUSR1: the ranks' codes, which the launcher passes on). A launcher that reports a stopped
   rank as a failure (torchrun's agent exits 1 when a rank exits 143) is corrected: each dsclip rank on
@@ -58,7 +58,7 @@ import time
 
 ENV = "DSCLIP_SUPERVISOR"
 STATUS_ENV = "DSCLIP_LAUNCH_STATUS"  # file where this machine's dsclip ranks record their exit code
-STOP_CODES = (85, 143)  # what a dsclip rank exits with after SIGUSR1 / SIGTERM (dsclip.engine.world)
+STOP_CODES = (85, 143)  # what a dsclip rank exits with after SIGUSR1 / SIGTERM (dsclip.engine.world.stop)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
 HELP = """Runs LAUNCHER (deepspeed) with SIGTERM and SIGUSR1 blocked, forwards each of them that this process

@@ -15,11 +15,12 @@ from torch import nn
 
 from dsclip.config import ConfigError, RunConfig, dumps, save_run_config
 from dsclip.data import DataConfig, TrainData, build_tokenizer, build_train_data
-from dsclip.engine import layer_decay, world
+from dsclip.engine import layer_decay
 from dsclip.engine.build import EngineBundle, autocast_dtype, device_type
 from dsclip.engine.compile import CompileSetupError, check_compile_setup
 from dsclip.engine.ds_config import TrainArgs, load_ds_json, resolve_ds_config
 from dsclip.engine.optim import OptimArgs
+from dsclip.engine.world import stop
 from dsclip.losses import SIGLIP_INIT_LOGIT_BIAS, LossArgs, build_loss
 from dsclip.model import ModelArgs, create_model
 from dsclip.train.evaluation import TrainingEvaluator
@@ -174,7 +175,7 @@ def build_step(bundle: EngineBundle, loss: LossArgs, train: TrainArgs, teacher: 
         accum_freq=train.accum_freq,
         keep_last_graph=train.keep_last_graph,
         compute_dtype=autocast_dtype(bundle),
-        extra_flags=world.local_stop_flags,  # stop signals ride on the step's own all-reduce
+        extra_flags=stop.local_stop_flags,  # stop signals ride on the step's own all-reduce
         teacher=teacher,
     )
 

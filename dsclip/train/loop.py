@@ -22,9 +22,9 @@ from dsclip.config import RunConfig, settle_run_name, validate
 from dsclip.config_base import ConfigError
 from dsclip.data import TrainData
 from dsclip.dist import barrier, from_rank0
-from dsclip.engine import world
 from dsclip.engine.build import build_engine, device_type
 from dsclip.engine.optim import PARAM_ORDER
+from dsclip.engine.world import cores, process_group, stop
 from dsclip.train import auto_ds, ema_step, finetune, runlog, wandb_sink
 from dsclip.train.build import (
     StepPlan,
@@ -118,7 +118,7 @@ def _train(cfg: RunConfig) -> dict:
     try:
         return _train_run(run, t_start)
     except RuntimeError as e:  # another rank died: one line on the survivors, the traceback with --debug
-        why = world.peer_lost(e)
+        why = process_group.peer_lost(e)
         if why is None:
             raise
         raise rank_lost(run, why) from e
@@ -136,7 +136,7 @@ def rank_lost(run: Run, why: str) -> RankLostError:
     kept = f"latest names {latest}" if latest else "no checkpoint was saved yet"
     way = "continue with --resume latest" + ("" if latest else " (from step 0: nothing to resume yet)")
     error = RankLostError(
-        f"{world.lost_peer_name(run.rank, run.world_size)} stopped {during}, after step {run.step} ({why}); "
+        f"{process_group.lost_peer_name(run.rank, run.world_size)} stopped {during}, after step {run.step} ({why}); "
         f"{kept}; {way} (its own log or the launcher's output says why it stopped; the traceback: --debug)"
     )
     log.error(str(error))
@@ -166,13 +166,13 @@ def _train_run(run: Run, t_start: float) -> dict:
     # batch script whose srun reports a sibling's 143 still learns that dsclip asked for a requeue
     if run.rank == 0:
         runlog.write_exit_status(
-            cfg.run_dir, exit_code=world.exit_code(preempted), stop=preempted, step=step, checkpoint=latest_tag(run)
+            cfg.run_dir, exit_code=stop.exit_code(preempted), stop=preempted, step=step, checkpoint=latest_tag(run)
         )
     barrier()
     if preempted:
         # the checkpoint (or, after a bad step, the last good one) and exit_status.json are settled on every
         # rank: a second SIGTERM from here on ends this rank with the stop's code, not by the signal
-        world.stop_saved(world.exit_code(preempted))
+        stop.stop_saved(stop.exit_code(preempted))
     # whatever ended training (the last epoch, --max-steps, the end of the data, a preemption, after its
     # checkpoint is safe): the configured evaluations run once more unless they just ran (collective)
     summary.update(run.evaluator.final(run.engine, step, max(step - 1, 0) // run.plan.steps_per_epoch))
@@ -181,9 +181,9 @@ def _train_run(run: Run, t_start: float) -> dict:
     run.metrics.close()
     run.data.close()
     if preempted and run.rank == 0:
-        what = "to requeue (SIGUSR1)" if preempted == world.STOP_REQUEUE else "(SIGTERM: not requeued)"
-        console(f"preempted: checkpoint saved at step {step}; exiting with {world.exit_code(preempted)} {what}")
-    summary["exit_code"] = world.exit_code(preempted)
+        what = "to requeue (SIGUSR1)" if preempted == stop.STOP_REQUEUE else "(SIGTERM: not requeued)"
+        console(f"preempted: checkpoint saved at step {step}; exiting with {stop.exit_code(preempted)} {what}")
+    summary["exit_code"] = stop.exit_code(preempted)
     return summary
 
 
@@ -289,7 +289,7 @@ def fit(run: Run) -> tuple[int, str | None]:
             if epoch_end:
                 run.evaluator.epoch_end(engine, step, epoch)
             # the stop flags were summed over all ranks inside the step: every rank stops at the same step
-            preempted = world.stop_reason(result.flags)
+            preempted = stop.stop_reason(result.flags)
             if step >= run.plan.total_steps or epoch_end or preempted:
                 break
             t_wait = time.perf_counter()
@@ -360,13 +360,13 @@ def build_run(cfg: RunConfig) -> Run:
 
 def _start(cfg: RunConfig):
     """The world and the settled run config (name, checks, run lock, logs, fine-tuning, `auto`), before any data."""
-    info = world.init_distributed(backend=cfg.train.dist_backend, init_method=cfg.train.dist_url)
-    world.install_preemption_handler()
+    info = process_group.init_distributed(backend=cfg.train.dist_backend, init_method=cfg.train.dist_url)
+    stop.install_preemption_handler()
     cfg = settle_run_name(cfg)  # the clock's default, decided on rank 0 (collective)
     validate(cfg)
     take_run_lock(cfg.run_dir, info.rank, cfg.checkpoint)  # before anything is written into the run folder
     runlog.setup(cfg.log, cfg.run_dir, info.rank)  # RUN/out.log from here: the console lines of the set-up too
-    world.check_workers(cfg.data.workers)
+    cores.check_workers(cfg.data.workers)
     ft = finetune.prepare(cfg, rank=info.rank)  # --pretrained by name, --force-image-size, locking, quick_gelu
     cfg, model_cfg = ft.cfg, ft.model_cfg  # + the pretrained weights' architecture name and tokenizer
     check_torchcompile(cfg.train, device_type())

@@ -78,7 +78,7 @@ def _check_ds_config(cfg: RunConfig) -> None:
     import torch
 
     from dsclip.engine.ds_config import load_ds_json, resolve_ds_config
-    from dsclip.engine.world import remap_launcher_devices
+    from dsclip.engine.world.devices import remap_launcher_devices
 
     # CUDA reads CUDA_VISIBLE_DEVICES once, at the first query below (and DeepSpeed's accelerator detection):
     # the per-node launcher's GPU ids are translated first, as init_distributed does (it is idempotent).

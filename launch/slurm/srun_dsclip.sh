@@ -4,7 +4,7 @@
 # SLURM's (DeepSpeed does not read SLURM_*; without them it tries mpi4py and fails):
 #   SLURM_PROCID → RANK, SLURM_LOCALID → LOCAL_RANK, SLURM_STEP_NUM_TASKS/SLURM_NTASKS → WORLD_SIZE,
 #   MASTER_ADDR = first node of the job (scontrol show hostnames), MASTER_PORT = 15000 + job id % 10000
-# (both unless already set, e.g. by train.sbatch). dsclip.engine.world does the same mapping when
+# (both unless already set, e.g. by train.sbatch). dsclip.engine.world.discovery does the same mapping when
 # started under srun without this wrapper; the wrapper also activates the venv and makes the
 # mapping visible to any DeepSpeed script (MODULE=your.module).
 set -euo pipefail

@@ -8,7 +8,7 @@
 #   requeue_or_exit TAG RC STATUS  requeue the job if dsclip asked for it (or a USR1-warned run failed
 #                                  while stopping), else exit RC; STATUS is dsclip's exit_status.json
 #
-# The codes are dsclip's (dsclip.engine.world): 85 = saved after SIGUSR1, requeue; 143 = saved after
+# The codes are dsclip's (dsclip.engine.world.stop): 85 = saved after SIGUSR1, requeue; 143 = saved after
 # SIGTERM (scancel, scheduler preemption), never requeued.
 
 EXIT_REQUEUE=85

@@ -1,4 +1,4 @@
-"""The ranks of a host divide its cores between them (dsclip/engine/world.py share_cores) by comparing
+"""The ranks of a host divide its cores between them (dsclip/engine/world/cores.py share_cores) by comparing
 their affinity masks over a real gloo group: ranks on one host with overlapping masks share, a rank bound
 to its own cores or on another host does not, and an explicit OMP_NUM_THREADS on one rank neither changes
 its threads nor hangs the others (every rank still takes part in the exchange)."""
@@ -19,16 +19,16 @@ LAYOUT = {0: ("a", range(8)), 1: ("a", range(8)), 2: ("a", range(8, 12)), 3: ("b
 def _share(rank, world_size, explicit_rank):
     import torch
 
-    from dsclip.engine import world
-    from dsclip.engine.world import WorldInfo
+    from dsclip.engine.world import cores
+    from dsclip.engine.world.discovery import WorldInfo
 
     host, cpus = LAYOUT[rank]
-    world.host_identity = lambda: host
-    world.cpu_affinity = lambda: list(cpus)
+    cores.host_identity = lambda: host
+    cores.cpu_affinity = lambda: list(cpus)
     torch.get_num_threads = lambda: 32  # torch's default on a 32-core host
     env = {"OMP_NUM_THREADS": "5"} if rank == explicit_rank else {}
     info = WorldInfo(rank, rank, world_size, world_size, "127.0.0.1", 0, "env")
-    return world.share_cores(info, env=env), env.get("OMP_NUM_THREADS")
+    return cores.share_cores(info, env=env), env.get("OMP_NUM_THREADS")
 
 
 @pytest.mark.parametrize("explicit_rank", [None, 1])

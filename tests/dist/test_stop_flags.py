@@ -18,9 +18,9 @@ def _rank(rank, world, send_signal):
     import torch
     import torch.distributed as dist
 
-    from dsclip.engine import world as w
     from dsclip.engine.build import build_engine
     from dsclip.engine.ds_config import load_ds_json, resolve_ds_config
+    from dsclip.engine.world import stop
     from dsclip.losses import build_loss
     from dsclip.testing.gradcache import make_batches, make_cfg, rank_chunks
     from dsclip.train.gradcache import GradCacheStep
@@ -40,7 +40,7 @@ def _rank(rank, world, send_signal):
     ).engine
     images, tokens = make_batches(world, 2)
     chunks = rank_chunks(images, tokens, rank, world, 2)
-    w.install_preemption_handler()
+    stop.install_preemption_handler()
     calls = {"all_reduce": 0}
     real = dist.all_reduce
 
@@ -52,14 +52,14 @@ def _rank(rank, world, send_signal):
     try:
         out = []
         plain = GradCacheStep(engine, build_loss("infonce"))
-        folded = GradCacheStep(engine, build_loss("infonce"), extra_flags=w.local_stop_flags)
+        folded = GradCacheStep(engine, build_loss("infonce"), extra_flags=stop.local_stop_flags)
         for name, step in (("plain", plain), ("quiet", folded), ("signalled", folded)):
             if name == "signalled" and rank == 1:
                 os.kill(os.getpid(), send_signal)  # only rank 1 is told
             before = calls["all_reduce"]
             torch.manual_seed(rank)
             r = step(chunks)
-            out.append((name, calls["all_reduce"] - before, r.flags, w.stop_reason(r.flags) if r.flags else None))
+            out.append((name, calls["all_reduce"] - before, r.flags, stop.stop_reason(r.flags) if r.flags else None))
         return out
     finally:
         dist.all_reduce = real

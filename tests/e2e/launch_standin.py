@@ -3,7 +3,7 @@
 Same command line and outputs as the trainer where the launch tests look: ``train --config X --logs
 DIR --name NAME [--max-steps N] [--resume latest] [--step-sleep S]``; writes DIR/NAME/metrics.jsonl
 (rank 0: step, loss, world_size), DIR/NAME/checkpoints/step_N/rank_R.pt + ``latest``; exits with
-``world.EXIT_REQUEUE`` after a preemption signal. Used with
+``dsclip.engine.world.stop.EXIT_REQUEUE`` after a preemption signal. Used with
 ``DSCLIP_LAUNCH_TRAINER=standin pytest -m launch`` to debug launches without the model stack.
 """
 
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dsclip.engine import world
+from dsclip.engine.world import process_group, stop
 
 
 def main(argv: list[str]) -> int:
@@ -33,8 +33,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--deepspeed-config")
     args, _ = p.parse_known_args([a for a in argv if not a.startswith("--local_rank")])
 
-    info = world.init_distributed()
-    world.install_preemption_handler()
+    info = process_group.init_distributed()
+    stop.install_preemption_handler()
     run = Path(args.logs) / args.name
     ckpt = run / "checkpoints"
     if info.rank == 0:
@@ -79,13 +79,13 @@ def main(argv: list[str]) -> int:
                     + "\n"
                 )
         time.sleep(args.step_sleep)
-        preempted = world.preemption_requested()  # collective: every rank gets the same reason
+        preempted = stop.preemption_requested()  # collective: every rank gets the same reason
         if preempted:
             break
     save()
     if preempted and info.rank == 0:
         print(f"preempted at step {step}", flush=True)
-    return world.exit_code(preempted)
+    return stop.exit_code(preempted)
 
 
 if __name__ == "__main__":

@@ -522,7 +522,7 @@ GPU_CASES = {
         "dsclip",
     ),
     # a permuted pick of the node's 4 GPUs: local task 0 gets GPU 3, task 1 GPU 1. The binding is
-    # world.init_distributed's, the same in the stand-in trainer, which starts in a fraction of the time
+    # process_group.init_distributed's, the same in the stand-in trainer, which starts in a fraction of the time
     # (the real trainer's device_rank hand-off is the case above and tests/unit/test_device_binding.py)
     "gpu-bind-map": (
         "train.sbatch",

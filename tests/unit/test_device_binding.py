@@ -11,8 +11,9 @@ import sys
 import pytest
 import torch
 
-from dsclip.engine import world
-from dsclip.engine.world import DeviceBindingError, WorldInfo, resolve_device
+from dsclip.engine.world import cores, devices, discovery, process_group
+from dsclip.engine.world.devices import DeviceBindingError, resolve_device
+from dsclip.engine.world.discovery import WorldInfo
 
 
 def info(local: int, lws: int, rank: int | None = None, source: str = "slurm") -> WorldInfo:
@@ -64,23 +65,23 @@ def test_every_task_of_a_node_gets_a_distinct_gpu():
 def test_per_node_deepspeed_launcher_ids_are_mapped_back_to_slurms_gpus():
     # train_per_node.sbatch: SLURM gave the node's task GPUs 6,7; launch.py then sets 0,1 (hostfile slots)
     env = {"DSCLIP_NODE_GPUS": "6,7", "CUDA_VISIBLE_DEVICES": "1", "RANK": "3"}
-    world.remap_launcher_devices(env)
+    devices.remap_launcher_devices(env)
     assert env["CUDA_VISIBLE_DEVICES"] == "7"
     assert resolve_device(info(1, 2), env, cuda_count=1).physical == "7"
     env = {"DSCLIP_NODE_GPUS": "6,7", "CUDA_VISIBLE_DEVICES": "0,1"}
-    world.remap_launcher_devices(env)
+    devices.remap_launcher_devices(env)
     assert env["CUDA_VISIBLE_DEVICES"] == "6,7"
     # a second call (train/preflight.py translates before its CUDA query, init_distributed again) keeps it
     env = {"DSCLIP_NODE_GPUS": "4,5,6,7", "CUDA_VISIBLE_DEVICES": "1", "RANK": "1"}
-    world.remap_launcher_devices(env)
-    world.remap_launcher_devices(env)
+    devices.remap_launcher_devices(env)
+    devices.remap_launcher_devices(env)
     assert env["CUDA_VISIBLE_DEVICES"] == "5" and env["DSCLIP_LAUNCHER_GPU_IDS"] == "1"
 
 
 def test_launcher_gpu_id_outside_the_slurm_set_is_one_line_naming_rank_and_fix():
     env = {"DSCLIP_NODE_GPUS": "6,7", "CUDA_VISIBLE_DEVICES": "2", "RANK": "5"}
     with pytest.raises(DeviceBindingError, match=r"^rank 5: .*GPU ids 2 .*6,7.*GPUS_PER_NODE") as e:
-        world.remap_launcher_devices(env)
+        devices.remap_launcher_devices(env)
     assert "\n" not in str(e.value)
 
 
@@ -117,9 +118,9 @@ def test_cpu_run_reports_what_it_would_bind_and_never_refuses():
 
 @pytest.fixture
 def fresh_world(monkeypatch):
-    saved = dict(world._state)
+    saved = dict(process_group._state)
     saved_env = dict(os.environ)  # init_distributed exports RANK, MASTER_* ... into os.environ itself
-    world._state.update(info=None, binding=None, atexit=True)  # atexit=True: register no exit hook here
+    process_group._state.update(info=None, binding=None, atexit=True)  # atexit=True: register no exit hook here
     monkeypatch.setattr(sys, "excepthook", sys.excepthook)
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(k, raising=False)
@@ -128,8 +129,8 @@ def fresh_world(monkeypatch):
     ]:
         monkeypatch.delenv(k)
     yield
-    world._state.clear()
-    world._state.update(saved)
+    process_group._state.clear()
+    process_group._state.update(saved)
     os.environ.clear()
     os.environ.update(saved_env)
 
@@ -157,14 +158,14 @@ def test_init_distributed_binds_the_index_of_the_tasks_view(monkeypatch, capsys,
     set_device = mock_cuda(monkeypatch, 1)
     seen = {}
     monkeypatch.setattr(deepspeed, "init_distributed", lambda **kw: seen.update(kw))
-    monkeypatch.setattr(world, "release_shm_workspace", lambda: False)
-    got = world.init_distributed()
+    monkeypatch.setattr(process_group, "release_shm_workspace", lambda: False)
+    got = process_group.init_distributed()
     assert got.local_rank == 3 and set_device == [0]  # not 3: the task sees one GPU
-    assert world.device_rank() == 0 and seen["dist_backend"] == "nccl"
+    assert process_group.device_rank() == 0 and seen["dist_backend"] == "nccl"
     line = [x for x in capsys.readouterr().err.splitlines() if x.startswith("[dsclip] rank 7/8")][0]
     assert "device cuda bind cuda:0 gpu 3 visible 3 " in line
     cpus = sorted(os.sched_getaffinity(0))
-    cpus_part = f"cpus {world.format_cpus(cpus)} ({len(cpus)})"
+    cpus_part = f"cpus {cores.format_cpus(cpus)} ({len(cpus)})"
     assert line.endswith(f"{cpus_part} net NCCL_DEBUG=WARN threads 1 (OMP_NUM_THREADS)")  # GPU
 
 
@@ -180,7 +181,7 @@ def test_init_distributed_binds_the_index_of_the_tasks_view(monkeypatch, capsys,
     ],
 )
 def test_threads_divide_the_cores_the_local_ranks_share(own, peers, default, expect):
-    assert world.threads_for_shared_cores(own, peers, default) == expect
+    assert cores.threads_for_shared_cores(own, peers, default) == expect
 
 
 def test_host_identity_is_the_machines_boot_id_else_the_hostname(monkeypatch):
@@ -191,13 +192,13 @@ def test_host_identity_is_the_machines_boot_id_else_the_hostname(monkeypatch):
             expect = f.read().strip()
     except OSError:
         expect = socket.gethostname()
-    assert world.host_identity() == expect
+    assert cores.host_identity() == expect
 
     def no_proc(*args, **kwargs):
         raise OSError("no /proc here")
 
-    monkeypatch.setattr(world, "open", no_proc, raising=False)  # the module's open(): no boot id to read
-    assert world.host_identity() == socket.gethostname()
+    monkeypatch.setattr(cores, "open", no_proc, raising=False)  # the module's open(): no boot id to read
+    assert cores.host_identity() == socket.gethostname()
 
 
 def test_init_distributed_divides_the_hosts_cores_when_omp_num_threads_is_unset(monkeypatch, capsys, fresh_world):
@@ -210,18 +211,18 @@ def test_init_distributed_divides_the_hosts_cores_when_omp_num_threads_is_unset(
                      MASTER_PORT="23456", DSCLIP_LOG_WORLD="1").items():  # fmt: skip
         monkeypatch.setenv(k, v)
     monkeypatch.setattr(deepspeed, "init_distributed", lambda **kw: None)  # no process group: LOCAL_SIZE counts
-    monkeypatch.setattr(world, "release_shm_workspace", lambda: False)
-    monkeypatch.setattr(world, "check_master_port", lambda info: None)
-    monkeypatch.setattr(world, "cpu_affinity", lambda: list(range(8)))
+    monkeypatch.setattr(process_group, "release_shm_workspace", lambda: False)
+    monkeypatch.setattr(discovery, "check_master_port", lambda info: None)
+    monkeypatch.setattr(cores, "cpu_affinity", lambda: list(range(8)))
     set_threads = []
     monkeypatch.setattr(torch, "get_num_threads", lambda: 32)
     monkeypatch.setattr(torch, "set_num_threads", set_threads.append)
-    world.init_distributed()
+    process_group.init_distributed()
     assert set_threads == [2] and os.environ["OMP_NUM_THREADS"] == "2"
     line = [x for x in capsys.readouterr().err.splitlines() if x.startswith("[dsclip] rank 1/4")][0]
     assert line.endswith("threads 2 (8 cpus / 4 local ranks, OMP_NUM_THREADS unset)"), line
 
-    assert world.share_cores(world.world_info(), env={"OMP_NUM_THREADS": "3"}) == "threads 32 (OMP_NUM_THREADS)"
+    assert cores.share_cores(process_group.world_info(), env={"OMP_NUM_THREADS": "3"}) == "threads 32 (OMP_NUM_THREADS)"
     assert set_threads == [2]  # an explicit OMP_NUM_THREADS is left alone
 
 
@@ -245,7 +246,7 @@ def test_engine_gets_device_rank_and_deepspeed_binds_it(monkeypatch, fresh_world
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(port))
-    world._state["binding"] = world.DeviceBinding(0, 1, ("3",), True)  # what init_distributed resolved
+    process_group._state["binding"] = devices.DeviceBinding(0, 1, ("3",), True)  # what init_distributed resolved
     recorded: list[int] = []
     acc = get_accelerator()
     monkeypatch.setattr(acc, "set_device", lambda i: recorded.append(i), raising=False)
@@ -281,14 +282,14 @@ def test_engine_gets_device_rank_and_deepspeed_binds_it(monkeypatch, fresh_world
 
 
 def test_format_cpus():
-    assert world.format_cpus([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
-    assert world.format_cpus([3]) == "3"
+    assert cores.format_cpus([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
+    assert cores.format_cpus([3]) == "3"
 
 
 def test_more_workers_than_cores_warns_once_with_rank_and_fix(monkeypatch, capsys):
-    monkeypatch.setattr(world, "cpu_affinity", lambda: [4, 5])
-    assert world.check_workers(2, rank=1) is None
-    msg = world.check_workers(6, rank=1)
+    monkeypatch.setattr(cores, "cpu_affinity", lambda: [4, 5])
+    assert cores.check_workers(2, rank=1) is None
+    msg = cores.check_workers(6, rank=1)
     assert msg and msg.startswith("[dsclip] rank 1: WARNING --workers 6 exceeds the 2 core(s)")
     assert "affinity 4-5" in msg and "--cpus-per-task" in msg and "\n" not in msg
     assert capsys.readouterr().err.strip() == msg
@@ -301,12 +302,12 @@ def test_master_port_in_use_is_one_line_before_rendezvous():
         port = s.getsockname()[1]
         taken = WorldInfo(0, 0, 2, 1, "node1", port, "slurm")
         with pytest.raises(
-            world.WorldDiscoveryError, match=rf"^rank 0 .*MASTER_PORT {port} is already in use.*free port"
+            discovery.WorldDiscoveryError, match=rf"^rank 0 .*MASTER_PORT {port} is already in use.*free port"
         ):
-            world.check_master_port(taken, env={})
-        world.check_master_port(WorldInfo(1, 0, 2, 1, "node1", port, "slurm"), env={})  # only rank 0 listens
-        world.check_master_port(WorldInfo(0, 0, 2, 1, "node1", port, "torchrun"), env={})  # agent's store
-    world.check_master_port(taken, env={})  # free again
+            discovery.check_master_port(taken, env={})
+        discovery.check_master_port(WorldInfo(1, 0, 2, 1, "node1", port, "slurm"), env={})  # only rank 0 listens
+        discovery.check_master_port(WorldInfo(0, 0, 2, 1, "node1", port, "torchrun"), env={})  # agent's store
+    discovery.check_master_port(taken, env={})  # free again
 
 
 def test_dsclip_train_with_master_port_taken_exits_with_one_line(tmp_path):

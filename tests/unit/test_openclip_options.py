@@ -17,9 +17,9 @@ from dsclip.config import ConfigError, make_run_config
 from dsclip.data import build_tokenizer, build_train_data
 from dsclip.data.synthetic import CAPTION, SyntheticDataset
 from dsclip.data.transforms import image_transform
-from dsclip.engine import world
 from dsclip.engine.ds_config import resolve_ds_config
 from dsclip.engine.optim import build_optimizer
+from dsclip.engine.world import devices, discovery, process_group
 from dsclip.eval.datasets import ImageNetV2Dataset, imagenet_classnames
 from dsclip.eval.evaluator import Evaluator
 from dsclip.model import create_model
@@ -93,8 +93,8 @@ def test_dist_backend_and_url_reach_deepspeed_init_distributed(monkeypatch, fres
         monkeypatch.setenv(k, v)
     seen = {}
     monkeypatch.setattr(deepspeed, "init_distributed", lambda **kw: seen.update(kw))
-    monkeypatch.setattr(world, "release_shm_workspace", lambda: False)
-    world.init_distributed(backend="mpi", init_method="tcp://10.0.0.1:2345")
+    monkeypatch.setattr(process_group, "release_shm_workspace", lambda: False)
+    process_group.init_distributed(backend="mpi", init_method="tcp://10.0.0.1:2345")
     # a tcp:// or file:// rendezvous needs rank and world size spelled out
     assert (seen["dist_backend"], seen["init_method"], seen["rank"], seen["world_size"]) == (
         "mpi",
@@ -108,8 +108,8 @@ def test_no_set_device_rank_is_what_dsclip_binds_with_one_gpu_per_process():
     assert cfg(no_set_device_rank=True).train.no_set_device_rank
     # OpenCLIP with the flag uses device "cuda" (= cuda:0 of the process's view) instead of cuda:LOCAL_RANK;
     # dsclip binds index 0 whenever a rank sees one GPU, flag or not
-    info = world.WorldInfo(7, 3, 8, 4, "n1", 23456, "slurm")
-    b = world.resolve_device(info, {"CUDA_VISIBLE_DEVICES": "3"}, cuda_count=1)
+    info = discovery.WorldInfo(7, 3, 8, 4, "n1", 23456, "slurm")
+    b = devices.resolve_device(info, {"CUDA_VISIBLE_DEVICES": "3"}, cuda_count=1)
     assert (b.index, b.physical) == (0, "3")
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from dsclip.engine import world
+from dsclip.engine.world import stop
 
 
 @pytest.fixture
@@ -14,9 +14,9 @@ def handlers(monkeypatch):
     import signal
 
     for k, v in {"signum": None, "usr1": False, "term": False, "first_at": None, "saved_code": None}.items():
-        monkeypatch.setitem(world._preempt, k, v)
-    old = {s: signal.getsignal(s) for s in world.PREEMPT_SIGNALS}
-    world.install_preemption_handler()
+        monkeypatch.setitem(stop._preempt, k, v)
+    old = {s: signal.getsignal(s) for s in stop.PREEMPT_SIGNALS}
+    stop.install_preemption_handler()
     yield
     for s, h in old.items():
         signal.signal(s, h)
@@ -26,12 +26,12 @@ def test_usr1_means_save_and_requeue(handlers):
     import os
     import signal
 
-    assert world.preemption_requested(sync=False) is None
+    assert stop.preemption_requested(sync=False) is None
     os.kill(os.getpid(), signal.SIGUSR1)
-    assert world.preemption_requested() == world.STOP_REQUEUE  # no process group: local answer
-    assert world.exit_code(world.STOP_REQUEUE) == world.EXIT_REQUEUE == 85
+    assert stop.preemption_requested() == stop.STOP_REQUEUE  # no process group: local answer
+    assert stop.exit_code(stop.STOP_REQUEUE) == stop.EXIT_REQUEUE == 85
     os.kill(os.getpid(), signal.SIGUSR1)  # SLURM may deliver it twice: still only recorded
-    assert world.local_stop_flags() == (1.0, 0.0)
+    assert stop.local_stop_flags() == (1.0, 0.0)
 
 
 def test_term_means_save_and_do_not_requeue(handlers):
@@ -40,12 +40,12 @@ def test_term_means_save_and_do_not_requeue(handlers):
 
     os.kill(os.getpid(), signal.SIGTERM)
     os.kill(os.getpid(), signal.SIGTERM)  # the same scancel delivered twice (step + srun): still alive
-    assert world.preemption_requested(sync=False) == world.STOP_TERMINATE
-    assert world.exit_code(world.STOP_TERMINATE) == world.EXIT_TERMINATED == 143
+    assert stop.preemption_requested(sync=False) == stop.STOP_TERMINATE
+    assert stop.exit_code(stop.STOP_TERMINATE) == stop.EXIT_TERMINATED == 143
     # TERM wins over USR1 when ranks disagree: the sums of all ranks' flags decide on every rank
-    assert world.stop_reason((1.0, 1.0)) == world.STOP_TERMINATE
-    assert world.stop_reason((2.0, 0.0)) == world.STOP_REQUEUE
-    assert world.stop_reason((0.0, 0.0)) is None
+    assert stop.stop_reason((1.0, 1.0)) == stop.STOP_TERMINATE
+    assert stop.stop_reason((2.0, 0.0)) == stop.STOP_REQUEUE
+    assert stop.stop_reason((0.0, 0.0)) is None
 
 
 @pytest.mark.parametrize("first", ["TERM", "USR1"])
@@ -55,10 +55,10 @@ def test_a_second_term_stops_now(first, tmp_path):
 
     code = f"""
 import os, signal, time
-from dsclip.engine import world
-world.install_preemption_handler()
+from dsclip.engine.world import stop
+stop.install_preemption_handler()
 os.kill(os.getpid(), signal.SIG{first})
-time.sleep(world.TERM_REPEAT_S + 0.3)
+time.sleep(stop.TERM_REPEAT_S + 0.3)
 print("alive after the first signal", flush=True)
 os.kill(os.getpid(), signal.SIGTERM)
 time.sleep(5)
@@ -71,7 +71,7 @@ print("survived the second TERM", flush=True)
 
 @pytest.mark.parametrize("first, code", [("TERM", 143), ("USR1", 85)])
 def test_a_second_term_after_the_stops_save_exits_with_the_stops_code(first, code):
-    """After the stop's checkpoint is safe (the loop calls world.stop_saved), a second SIGTERM still ends the
+    """After the stop's checkpoint is safe (the loop calls stop.stop_saved), a second SIGTERM still ends the
     process at once, but with the stop's code: a death by the signal made DeepSpeed's launch.py report -15 and
     pdsh 241, a failure, for a job that had saved."""
     import subprocess
@@ -79,11 +79,11 @@ def test_a_second_term_after_the_stops_save_exits_with_the_stops_code(first, cod
 
     code_py = f"""
 import os, signal, time
-from dsclip.engine import world
-world.install_preemption_handler()
+from dsclip.engine.world import stop
+stop.install_preemption_handler()
 os.kill(os.getpid(), signal.SIG{first})
-time.sleep(world.TERM_REPEAT_S + 0.3)
-world.stop_saved(world.exit_code(world.stop_reason(world.local_stop_flags())))
+time.sleep(stop.TERM_REPEAT_S + 0.3)
+stop.stop_saved(stop.exit_code(stop.stop_reason(stop.local_stop_flags())))
 print("saved", flush=True)
 os.kill(os.getpid(), signal.SIGTERM)
 time.sleep(5)
@@ -105,11 +105,11 @@ def test_a_stop_signal_during_shutdown_after_the_stops_save_keeps_the_stops_code
 
     code_py = f"""
 import os, signal, sys, time
-from dsclip.engine import world
-world.install_preemption_handler()
+from dsclip.engine.world import stop
+stop.install_preemption_handler()
 os.kill(os.getpid(), signal.SIGTERM)
-time.sleep(world.TERM_REPEAT_S + 0.3)
-world.stop_saved(world.exit_code(world.stop_reason(world.local_stop_flags())))
+time.sleep(stop.TERM_REPEAT_S + 0.3)
+stop.stop_saved(stop.exit_code(stop.stop_reason(stop.local_stop_flags())))
 
 class LateSignal:
     def __del__(self):  # runs when the interpreter clears this module, after the handlers went back to default
@@ -134,8 +134,8 @@ def test_a_stop_signal_during_shutdown_without_a_save_keeps_its_default_action()
 
     code_py = """
 import os, signal, time
-from dsclip.engine import world
-world.install_preemption_handler()
+from dsclip.engine.world import stop
+stop.install_preemption_handler()
 
 class LateSignal:
     def __del__(self):

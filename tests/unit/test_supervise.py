@@ -119,18 +119,18 @@ def test_sigterm_reaches_the_ranks_past_an_impatient_launcher_and_exit_follows_t
 
 
 def test_a_rank_whose_supervisor_is_killed_stops_as_on_sigterm(tmp_path):
-    # the real rank-side code: world.install_preemption_handler starts the watch on DSCLIP_SUPERVISOR
+    # the real rank-side code: stop.install_preemption_handler starts the watch on DSCLIP_SUPERVISOR
     rank = r"""
 import sys, time
-from dsclip.engine import world
+from dsclip.engine.world import stop
 out, rank = sys.argv[1], sys.argv[2]
-world.install_preemption_handler()
+stop.install_preemption_handler()
 open(f"{out}/rank{rank}.ready", "w").write("1")
 deadline = time.monotonic() + 60
-while not world.preemption_requested(sync=False) and time.monotonic() < deadline:
+while not stop.preemption_requested(sync=False) and time.monotonic() < deadline:
     time.sleep(0.05)
-open(f"{out}/rank{rank}.saved", "w").write(str(world.preemption_requested(sync=False)))
-sys.exit(world.exit_code(world.preemption_requested(sync=False)))
+open(f"{out}/rank{rank}.saved", "w").write(str(stop.preemption_requested(sync=False)))
+sys.exit(stop.exit_code(stop.preemption_requested(sync=False)))
 """
     proc = start(tmp_path, rank)
     below: dict[int, int] = {}

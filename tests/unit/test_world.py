@@ -6,8 +6,9 @@ from datetime import timedelta
 
 import pytest
 
-from dsclip.engine import world
-from dsclip.engine.world import WorldDiscoveryError, discover_world, export_env, resolve_timeout
+from dsclip.engine.world import discovery
+from dsclip.engine.world.discovery import WorldDiscoveryError, discover_world, export_env
+from dsclip.engine.world.process_group import resolve_timeout
 
 # What `deepspeed --num_gpus 2 ...` gives rank 1 (launch.py), plus --local_rank=1 in argv.
 DEEPSPEED = dict(
@@ -55,7 +56,7 @@ def no_scontrol(monkeypatch):
     def fail(*a, **k):
         raise FileNotFoundError("scontrol")
 
-    monkeypatch.setattr(world.subprocess, "run", fail)
+    monkeypatch.setattr(discovery.subprocess, "run", fail)
 
 
 def test_deepspeed_launcher_env():
@@ -95,7 +96,7 @@ def test_slurm_env_maps_tasks_and_derives_master():
     w = discover_world(SLURM, [])
     assert (w.rank, w.local_rank, w.world_size, w.local_world_size, w.source) == (3, 1, 4, 2, "slurm")
     assert w.master_addr == "gpu07"  # first node of the step, zero padding kept
-    assert w.master_port == world.slurm_port(1234) == 15000 + 1234
+    assert w.master_port == discovery.slurm_port(1234) == 15000 + 1234
     # all ranks of a job agree on the port; another job gets another one
     rank0 = discover_world({**SLURM, "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}, [])
     assert rank0.master_port == w.master_port
@@ -116,7 +117,7 @@ def test_scontrol_used_when_available(monkeypatch):
     class R:
         stdout = "first\nsecond\n"
 
-    monkeypatch.setattr(world.subprocess, "run", lambda *a, **k: R())
+    monkeypatch.setattr(discovery.subprocess, "run", lambda *a, **k: R())
     assert discover_world(SLURM, []).master_addr == "first"
 
 
@@ -219,7 +220,7 @@ def test_export_env_round_trip():
     ],
 )
 def test_expand_nodelist(nodelist, hosts):
-    assert world.expand_nodelist(nodelist) == hosts
+    assert discovery.expand_nodelist(nodelist) == hosts
 
 
 def test_resolve_timeout_precedence():
