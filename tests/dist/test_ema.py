@@ -1,9 +1,10 @@
-"""Sharded EMA (dsclip.engine.ema) and layer-wise lr decay through DeepSpeed, on 2 gloo ranks, ZeRO-1/2/3.
+"""Sharded EMA (dsclip.engine.ema) and layer-wise lr decay through DeepSpeed, on 3 and 1 gloo ranks, ZeRO-1/2/3.
 
-One spawned 2-rank world runs every stage in turn (each rank builds one engine per stage, then a second one
-to resume into), then one 1-rank world resumes the ZeRO-2/3 checkpoints. Per stage:
+One spawned 3-rank world (uneven partitions) and one 1-rank world each run every stage in turn (each rank
+builds one engine per stage, then a second one to resume into); then a 1-rank world resumes the 3-rank ZeRO-2/3
+checkpoints. Per stage and training world:
 
-- the EMA gathered from the two ranks' partitions equals a reference EMA kept in float64 from the full
+- the EMA gathered from the ranks' partitions equals a reference EMA kept in float64 from the full
   fp32 master weights after every applied step (the same run, read through DeepSpeed's
   ``safe_get_full_fp32_param``); tolerance: each fp32 lerp rounds once per element (<= 1.5 u of the larger
   of |ema|, |w| for the two products and the sum), errors shrink by D each later step, so after S steps the
@@ -12,9 +13,9 @@ to resume into), then one 1-rank world resumes the ZeRO-2/3 checkpoints. Per sta
   bit-for-bit as it was, although the EMA and the weights differ (an update would have moved it);
 - saved with a checkpoint and loaded into a fresh engine, the EMA is bit-for-bit the saved one, and one more
   step from there gives bit-for-bit the EMA of the uninterrupted run;
-- each rank holds only its partition: EMA bytes <= 4 x trainable params / 2 (+ ZeRO's padding);
-- resumed on one rank (a world-size change: DeepSpeed's universal checkpoint, ZeRO-2 and ZeRO-3), the EMA
-  is the saved one bit for bit (a second, one-rank world; each rank's new share cut from all saved files);
+- each rank holds only its partition: EMA bytes <= 4 x trainable params / world (+ ZeRO's padding);
+- resumed on one rank (a world-size change 3 -> 1: DeepSpeed's universal checkpoint, ZeRO-2 and ZeRO-3), the
+  EMA is the saved one bit for bit (each rank's new share cut from all saved files);
 - ``--eval-ema``'s swap: inside it the module's weights are the gathered EMA, after it its own again;
 - ``dsclip convert --ema`` reassembles the saved EMA from the rank files bit for bit (dsclip layout, each
   stage), and its OpenCLIP layout loads in open_clip (strict) and embeds as the reference EMA does
@@ -108,7 +109,7 @@ def _stage(rank, world, stage, ckpt_root):
     ema = step.ema
     images, tokens = make_batches(world, 1)
     chunks = rank_chunks(images, tokens, rank, world, 1)
-    bad = [(torch.full_like(chunks[0][0], float("nan")), chunks[0][1])] if rank == 1 else chunks
+    bad = [(torch.full_like(chunks[0][0], float("nan")), chunks[0][1])] if rank == world - 1 else chunks
     ref = {n: w.clone() for n, w in _full_fp32(engine).items()}  # the EMA starts as the weights
     out = {"lrs": [], "applied": [], "max_w": 0.0}
     for s in range(1, STEPS + 1):
@@ -170,8 +171,9 @@ def _rank(rank, world, ckpt_root):
     return results
 
 
-def _resume_on_one_rank(rank, world, ckpt_root, stages):
-    """The world-2 checkpoints resumed on 1 rank (DeepSpeed's universal checkpoint; the EMA resharded)."""
+def _resume_on_other_world(rank, world, ckpt_root, stages, saved_world):
+    """The ``saved_world`` checkpoints resumed on ``world`` ranks (DeepSpeed's universal checkpoint; the EMA
+    resharded)."""
     from pathlib import Path
 
     from dsclip.checkpoint.ds_checkpoint import Checkpointer
@@ -182,11 +184,11 @@ def _resume_on_one_rank(rank, world, ckpt_root, stages):
     out = {}
     for stage in stages:
         cfg = _cfg(stage)
-        ckpt = Checkpointer(Path(ckpt_root) / f"zero{stage}", every_n_steps=0, every_n_epochs=0, keep_last=0, rank=0)
+        ckpt = Checkpointer(Path(ckpt_root) / f"zero{stage}", every_n_steps=0, every_n_epochs=0, keep_last=0, rank=rank)
         assert ckpt.prepare_resume("latest", world_size=world), "a world-size change goes through universal"
         engine = _engine(cfg, world, universal=True)
         step = ema_step.attach(cfg.ema, engine, GradCacheStep(engine, build_loss("infonce")), ckpt)
-        ckpt.resume(engine, global_batch=B * 2, steps_per_epoch=20)
+        ckpt.resume(engine, global_batch=B * saved_world, steps_per_epoch=20)
         out[stage] = step.ema.gather_full()
     return out
 
@@ -208,26 +210,35 @@ def _check_openclip(tag, ref, tmp_path):
         torch.testing.assert_close(oc.encode_text(tokens, normalize=True), model.encode_text(tokens), rtol=0, atol=tol)
 
 
-def test_sharded_ema_zero123_world2(tmp_path):
-
-    results = run_world(_rank, 2, str(tmp_path))
+@pytest.mark.parametrize("world", [3, 1])
+def test_sharded_ema_zero123(tmp_path, world):
+    results = run_world(_rank, world, str(tmp_path))
     for stage in (1, 2, 3):
-        r0, r1 = results[0][stage], results[1][stage]
+        r0 = results[0][stage]
         assert r0["applied"] == [s != SKIP_AT for s in range(1, STEPS + 1)], stage
         applied = sum(r0["applied"])
         tol = worst_case(3 * applied, r0["max_w"])
         for n, ref in r0["ref"].items():
-            for r in (r0, r1):  # every rank gathers the same full EMA
+            for r in (results[rank][stage] for rank in range(world)):  # every rank gathers the same full EMA
                 torch.testing.assert_close(
                     r["gathered"][n], ref, atol=tol, rtol=0, msg=lambda m, n=n, st=stage: f"{st} {n}: {m}"
                 )
-        for r in (r0, r1):
+        for r in (results[rank][stage] for rank in range(world)):
             assert r["skip_kept_ema"] and r["skip_ema_differs_from_w"], stage
             assert r["swap_in_is_ema"] and r["swap_out_restores"], stage
             assert r["resumed_bitwise"] and r["resumed_step"] == STEPS, stage
             assert r["continued_bitwise"], stage
             # 1/world of a full fp32 copy (+ ZeRO's alignment padding of each partition)
-            assert r["ema_bytes"] <= 4 * (r["trainable"] / 2 + 64), (stage, r["ema_bytes"], r["trainable"])
+            assert r["ema_bytes"] <= 4 * (r["trainable"] / world + 64), (stage, r["ema_bytes"], r["trainable"])
+        # layer decay through DeepSpeed: lr = LR x warm-up multiplier x lr_scale in every group, at every step
+        # (the skipped step does not advance the schedule: its multiplier counts applied steps)
+        for s, groups in enumerate(r0["lrs"]):
+            assert len({scale for _, scale in groups}) > 4
+            warm = (sum(r0["applied"][:s]) + 1) / WARMUP
+            for lr, scale in groups:
+                assert lr == pytest.approx(LR * warm * scale, rel=1e-12), (stage, s)
+        if world == 1:
+            continue  # the export and the world-size change below are the sharded case's
         # convert --ema: the EMA as saved (gathered at the save), from the rank files alone
         tag = tmp_path / f"zero{stage}" / "checkpoints" / f"step_{STEPS:09d}"
         out = convert_checkpoint(tag.parent, tag.name, tmp_path / f"ema{stage}", ema=True)
@@ -236,15 +247,11 @@ def test_sharded_ema_zero123_world2(tmp_path):
             assert torch.equal(exported[n], ref), (stage, n)
         if stage == 2:
             _check_openclip(tag, r0["ref"], tmp_path)
-    # a world-size change (2 -> 1 rank): the resumed EMA is the saved one, bit for bit
-    one = run_world(_resume_on_one_rank, 1, str(tmp_path), RESHARD_STAGES)[0]
+    if world == 1:
+        return
+    # a world-size change (3 -> 1 rank): the resumed EMA is the saved one, bit for bit
+    one = run_world(_resume_on_other_world, 1, str(tmp_path), RESHARD_STAGES, world)
     for stage in RESHARD_STAGES:
         for n, t in results[0][stage]["gathered"].items():
-            assert torch.equal(one[stage][n], t), (stage, n)
-        # layer decay through DeepSpeed: lr = LR x warm-up multiplier x lr_scale in every group, at every step
-        # (the skipped step does not advance the schedule: its multiplier counts applied steps)
-        for s, groups in enumerate(r0["lrs"]):
-            assert len({scale for _, scale in groups}) > 4
-            warm = (sum(r0["applied"][:s]) + 1) / WARMUP
-            for lr, scale in groups:
-                assert lr == pytest.approx(LR * warm * scale, rel=1e-12), (stage, s)
+            for r in one:
+                assert torch.equal(r[stage][n], t), (stage, n)
