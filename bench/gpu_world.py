@@ -24,8 +24,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dsclip.comm_model import LinkModel, Traffic, estimate  # noqa: E402
-from dsclip.measure_cli import hideable_compute_s  # noqa: E402
 from dsclip.plan import make_plan, shipped_ds_config  # noqa: E402
+from dsclip.plan_comm import hideable_compute_s  # noqa: E402
 from dsclip.rehearsal import RehearsalError, RehearsalSpec, rehearse_many  # noqa: E402
 
 # config name -> (ZeRO stage, engine patches)
