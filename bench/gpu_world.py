@@ -6,7 +6,9 @@ engine and gradient-cache step, synthetic batches, bf16), its collectives answer
 group: the GPU time of everything a real rank does except communicating. The communication model
 (dsclip.comm_model, nccl-tests bus bandwidths, printed with their source) adds what the links would cost,
 shown apart. Each (world, model) runs in its own child process (one fake world per process); rows print as
-each child finishes. ``--json-out`` keeps every result.
+each child finishes. ``--json-out`` keeps every result. On a GPU each row with the default patches also prints
+as a ``MeasuredMFU(..., world=N)`` line for dsclip/plan_efficiency.py's table (``SOURCE``: the results file
+it goes in), which plans at that world size then take before the world-1 rows.
 
     python3 bench/gpu_world.py --worlds 8 64 --models ViT-B-32=512,ViT-L-14=128,ViT-H-14=64:ckpt \\
         --configs zero2,zero2_none,zero1,zero3 --steps 3 --json-out OUT/world.json \\
@@ -73,13 +75,29 @@ def row(world: int, model: str, config: str, r, link: LinkModel, k: int) -> tupl
         f"{plan.memory_gb.get('total', float('nan')):.2f} | {plan.compute_s * 1e3:.1f} | {plan.comm_s * 1e3:.1f} | "
         f"{r.skipped} |"
     )
-    return line, {
+    table = table_row(world, model, config, r, plan, step, k)
+    return line + (f"\n#   table row: {table}" if table else ""), {
         "world": world,
         "model": model,
         "config": config,
         "result": asdict(r),
         "exposed_comm_s": est.exposed_s,
+        "table_row": table,
     }
+
+
+def table_row(world: int, model: str, config: str, r, plan, step: float, k: int) -> str:
+    """The rank's compute as a dsclip/plan_efficiency.py MEASURED row (a world-N row: fake collectives, no link
+    time), for the default patch set only: MFU = the plan's model FLOPs per sample (3 x forward + loss, the
+    planner's convention) x the measured samples/s / the H200's measured 790 TFLOP/s."""
+    if config == "zero2_none" or not r.step_s or r.skipped or r.spec["device"] != "cuda":
+        return ""
+    samples = r.spec["batch_size"] * k / step
+    mfu = plan.train_gflops_per_sample * 1e9 * samples / (plan.peak_tflops * 1e12)
+    return (
+        f'MeasuredMFU("{model}", {CONFIGS[config][0]}, "bf16", {r.spec["batch_size"]}, {samples:.1f}, {mfu:.4f}, '
+        f'"H200", SOURCE, accum_freq={k}, grad_checkpointing={r.spec["grad_checkpointing"]}, world={world})'
+    )
 
 
 def parse_memory_check(text: str) -> tuple[int, str, int, bool, str]:

@@ -38,3 +38,16 @@ def test_memory_row_sets_the_plan_less_its_reserve_beside_the_measured_peak():
     assert "| +25.0% |" in line  # the plan's figure against the measured peak
     assert data["full_bf16_grads_gib"] == pytest.approx(2 * plan.params / GiB)
     assert "plan parts (GiB): params" in line and "measured: CUDA max_memory_allocated" in line
+
+
+def test_a_world_row_becomes_a_table_row_at_the_planners_mfu_convention():
+    plan = make_plan("demo", gpus=8, gpu_memory_gb=141.0, batch_size=4 * 2 * 8, zero=2, micro_batch=4)
+    spec = {"batch_size": 4, "accum_freq": 2, "grad_checkpointing": False, "device": "cuda"}
+    r = RehearsalResult(spec=spec, params=plan.params, step_s=[0.01], skipped=0, peak_bytes=GiB, peak_kind="",
+                        optimizer_numel=0, optimizer_bytes=0, traffic=[], loss_finite=True)  # fmt: skip
+    row = GW.table_row(8, "demo", "zero2", r, plan, 0.01, 2)
+    mfu = plan.train_gflops_per_sample * 1e9 * 800 / 790e12  # 8 rows in 0.01 s
+    assert f"800.0, {mfu:.4f}" in row and "world=8" in row and "accum_freq=2" in row
+    assert GW.table_row(8, "demo", "zero2_none", r, plan, 0.01, 2) == ""  # not the shipped patch set
+    assert GW.table_row(8, "demo", "zero2", RehearsalResult(**{**r.__dict__, "spec": {**spec, "device": "cpu"}}),
+                        plan, 0.01, 2) == ""  # a CPU's host time is never a table row  # fmt: skip
