@@ -22,7 +22,8 @@
 #      (in the device image). Run it alone or in place of a stage: STAGES="input" bash bench/gpu_h200.sh
 #   6. world (~8 min, not in the default set): bench/gpu_world.py, rank 0 of a world-8 / world-64 job under torch's
 #      fake process group (issue #49): ViT-B-32 (512), ViT-L-14 (128), ViT-H-14 (64, checkpointing), bf16, ZeRO-2
-#      with the default patches and with none, ZeRO-1, ZeRO-3; measured memory and step time beside dsclip plan's.
+#      with the default patches and with none, ZeRO-1, ZeRO-3; measured memory and step time beside dsclip plan's;
+#      first ViT-bigG-14 ZeRO-2 at world 32 with checkpointing, its peak memory against the plan's.
 #   5. bigg (~6 min, not in the default set either): bench/gpu_plan_check.py, ViT-bigG-14 under ZeRO-3 with
 #      --grad-checkpointing (issue #29): the largest micro-batch that fits (probes at dsclip plan's answer and
 #      one 15 % step from it), its peak memory, step time and MFU against the plan's. Measured 2026-12-04
@@ -93,8 +94,12 @@ stage bigg 360 "$PY" bench/gpu_plan_check.py --model ViT-bigG-14 --zero 3 --grad
 # one rank of a world-8 and a world-64 job on this GPU (issue #49): torch's fake process group answers the
 # collectives, so each row is rank 0's GPU time at that world size, with the communication model's time apart
 # (bench/gpu_world.py). Not in the default set; run alone, one call (<= 8 min): STAGES="world" bash bench/gpu_h200.sh
-# Six children (2 worlds x 3 models), each ZeRO-2 with dsclip's default patches and with none, ZeRO-1, ZeRO-3.
-stage world 470 "$PY" bench/gpu_world.py --worlds 8 64 --models ViT-B-32=512,ViT-L-14=128,ViT-H-14=64:ckpt \
-  --configs zero2,zero2_none,zero1,zero3 --steps 3 --timeout 75 --json-out "$OUT/world.json"
+# First ViT-bigG-14 ZeRO-2 at world 32 with checkpointing: measured peak memory beside the plan's (goal: within
+# 10 %), one child of at most 100 s (a 2.5 B model built, 1 warm-up + 2 steps of 64 rows at ~1 s each). Then six
+# children (2 worlds x 3 models), each ZeRO-2 with dsclip's default patches and with none, ZeRO-1, ZeRO-3, at most
+# 60 s each: 100 + 6 x 60 = 460 s under the stage's 470 (a child past its cap prints "failed" and the rest go on).
+stage world 470 "$PY" bench/gpu_world.py --memory-check 32:ViT-bigG-14=64:ckpt:zero2 --memory-timeout 100 \
+  --worlds 8 64 --models ViT-B-32=512,ViT-L-14=128,ViT-H-14=64:ckpt \
+  --configs zero2,zero2_none,zero1,zero3 --steps 3 --timeout 60 --json-out "$OUT/world.json"
 rm -rf "$OUT/runs"  # checkpoints stay on the machine; the logs above hold the numbers
 echo "results: $OUT/summary.txt"

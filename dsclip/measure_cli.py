@@ -12,6 +12,7 @@ import sys
 
 from dsclip.comm_model import INTER_NODE_GBPS, INTRA_NODE_GBPS, LinkModel, Traffic, estimate  # no torch at import
 from dsclip.plan import Plan, model_state_bytes
+from dsclip.plan_comm import hideable_compute_s
 
 GiB = 2**30
 
@@ -38,13 +39,15 @@ def add_measure_arguments(p: argparse.ArgumentParser) -> None:
         "--intra-node-gbps",
         type=float,
         default=INTRA_NODE_GBPS,
-        help="plan-only: NVLink/NVSwitch bus bandwidth inside a node, GB/s (nccl-tests busbw)",
+        help="plan-only: NVLink/NVSwitch bus bandwidth inside a node, GB/s (nccl-tests busbw): the plan's "
+        "communication time and --measure's",
     )
     g.add_argument(
         "--inter-node-gbps",
         type=float,
         default=INTER_NODE_GBPS,
-        help="plan-only: network bandwidth per GPU between nodes, GB/s (400 Gb/s InfiniBand = 50)",
+        help="plan-only: network bandwidth per GPU between nodes, GB/s (400 Gb/s InfiniBand = 50): the plan's "
+        "communication time once --gpus exceeds --gpus-per-node, and --measure's",
     )
 
 
@@ -63,12 +66,6 @@ def link_from_args(a) -> LinkModel:
     if a.inter_node_gbps != INTER_NODE_GBPS:
         link.inter_source = "given (--inter-node-gbps)"
     return link
-
-
-def hideable_compute_s(compute_s: float, zero: int) -> float:
-    """Compute the overlappable collectives can hide behind: ZeRO-3 prefetches gathers through the whole
-    forward and backward; ZeRO-1/2 reduce during the backward (about 2/3 of forward + backward)."""
-    return compute_s if zero >= 3 else compute_s * 2.0 / 3.0
 
 
 def run_measure(a, plan: Plan, ds: tuple[str, dict]) -> int:
@@ -132,12 +129,12 @@ def format_report(r, plan: Plan, link: LinkModel, device: str) -> str:
     )
     lines.append(
         f"  step time    measured {_ms(step)} host wall time per step (median of {len(r.step_s)}, {device}); "
-        f"plan {_ms(plan.step_time_s)} (GPU compute at MFU {plan.mfu:g})"
+        f"plan {_ms(plan.compute_s)} (GPU compute at MFU {plan.mfu:g}, {plan.mfu_source.split(';')[0]})"
     )
     traffic = Traffic()
     for kind, n, phase, calls, nbytes in r.traffic:
         traffic.calls[(kind, n, phase)], traffic.bytes[(kind, n, phase)] = calls, nbytes
-    compute = step if device == "cuda" else plan.step_time_s
+    compute = step if device == "cuda" else plan.compute_s
     overlap = bool(spec["ds_config"].get("zero_optimization", {}).get("overlap_comm", False))
     est = estimate(
         traffic, link, zero=plan.zero, overlap_comm=overlap,
@@ -154,4 +151,9 @@ def format_report(r, plan: Plan, link: LinkModel, device: str) -> str:
         f"step = {'measured' if device == 'cuda' else 'plan'} compute {_ms(compute)} + exposed "
         f"{_ms(est.exposed_s)} = {_ms(compute + est.exposed_s)}"
     )
+    if plan.comm_link:  # the planner's own figure: bytes derived from the configuration, not counted
+        lines.append(
+            f"  the plan's communication (dsclip/plan_comm.py, bytes derived, not counted): {_ms(plan.comm_total_s)} "
+            f"back to back, {_ms(plan.comm_s)} exposed beside its compute {_ms(plan.compute_s)}"
+        )
     return "\n".join(lines)

@@ -37,13 +37,15 @@ import shlex
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from dsclip.comm_model import LinkModel
 from dsclip.config_base import ConfigError
 from dsclip.engine.ds_config import SHIPPED_DS_CONFIGS
 from dsclip.losses.config import LOSS_FLAGS, TRAIN_TILE_SIZE
 from dsclip.losses.config import LOSS_NAMES as LOSS_MODES
 from dsclip.model import get_model_config, resolve_model_config
 from dsclip.model.lock import LockConfig, check_lock_config
-from dsclip.plan_efficiency import MEASURED, extra_forwards, offload_seconds, plan_mfu
+from dsclip.plan_comm import exposed_seconds, persistent_numel, step_traffic, zero3_persistence
+from dsclip.plan_efficiency import MEASURED, extra_forwards, offload_seconds, plan_mfu_row
 
 GiB = 2**30
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,6 +78,7 @@ class Arch:
     largest_layer_params: int = 0
     trainable_params: int = 0  # after --lock-image / --lock-text
     patch_dropout: float = 0.0
+    config_json: str = ""  # the resolved config (sorted JSON): what ZeRO-3's persistent parameters are counted on
 
     @property
     def patches(self) -> int:
@@ -129,7 +132,8 @@ def load_arch(
     )
     if count_params:
         lock_key = json.dumps(asdict(lock), sort_keys=True) if lock else ""
-        counts = _param_counts(json.dumps(cfg, sort_keys=True), lock_key)
+        arch.config_json = json.dumps(cfg, sort_keys=True)
+        counts = _param_counts(arch.config_json, lock_key)
         arch.params, arch.trainable_params, arch.vision_params, arch.text_params, arch.largest_layer_params = counts
     return arch
 
@@ -434,6 +438,12 @@ class Plan:
     host_offload_gb: float = 0.0  # per GPU: the model states ZeRO-Offload keeps in host RAM
     offload_s: float = 0.0  # per step: the host optimizer step and PCIe copies offload adds (plan_efficiency)
     ds_config: str = ""  # the --deepspeed-config the command runs
+    mfu_world: int = 0  # world size of the MFU row the plan took (0: none, --mfu or assumed)
+    compute_s: float = 0.0  # per step: the model's FLOPs at the MFU (before communication and offload)
+    comm_s: float = 0.0  # per step: the communication model's exposed time (dsclip.plan_comm)
+    comm_total_s: float = 0.0  # per step: every collective back to back (what overlap could hide)
+    comm_share: float = 0.0  # comm_s / step_time_s
+    comm_link: str = ""  # the link model's figures and their sources
 
 
 def shipped_ds_config(zero: int, precision: str) -> tuple[str, dict]:
@@ -495,11 +505,14 @@ def make_plan(
     baseline_gb: float | None = None,
     ds_config: tuple[str, dict] | None = None,
     ema: bool = False,
+    link: LinkModel | None = None,
 ) -> Plan:
     """Plan one run. ``device="cpu"`` predicts the peak resident memory of each rank of a CPU run
     (``gpu_memory_gb`` is then the RAM per rank and ``baseline_gb`` the measured resident size of a rank
     before the model exists: see :func:`_plan_cpu_memory`). ``ds_config`` is (name as printed, JSON) of the
-    user's DeepSpeed JSON; default: the shipped one for ``zero`` and ``precision``."""
+    user's DeepSpeed JSON; default: the shipped one for ``zero`` and ``precision``. ``link``: the links the
+    communication time is modelled on (dsclip.comm_model; default: NVLink inside ``gpus_per_node``, InfiniBand
+    per GPU between nodes)."""
     _check_plan_args(loss, zero, precision, gpus, batch_size, gpu_memory_gb, patch_dropout, mfu)
     if lock is not None:
         shape = load_arch(model, count_params=False, image_size=image_size)
@@ -532,7 +545,7 @@ def make_plan(
     else:
         losses = _plan_memory(plan, arch, ds_cfg, tile, reserve_gb, micro_batch, ema=ema)
         _check_host(plan, gpus_per_node, host_memory_gb)
-    _plan_speed(plan, arch, keep_last_graph)
+    _plan_speed(plan, arch, keep_last_graph, ds_cfg, link or LinkModel(gpus_per_node=gpus_per_node))
     plan.command = _train_command(plan, ds_name, tile, gpus_per_node)
     _plan_notes(plan, losses, tile, gpus_per_node)
     return plan
@@ -672,12 +685,12 @@ def _measured_gflops() -> dict[str, float]:
     return {name: forward_flops(load_arch(name, count_params=False))["total"] / 1e9 for name in models}
 
 
-def _plan_speed(plan: Plan, arch: Arch, keep_last_graph: bool) -> None:
+def _plan_speed(plan: Plan, arch: Arch, keep_last_graph: bool, ds_cfg: dict, link: LinkModel) -> None:
     fwd = forward_flops(arch)
     if plan.mfu is None:  # measured where dsclip has a measurement (dsclip.plan_efficiency), said where from
-        plan.mfu, plan.mfu_source = plan_mfu(
+        plan.mfu, plan.mfu_source, plan.mfu_world = plan_mfu_row(
             plan.model, plan.zero, plan.precision, fwd["total"] / 1e9, _measured_gflops(),
-            accum_freq=plan.accum_freq, grad_checkpointing=plan.grad_checkpointing,
+            accum_freq=plan.accum_freq, grad_checkpointing=plan.grad_checkpointing, world=plan.gpus,
         )  # fmt: skip
     elif not plan.mfu_source:
         plan.mfu_source = "given (--mfu)"
@@ -692,12 +705,35 @@ def _plan_speed(plan: Plan, arch: Arch, keep_last_graph: bool) -> None:
         offload_seconds(plan.offload, arch.params, arch.trainable_params, plan.gpus, plan.accum_freq,
                         plan.grad_checkpointing, keep_last_graph), 4,
     )  # fmt: skip
+    compute = model_flops * local / (mfu * plan.peak_tflops * 1e12)
+    _plan_comm(plan, arch, keep_last_graph, ds_cfg, link, compute)
     # six significant digits, not fixed decimals: a small model's step is well under a millisecond, and the
     # search (dsclip.plan_search) ranks configurations by these numbers
-    step = model_flops * local / (mfu * plan.peak_tflops * 1e12) + plan.offload_s
+    step = compute + plan.comm_s + plan.offload_s
+    plan.compute_s = float(f"{compute:.6g}")
     plan.step_time_s = float(f"{step:.6g}")
+    plan.comm_share = round(plan.comm_s / step, 4) if step else 0.0
     plan.samples_per_s_per_gpu = float(f"{local / step:.6g}") if step else 0.0
     plan.hfu = round(mfu * executed / model_flops, 3)
+
+
+def _plan_comm(plan: Plan, arch: Arch, keep_last_graph: bool, ds_cfg: dict, link: LinkModel, compute: float) -> None:
+    """The communication model's exposed time per step (dsclip.plan_comm): the bytes this configuration
+    sends, on ``link``, less what overlaps the compute. A CPU run's ranks talk over gloo, not these links:
+    none there. The MFU rows measure compute only (a world-1 rank, or rank 0 under the fake group, whose
+    collectives return at once), so the two add."""
+    if plan.device == "cpu" or plan.gpus <= 1:
+        return
+    persistent = persistent_numel(arch.config_json, *zero3_persistence(ds_cfg)) if plan.zero == 3 else 0
+    traffic = step_traffic(
+        params=arch.params, trainable=arch.trainable_params, persistent=persistent, world=plan.gpus,
+        zero=plan.zero, precision=plan.precision, accum_freq=plan.accum_freq, local_batch=plan.local_batch,
+        embed_dim=arch.embed_dim, loss=plan.loss, keep_last_graph=keep_last_graph,
+    )  # fmt: skip
+    overlap = bool(ds_cfg.get("zero_optimization", {}).get("overlap_comm", False))
+    exposed, total = exposed_seconds(traffic, link, zero=plan.zero, overlap_comm=overlap, compute_s=compute)
+    plan.comm_s, plan.comm_total_s = float(f"{exposed:.6g}"), float(f"{total:.6g}")
+    plan.comm_link = link.describe()
 
 
 def _train_command(plan: Plan, ds_name: str, tile: int, gpus_per_node: int) -> str:
@@ -868,7 +904,23 @@ def format_plan(p: Plan) -> str:
         f"{p.samples_per_s_per_gpu:.1f} samples/s/GPU, "
         f"{p.samples_per_s_per_gpu * p.gpus:.0f} samples/s total "
         f"(hardware utilisation incl. recompute {p.hfu:.2f})",
-        f"MFU {p.mfu:g}: {p.mfu_source}",
+        f"MFU {p.mfu:g}: {p.mfu_source}"
+        + (
+            f" (no row measured at world {p.gpus}: a world-{p.mfu_world} rank's compute, communication added below)"
+            if p.mfu_world and p.mfu_world != p.gpus
+            else ""
+        ),
+        *(
+            [
+                f"step = compute {p.compute_s:.3f} s + exposed communication {p.comm_s:.3f} s "
+                + (f"+ offload {p.offload_s:.3f} s " if p.offload_s else "")
+                + f"(communication {p.comm_share:.1%} of the step; {p.comm_total_s:.3f} s back to back before "
+                "overlap; dsclip/plan_comm.py)",
+                f"links: {p.comm_link}",
+            ]
+            if p.comm_link
+            else []
+        ),
         *(
             [f"ZeRO-Offload ({p.offload}) adds {p.offload_s:.2f} s/step: host Adam + PCIe copies (plan_efficiency)"]
             if p.offload_s

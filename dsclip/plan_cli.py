@@ -22,7 +22,7 @@ from dsclip.config_base import ConfigError
 from dsclip.engine.ds_config import PRECISIONS, PURE_PRECISIONS, load_ds_json, normalize_precision
 from dsclip.losses.config import LOSS_NAMES as LOSS_MODES
 from dsclip.losses.config import TRAIN_TILE_SIZE
-from dsclip.measure_cli import add_measure_arguments, run_measure
+from dsclip.measure_cli import add_measure_arguments, link_from_args, run_measure
 from dsclip.model.lock import LockConfig
 from dsclip.plan import ROOT, Plan, format_plan, largest_batch, make_plan, shipped_ds_config, train_args
 from dsclip.plan_efficiency import DEFAULT_GPU, GPUS, gpu_spec
@@ -386,7 +386,7 @@ def _search_and_print(a, model: str, batch: int, micro, precision: str, ds, gpu_
     base = dict(
         gpus=a.gpus, gpu_memory_gb=memory, batch_size=batch, patch_dropout=a.force_patch_dropout, mfu=a.mfu,
         peak_tflops=peak, tile=a.loss_tile_size, gpus_per_node=a.gpus_per_node, reserve_gb=a.reserve,
-        image_size=a.force_image_size, lock=_lock(a), host_memory_gb=a.host_memory,
+        image_size=a.force_image_size, lock=_lock(a), host_memory_gb=a.host_memory, link=link_from_args(a),
     )  # fmt: skip
     fixed = _fixed(a, ds, micro)
     found = search(model, fixed=fixed, precision=precision, **base)
@@ -500,6 +500,7 @@ def main_plan(argv: list[str]) -> int:
         lock=_lock(a),
         ds_config=ds,
         ema=a.ema_decay is not None,
+        link=link_from_args(a),
     )
     _with_command(plan, a)
     if gpu_note:

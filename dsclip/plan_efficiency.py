@@ -6,7 +6,17 @@ file and checks the number here against it). MFU = 3 x forward FLOPs x samples/s
 GEMM peak measured on that GPU (790 TFLOP/s on the H200), the convention of bench/gpu_bench.py and of
 the planner.
 
+Rows hold the world size they were measured at. A world-1 row is one GPU alone; a world-N row is rank 0 of a
+world-N job rehearsed on one GPU under torch's fake process group (dsclip.rehearsal, bench/gpu_world.py):
+everything a rank of that job computes (its partitions, buckets, hooks and host work at world N), with
+collectives that return at once. Neither holds link time: the planner adds the communication model's exposed
+time (dsclip.plan_comm) to the step either row gives. CPU rehearsal rows measure host time only (a CPU's
+step is not a GPU's): they are not rows here, and a row whose ``gpu`` is a CPU is never taken for a GPU's
+step time.
+
 How a figure is chosen for a plan:
+* among the rows measured at the plan's world size when they can give its figure (else those of the
+  nearest world size that can; ties to the smaller):
 * the same architecture measured at the same ZeRO stage and a 16-bit precision: that figure;
 * otherwise the measured architecture nearest in forward FLOPs per sample (MFU grows with a model's
   GEMM sizes: ViT-B-32 28.8 %, ViT-L-14 45.1 %); a larger model than any measured takes the largest's
@@ -43,14 +53,36 @@ class MeasuredMFU:
     source: str  # bench/results/ file holding the row
     accum_freq: int = 1  # the gradient cache's micro-batches per step
     grad_checkpointing: bool = False
+    world: int = 1  # the job's world size: 1, or rank 0 of a world-N job under the fake process group
 
     def describe(self) -> str:
         shape = f"micro-batch {self.micro_batch}" + (f" x K {self.accum_freq}" if self.accum_freq > 1 else "")
         ckpt = ", --grad-checkpointing" if self.grad_checkpointing else ""
+        where = (
+            f"world 1, one {self.gpu}"
+            if self.world == 1
+            else f"rank 0 of world {self.world} (fake group), one {self.gpu}"
+        )
         return (
             f"{self.model} ZeRO-{self.zero} {self.precision} {shape}{ckpt}: {self.mfu:.1%} "
-            f"({self.samples_per_s:,.0f} samples/s on one {self.gpu}, {self.source})"
+            f"({self.samples_per_s:,.0f} samples/s per rank; {where}; {self.source})"
         )
+
+
+def is_gpu_row(m: MeasuredMFU) -> bool:
+    """A GPU's row (a CPU rehearsal's host time is not a GPU's step time)."""
+    return "cpu" not in m.gpu.lower()
+
+
+def rows_by_world(rows, world: int) -> list[list]:
+    """The rows grouped by world size, the plan's own first, then the nearest (ties to the smaller world)."""
+    worlds = sorted({m.world for m in rows}, key=lambda w: (abs(math.log(w / max(world, 1))), w))
+    return [[m for m in rows if m.world == w] for w in worlds]
+
+
+def _serves(rows, model: str, zero: int) -> bool:
+    """Rows a plan's figure can come from: a ZeRO-1/2 row, or the model's own ZeRO-3 row for a ZeRO-3 plan."""
+    return any(m.zero in (1, 2) or (zero == 3 and m.zero == 3 and m.model == model) for m in rows)
 
 
 def extra_forwards(accum_freq: int, grad_checkpointing: bool, keep_last_graph: bool = True) -> float:
@@ -127,7 +159,16 @@ def _zero3_share(rows, forward_gflops: float, measured_gflops: dict[str, float])
     return share, f"; x {share:.2f}, ZeRO-3's share of ZeRO-2's MFU measured on {z.model} ({z.describe()})"
 
 
-def plan_mfu(
+def plan_mfu(model: str, zero: int, precision: str, forward_gflops: float, measured_gflops, measured=None,
+             accum_freq: int = 1, grad_checkpointing: bool = False, world: int = 1) -> tuple[float, str]:  # fmt: skip
+    """(MFU, where it comes from): :func:`plan_mfu_row` without the row's world size."""
+    mfu, source, _ = plan_mfu_row(
+        model, zero, precision, forward_gflops, measured_gflops, measured, accum_freq, grad_checkpointing, world
+    )
+    return mfu, source
+
+
+def plan_mfu_row(
     model: str,
     zero: int,
     precision: str,
@@ -136,9 +177,12 @@ def plan_mfu(
     measured: tuple[MeasuredMFU, ...] | None = None,
     accum_freq: int = 1,
     grad_checkpointing: bool = False,
-) -> tuple[float, str]:
-    """(MFU, where it comes from) for a plan. ``measured_gflops`` maps each measured architecture to its
-    forward GFLOPs per sample (computed by the planner, so the comparison uses one FLOP count);
+    world: int = 1,
+) -> tuple[float, str, int]:
+    """(MFU, where it comes from, the world size of the rows it came from: 0 where assumed) for a plan at
+    ``world`` GPUs: the GPU rows measured at the world size nearest the plan's (its own where any exist).
+    ``measured_gflops`` maps each measured architecture to its forward GFLOPs per sample (computed by the
+    planner, so the comparison uses one FLOP count);
     ``measured``: the table (default :data:`MEASURED`); ``accum_freq`` and ``grad_checkpointing``: the
     plan's (a row run otherwise is moved to them by :func:`executed_share`).
 
@@ -147,20 +191,25 @@ def plan_mfu(
     run (the same K and checkpointing); else the ZeRO-2 figure as it is, and the source says ZeRO-3 was
     not measured."""
     k, ckpt = accum_freq, grad_checkpointing
-    rows = [m for m in (MEASURED if measured is None else measured) if m.precision in ("bf16", "fp16")]
+    table = MEASURED if measured is None else measured
+    usable = [m for m in table if m.precision in ("bf16", "fp16") and is_gpu_row(m)]
+    rows = next((r for r in rows_by_world(usable, world) if _serves(r, model, zero) or precision == "fp32"), [])
+    if not rows:
+        return ASSUMED_MFU, f"assumed {ASSUMED_MFU:g} (no GPU measurement; give --mfu)", 0
+    at = rows[0].world
     zero3 = [m for m in rows if m.zero == 3]
     if precision == "fp32":
         source = f"assumed {ASSUMED_MFU:g} (no fp32 measurement; give --mfu)"
         share = _zero3_share(rows, forward_gflops, measured_gflops) if zero == 3 else None
         if share is None:
-            return ASSUMED_MFU, source
+            return ASSUMED_MFU, source, 0
         # ZeRO-3's gathers and hooks cost an fp32 step too: the measured share keeps the stages apart
-        return round(ASSUMED_MFU * share[0], 4), source + share[1]
+        return round(ASSUMED_MFU * share[0], 4), source + share[1], at
     if zero == 3:
         own = _own(zero3, model, k, ckpt)
         if own is not None:
             mfu, moved = _rerun(own, own.mfu, k, ckpt)
-            return mfu, f"measured, {own.describe()}{moved}"
+            return mfu, f"measured, {own.describe()}{moved}", at
     base = [m for m in rows if m.zero in (1, 2)]
     pick, how = _base_figure(base, model, forward_gflops, measured_gflops, k, ckpt)
     mfu = pick.mfu
@@ -176,7 +225,7 @@ def plan_mfu(
         else:
             source += NO_ZERO3_NOTE
     mfu, moved = _rerun(pick, mfu, k, ckpt)
-    return mfu, source + moved
+    return mfu, source + moved, at
 
 
 # ZeRO-Offload's cost per step. The host's Adam: DeepSpeedCPUAdam updated ViT-L-14's 428 M-parameter flat

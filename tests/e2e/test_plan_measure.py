@@ -32,6 +32,9 @@ def test_measure_world8_beside_the_plan(tmp_path, monkeypatch, capsys):
     assert re.search(r"step time\s+measured\s+[\d.]+ ms host wall time", out)
     assert "all_gather in step" in out and "all_reduce in boundary" in out  # ZeRO-2's traffic, by phase
     assert "nccl-tests" in out  # the link figures come with their source
+    # the plan's own step: compute + the exposed communication it derives (dsclip/plan_comm.py), beside the counted
+    assert re.search(r"step = compute [\d.]+ s \+ exposed communication [\d.]+ s \(communication [\d.]+% of", out)
+    assert "the plan's communication (dsclip/plan_comm.py, bytes derived, not counted)" in out
     # no run folder, checkpoint or rehearsal folder left behind
     assert os.listdir(tmp_path) == []
     assert not [d for d in set(os.listdir(tempfile.gettempdir())) - before if d.startswith("dsclip-rehearsal")]

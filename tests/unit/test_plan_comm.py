@@ -1,0 +1,154 @@
+"""The planner's communication half (dsclip.plan_comm) and its world-N MFU rows (dsclip.plan_efficiency).
+
+* The bytes the planner derives for a configuration equal what the rehearsal's collective counter counts on a
+  real engine under torch's fake world 8 (one child process: the demo model and ViT-B-32, ZeRO-1/2/3, the
+  gradient cache at K = 1 and 2), up to DeepSpeed's padding of its flat buffers to a multiple of the world;
+  what the derivation leaves out (a few scalar all-reduces and broadcasts) is under 4 KiB a step.
+* The step the plan prints is compute + exposed communication (+ offload), inter-node once the GPUs leave a
+  node, nothing at world 1; the output names the MFU row, its world size and the communication's share.
+* A row measured at the plan's world size is preferred; a CPU row is never a GPU's step time.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from dsclip.comm_model import LinkModel, ring_factor
+from dsclip.model import create_model
+from dsclip.plan import format_plan, load_arch, make_plan, shipped_ds_config
+from dsclip.plan_comm import forward_passes, persistent_numel, step_traffic, zero3_persistence
+from dsclip.plan_efficiency import MeasuredMFU, plan_mfu_row
+
+WORLD = 8
+# (model, micro-batch, ZeRO stage, K): one child process rehearses them all, one engine after another
+CASES = [("demo", 4, 1, 2), ("demo", 4, 3, 1), ("ViT-B-32", 1, 2, 1), ("ViT-B-32", 1, 3, 2)]
+SMALL = 4096  # bytes per step the derivation may leave out (loss scalars, overflow flags, ZeRO-3's broadcasts)
+
+
+@pytest.fixture(scope="module")
+def counted():
+    from dsclip.rehearsal import RehearsalSpec, rehearse_many
+
+    specs = [
+        RehearsalSpec(
+            model=m,
+            world=WORLD,
+            batch_size=b,
+            accum_freq=k,
+            ds_config=shipped_ds_config(z, "bf16")[1],
+            precision="bf16",
+            steps=1,
+        )  # fmt: skip
+        for m, b, z, k in CASES
+    ]
+    return rehearse_many(specs, timeout_s=600)
+
+
+def _derived(model: str, micro: int, zero: int, k: int):
+    arch = load_arch(model)
+    ds = shipped_ds_config(zero, "bf16")[1]
+    persistent = persistent_numel(arch.config_json, *zero3_persistence(ds)) if zero == 3 else 0
+    traffic = step_traffic(
+        params=arch.params, trainable=arch.trainable_params, persistent=persistent, world=WORLD, zero=zero,
+        precision="bf16", accum_freq=k, local_batch=micro * k, embed_dim=arch.embed_dim, loss="infonce",
+    )  # fmt: skip
+    return arch, traffic
+
+
+@pytest.mark.parametrize("i", range(len(CASES)), ids=[f"{m}-zero{z}-K{k}" for m, _, z, k in CASES])
+def test_derived_bytes_equal_the_rehearsals_counted_bytes(counted, i):
+    model, micro, zero, k = CASES[i]
+    r = counted[i]
+    assert r.skipped == 0 and r.step_s
+    arch, derived = _derived(model, micro, zero, k)
+    assert r.params == arch.params
+    tensors = len(list(create_model(json.loads(arch.config_json), device="meta").parameters()))
+    # ZeRO-1/2 pad each flat group, ZeRO-3 each parameter, to a multiple of the world: < WORLD elements each
+    padding = 2 * WORLD * tensors
+    seen: dict[tuple[str, str], list[int]] = {}
+    for kind, n, phase, calls, nbytes in r.traffic:
+        assert n == WORLD
+        c = seen.setdefault((kind, phase), [0, 0])
+        c[0], c[1] = c[0] + calls, c[1] + nbytes
+    want = {(kind, phase): b for (kind, _, phase), b in derived.bytes.items()}
+    for key, b in want.items():
+        assert key in seen, f"{key} derived but never counted"
+        assert 0 <= seen[key][1] - b <= padding, (key, seen[key][1], b)
+    left_out = sum(b for key, (_, b) in seen.items() if key not in want)
+    assert left_out < SMALL, {key: v for key, v in seen.items() if key not in want}
+    if zero == 3:  # one gather of the partitioned weights per forward pass, none in the backward
+        assert not any(key[1] == "backward" for key in seen)
+        whole = arch.params - persistent_numel(arch.config_json, 100_000, 2**63 - 1)
+        assert seen[("all_gather", "forward")][1] == pytest.approx(forward_passes(k) * 2 * whole, abs=padding)
+
+
+def test_step_traffic_arithmetic():
+    t = step_traffic(params=1000, trainable=800, persistent=100, world=4, zero=3, precision="bf16", accum_freq=3,
+                     local_batch=6, embed_dim=16, loss="infonce")  # fmt: skip
+    b = {(kind, phase): v for (kind, _, phase), v in t.bytes.items()}
+    assert b[("reduce_scatter", "boundary")] == 2 * 800  # the trainable bf16 gradients, once a step
+    assert b[("all_gather", "forward")] == (3 + 2) * 2 * 900  # K passes + K - 1 re-forwards of the gathered weights
+    assert b[("all_gather", "step")] == 2 * 100  # the persistent parameters after the step
+    assert b[("all_gather", "other")] == 11 * 8 * 4 + 2 * 24 * 16 * 4  # loss metadata + image and text features
+    assert b[("reduce_scatter", "other")] == 2 * 24 * 16 * 4
+    z2 = step_traffic(params=1000, trainable=1000, persistent=0, world=4, zero=2, precision="fp32", accum_freq=1,
+                      local_batch=6, embed_dim=16, loss="infonce_tiled")  # fmt: skip
+    b2 = {(kind, phase): v for (kind, _, phase), v in z2.bytes.items()}
+    assert b2[("all_reduce", "boundary")] == b2[("all_gather", "step")] == 4 * 1000
+    assert b2[("all_gather", "ring")] == 3 * 24 * 16 * 4 and ("reduce_scatter", "other") not in b2
+    assert not step_traffic(params=1000, trainable=1000, persistent=0, world=1, zero=2, precision="bf16",
+                            accum_freq=1, local_batch=6, embed_dim=16, loss="infonce").bytes  # fmt: skip
+    assert forward_passes(1) == 1 and forward_passes(2) == 3 and forward_passes(2, keep_last_graph=False) == 4
+
+
+def _plan(gpus: int, **kw):
+    kw = dict(gpu_memory_gb=80, batch_size=256 * gpus, zero=2, loss="infonce_tiled") | kw
+    return make_plan("ViT-B-32", gpus=gpus, **kw)
+
+
+def test_plan_step_is_compute_plus_exposed_communication():
+    one, node, two = _plan(1), _plan(8), _plan(16)
+    assert one.comm_s == 0 and one.step_time_s == one.compute_s and not one.comm_link
+    for p in (node, two):
+        assert p.comm_s > 0 and p.step_time_s == pytest.approx(p.compute_s + p.comm_s, rel=1e-5)
+        assert p.comm_share == pytest.approx(p.comm_s / p.step_time_s, abs=1e-4)
+    # ZeRO-2: the boundary all-reduce and the step's all-gather of the bf16 weights sit on the critical path
+    grads = 2 * node.params
+    intra = grads * (ring_factor("all_reduce", 8) + ring_factor("all_gather", 8)) / 460e9
+    assert node.comm_s == pytest.approx(intra, rel=0.05)  # + the loss's ring, a few percent here
+    # 16 GPUs leave the node: the per-GPU InfiniBand link (50 GB/s) instead of NVLink (460)
+    inter = grads * (ring_factor("all_reduce", 16) + ring_factor("all_gather", 16)) / 50e9
+    assert two.comm_s == pytest.approx(inter, rel=0.05) and "inter-node" in two.comm_link
+    slow = _plan(16, link=LinkModel(gpus_per_node=8, inter_gbps=25.0))
+    assert slow.comm_s == pytest.approx(2 * two.comm_s, rel=0.02)
+    # ZeRO-3's forward gathers hide behind the compute: exposed is less than back to back
+    z3 = _plan(16, zero=3)
+    assert z3.comm_s < z3.comm_total_s
+    text = format_plan(two)
+    assert "world 1, one H200" in text and "no row measured at world 16" in text
+    assert f"({two.comm_share:.1%} of the step" in text.replace("communication ", "")
+
+
+def _row(model="ViT-B-32", world=1, mfu=0.3, gpu="H200", zero=2):
+    return MeasuredMFU(model, zero, "bf16", 512, 1000.0, mfu, gpu, "bench/results/x.md", world=world)
+
+
+def test_a_row_at_the_plans_world_is_preferred_and_a_cpu_row_never_taken():
+    table = (_row(mfu=0.30), _row(world=8, mfu=0.25), _row(world=64, mfu=0.2), _row(world=8, mfu=0.9, gpu="CPU"))
+    g = {"ViT-B-32": 14.8}
+    at = {w: plan_mfu_row("ViT-B-32", 2, "bf16", 14.8, g, table, world=w) for w in (1, 8, 16, 64, 512)}
+    assert at[1][0] == 0.30 and at[1][2] == 1 and "world 1, one H200" in at[1][1]
+    assert at[8][0] == 0.25 and at[8][2] == 8 and "rank 0 of world 8 (fake group), one H200" in at[8][1]
+    assert at[16][2] == 8  # the nearest world measured (log scale: 8 is as near as 32, ties to the smaller)
+    assert at[64][0] == 0.2 and at[512][2] == 64
+    # only a CPU's row at world 8: the GPU rows of world 1 instead
+    only_cpu = (_row(mfu=0.3), _row(world=8, mfu=0.9, gpu="CPU (2 cores)"))
+    assert plan_mfu_row("ViT-B-32", 2, "bf16", 14.8, g, only_cpu, world=8)[:3:2] == (0.3, 1)
+    # a world-8 table without a row that can serve a ZeRO-2 plan: the world that can
+    z3_only = (_row(mfu=0.3), _row(world=8, mfu=0.1, zero=3))
+    assert plan_mfu_row("ViT-B-32", 2, "bf16", 14.8, g, z3_only, world=8)[2] == 1
+    assert plan_mfu_row("ViT-B-32", 3, "bf16", 14.8, g, z3_only, world=8)[:3:2] == (0.1, 8)
+    assert math.isclose(plan_mfu_row("ViT-B-32", 2, "bf16", 14.8, g, (), world=8)[0], 0.4)
