@@ -20,6 +20,7 @@ measure on a shared core, and the last two columns compare it.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 from dataclasses import asdict
@@ -32,20 +33,53 @@ from dsclip.rehearsal import RehearsalSpec, rehearse_many, run_real_rank  # noqa
 from dsclip.testing.gloo_world import run_world  # noqa: E402
 
 
+def _med_ms(xs: list) -> float:
+    return statistics.median(xs) * 1e3
+
+
+def _config(zero: int, overlap: str) -> dict:
+    cfg = json.loads(json.dumps(shipped_ds_config(zero, "bf16")[1]))
+    if overlap != "shipped":
+        cfg["zero_optimization"]["overlap_comm"] = overlap == "true"
+    return cfg
+
+
+def _row(world: int, s: RehearsalSpec, f, r: dict) -> str:
+    zo = s.ds_config["zero_optimization"]
+    fcpu, rcpu, rcomm = _med_ms(f.cpu_s), _med_ms(r["cpu_s"]), _med_ms(r["comm_cpu_s"])
+    fthr, fthr_c = _med_ms(f.thread_s), _med_ms(f.comm_thread_s)
+    rthr, rthr_c = _med_ms(r["thread_s"]), _med_ms(r["comm_thread_s"])
+    rhost = statistics.median(t - c for t, c in zip(r["thread_s"], r["comm_thread_s"], strict=True)) * 1e3
+    fhost = statistics.median(t - c for t, c in zip(f.thread_s, f.comm_thread_s, strict=True)) * 1e3
+    rproc = statistics.median(t - c for t, c in zip(r["cpu_s"], r["comm_cpu_s"], strict=True)) * 1e3
+    bytes_equal = "" if f.traffic == r["traffic"] else " (bytes differ!)"
+    return (
+        f"| {world} | {zo['stage']} | {s.accum_freq} | {str(zo.get('overlap_comm', False)).lower()} | "
+        f"{_med_ms(r['step_s']):.1f} | {_med_ms(r['comm_s']):.1f} | "
+        f"{fcpu:.1f} | {rcpu:.1f} | {rcomm:.1f} | {fcpu / rproc:.2f} | "
+        f"{fthr:.1f} | {fthr_c:.1f} | {rthr:.1f} | {rthr_c:.1f} | {fthr / rhost:.2f} | "
+        f"{fhost / rhost:.2f}{bytes_equal} |"
+    )
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--zero", type=int, nargs="+", default=[1, 2, 3])
     ap.add_argument("--accum", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--overlap-comm", choices=["shipped", "true", "false"], nargs="+", default=["shipped"],
+                    help="the shipped JSON's overlap_comm, or forced on / off (one row per choice)")  # fmt: skip
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--model", default="demo")
     a = ap.parse_args()
     print(
-        "| world | ZeRO | K | fake ms/step | real ms/step | real comm ms | real - comm ms | fake / (real - comm) "
-        "| fake CPU ms/step | real CPU ms/step | fake / real CPU |"
+        "| world | ZeRO | K | overlap_comm | real wall ms | real comm wall ms "
+        "| fake CPU ms | real CPU ms | real comm CPU ms | fake / (real - comm) CPU "
+        "| fake main ms | fake main in comm ms | real main ms | real main in comm ms "
+        "| fake main / real host | (fake main - comm) / real host |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|" + "---|" * 16)
     for world in a.worlds:
         specs = [
             RehearsalSpec(
@@ -53,28 +87,18 @@ def main() -> int:
                 world=world,
                 batch_size=a.batch_size,
                 accum_freq=k,
-                ds_config=shipped_ds_config(z, "bf16")[1],
+                ds_config=_config(z, ov),
                 precision="bf16",
                 steps=a.steps,
             )  # fmt: skip
+            for ov in a.overlap_comm
             for z in a.zero
             for k in a.accum
         ]
         fake = rehearse_many(specs)
         real = run_world(run_real_rank, world, [asdict(s) for s in specs])[0]
         for s, f, r in zip(specs, fake, real, strict=True):
-            fs = statistics.median(f.step_s) * 1e3
-            rs = statistics.median(r["step_s"]) * 1e3
-            rc = statistics.median(r["comm_s"]) * 1e3
-            fc = statistics.median(f.cpu_s) * 1e3
-            rcpu = statistics.median(r["cpu_s"]) * 1e3
-            bytes_equal = "" if f.traffic == r["traffic"] else " (bytes differ!)"
-            print(
-                f"| {world} | {s.ds_config['zero_optimization']['stage']} | {s.accum_freq} | {fs:.1f} | {rs:.1f} | "
-                f"{rc:.1f} | {rs - rc:.1f} | {fs / (rs - rc):.2f}{bytes_equal} | {fc:.1f} | {rcpu:.1f} | "
-                f"{fc / rcpu:.2f} |",
-                flush=True,
-            )
+            print(_row(world, s, f, r), flush=True)
     return 0
 
 
