@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dsclip.plan import shipped_ds_config  # noqa: E402
-from dsclip.rehearsal import RehearsalSpec, rehearse_many, run_real_rank  # noqa: E402
+from dsclip.rehearsal import RehearsalSpec, read_child, rehearse_many, run_real_rank, start_child  # noqa: E402
 from dsclip.testing.gloo_world import run_world  # noqa: E402
 
 
@@ -62,6 +62,19 @@ def _row(world: int, s: RehearsalSpec, f, r: dict) -> str:
     )
 
 
+def _fake_crowd(specs: list[RehearsalSpec], n: int) -> list:
+    """``n`` identical fake children at once; the first one's results (the others only load the cores)."""
+    procs = [start_child(specs) for _ in range(n)]
+    results = []
+    for proc in procs:
+        try:
+            out, err = proc.communicate(timeout=1800)
+        finally:
+            proc.tmp.cleanup()
+        results.append(read_child(proc.returncode, out, err))
+    return results[0]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
@@ -72,6 +85,9 @@ def main() -> int:
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--model", default="demo")
+    ap.add_argument("--fake-crowd", action="store_true",
+                    help="run N fake children at once (the first one reported), so the fake rank shares the cores "
+                    "with N - 1 busy peers as a real rank does")  # fmt: skip
     a = ap.parse_args()
     print(
         "| world | ZeRO | K | overlap_comm | real wall ms | real comm wall ms "
@@ -95,7 +111,7 @@ def main() -> int:
             for z in a.zero
             for k in a.accum
         ]
-        fake = rehearse_many(specs)
+        fake = _fake_crowd(specs, world) if a.fake_crowd else rehearse_many(specs)
         real = run_world(run_real_rank, world, [asdict(s) for s in specs])[0]
         for s, f, r in zip(specs, fake, real, strict=True):
             print(_row(world, s, f, r), flush=True)
