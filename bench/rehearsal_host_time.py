@@ -1,20 +1,27 @@
 """The fake rank's host time per step against a real gloo rank's, once the real rank's collective time is out.
 
 ``dsclip plan --measure`` times rank 0 of a world-N job under torch's fake process group, whose collectives
-return at once. If everything else a rank does is that of world N, its host time per step equals a real
-rank's minus the time the real rank spends inside collectives. This bench checks that on this CPU: for each
+return at once. If everything else a rank does is that of world N, its host work per step equals a real
+rank's minus what the real rank spends on communication. This bench checks that on this CPU: for each
 world size and configuration, one fake child (dsclip.rehearsal, every configuration in one fake world) and
-one real gloo world of N processes (dsclip.testing.gloo_world.run_world) run the same rehearsal on the demo model,
-bf16, synthetic batches; the real rank's ``comm`` is its wall time inside collective calls (the counter's
-``seconds``: for async calls only the launch, so the difference errs high). Rank 0's medians are reported.
+one real gloo world of N processes (dsclip.testing.gloo_world.run_world) run the same rehearsal on the demo
+model, bf16, synthetic batches. Rank 0's medians are reported.
 
-The N real ranks share this machine's cores (one visible to each process here, shared by five sessions), so
-a real rank's wall time also holds the time its peers had the core: wall-time ratios land near 1/N. The
-process CPU time per step (``time.process_time``, all the rank's threads: gloo's included) is the fair
-measure on a shared core, and the last two columns compare it.
+The N real ranks share this machine's cores, so wall time is no fair measure (a real rank's wall time holds
+the time its peers had the core). Two CPU measures, both from dsclip.comm_model's counter, which clocks every
+collective call, async handle's wait and coalescing-manager exit on three clocks:
+- process CPU (``time.process_time``: all threads, gloo's workers included) per step, minus the process CPU
+  inside those intervals. gloo's threads also burn CPU outside them for async ops (ZeRO-3's prefetched
+  gathers), which stays in the real side: this ratio errs low.
+- the main thread's CPU (``time.thread_time``) per step, minus the main thread's CPU inside those
+  intervals: the rank's own host work, which is what the fake rank reproduces (gloo's threads are comm).
+On CPU DeepSpeed's ``overlap_comm`` has no side stream (the CPU accelerator's streams are no-ops), so its
+reductions run inside the main thread's collective calls either way; ``--overlap-comm false`` checks it.
+``--fake-crowd`` runs N fake children at once so the fake rank, like a real one, shares the cores with
+N - 1 busy peers (an upper bracket: a real rank's peers idle inside collectives).
 
     PYTHONPATH=$PWD TORCH_EXTENSIONS_DIR=.cache/torch_extensions OMP_NUM_THREADS=1 \\
-        .venv/bin/python bench/rehearsal_host_time.py --worlds 2 4 --steps 3
+        .venv/bin/python bench/rehearsal_host_time.py --worlds 2 4 --steps 20 --overlap-comm shipped false
 """
 
 from __future__ import annotations
