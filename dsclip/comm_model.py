@@ -121,6 +121,11 @@ class Traffic:
         )
 
 
+def clocks() -> tuple[float, float, float]:
+    """(wall, this process's CPU over all its threads, the calling thread's CPU), in seconds."""
+    return time.perf_counter(), time.process_time(), time.thread_time()
+
+
 class CollectiveCounter:
     """Counts torch.distributed collectives while installed (``with counter: ...``); ``recording`` gates
     what is counted (warm-up steps off). ``fill_outputs``: under the fake group, write this rank's own data
@@ -131,6 +136,10 @@ class CollectiveCounter:
         self.recording = True
         self.phase = "other"  # set by track_phases: forward / backward / step of the engine
         self.seconds = 0.0  # wall time inside counted calls while recording
+        # CPU time inside the same intervals: the process's (all threads, gloo's workers included) and the
+        # calling thread's own (the rank's main thread: what separates its host work from its communication)
+        self.cpu_seconds = 0.0
+        self.thread_seconds = 0.0
         self.fill_outputs = fill_outputs
         self._saved: dict[tuple[object, str], Callable] = {}
         self._installed = False
@@ -138,7 +147,14 @@ class CollectiveCounter:
 
     def reset(self) -> None:
         self.traffic = Traffic()
-        self.seconds = 0.0
+        self.seconds = self.cpu_seconds = self.thread_seconds = 0.0
+
+    def add_interval(self, start: tuple[float, float, float]) -> None:
+        """Add the wall, process-CPU and thread-CPU time since ``start`` (from ``clocks()``)."""
+        now = clocks()
+        self.seconds += now[0] - start[0]
+        self.cpu_seconds += now[1] - start[1]
+        self.thread_seconds += now[2] - start[2]
 
     def __enter__(self) -> CollectiveCounter:
         import sys
@@ -191,13 +207,13 @@ class CollectiveCounter:
                 group = kwargs.get("group")
                 self.traffic.add(kind, dist.get_world_size(group), size(args, kwargs), self.phase)
             self._depth.n = depth + 1
-            t0 = time.perf_counter()
+            t0 = clocks()
             try:
                 out = fn(*args, **kwargs)
             finally:
                 self._depth.n = depth
                 if depth == 0 and self.recording:  # a real group's time inside the call (async: the launch)
-                    self.seconds += time.perf_counter() - t0
+                    self.add_interval(t0)
             if self.fill_outputs and depth == 0:
                 _fill(name, args, kwargs)
             if depth == 0 and self.recording and hasattr(out, "wait"):  # async: its wait is collective time too
@@ -219,12 +235,12 @@ def _timed_exit(make_cm: Callable, counter: CollectiveCounter) -> Callable:
                 return cm.__enter__()
 
             def __exit__(self, *exc):
-                t0 = time.perf_counter()
+                t0 = clocks()
                 try:
                     return cm.__exit__(*exc)
                 finally:
                     if counter._installed and counter.recording:
-                        counter.seconds += time.perf_counter() - t0
+                        counter.add_interval(t0)
 
         return Timed()
 
@@ -238,12 +254,12 @@ class _TimedWork:
         self._work, self._counter = work, counter
 
     def wait(self, *args, **kwargs):
-        t0 = time.perf_counter()
+        t0 = clocks()
         try:
             return self._work.wait(*args, **kwargs)
         finally:
             if self._counter.recording:
-                self._counter.seconds += time.perf_counter() - t0
+                self._counter.add_interval(t0)
 
     def __getattr__(self, name):
         return getattr(self._work, name)

@@ -21,7 +21,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -64,6 +63,9 @@ class RehearsalResult:
     loss_finite: bool
     comm_s: list = field(default_factory=list)  # wall time inside collective calls per timed step (real groups)
     cpu_s: list = field(default_factory=list)  # this process's CPU time per timed step (all its threads)
+    thread_s: list = field(default_factory=list)  # the main thread's own CPU time per timed step
+    comm_cpu_s: list = field(default_factory=list)  # process CPU inside collective calls / waits per timed step
+    comm_thread_s: list = field(default_factory=list)  # main-thread CPU inside the same intervals per timed step
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -225,7 +227,7 @@ def rehearse_in_world(spec: RehearsalSpec, counter) -> RehearsalResult:
     collectives with ``counter`` (installed before DeepSpeed's backend started)."""
     import torch
 
-    from dsclip.comm_model import Traffic, track_phases
+    from dsclip.comm_model import Traffic, clocks, track_phases
     from dsclip.engine.build import build_engine
     from dsclip.engine.ds_config import TrainArgs
     from dsclip.engine.optim import OptimArgs
@@ -272,24 +274,28 @@ def rehearse_in_world(spec: RehearsalSpec, counter) -> RehearsalResult:
         gen = torch.Generator().manual_seed(spec.seed + int(os.environ.get("RANK", "0")))
         micro = _synthetic_batches(spec, model_cfg, tok, gen)
         phase = f"a step of {spec.accum_freq} micro-batch(es) of {spec.batch_size} (activations, loss)"
-        times, cpu_s, comm_s, skipped, total, finite = [], [], [], 0, Traffic(), True
+        times, cpu_s, thread_s, comm_s, comm_cpu_s, comm_thread_s = [], [], [], [], [], []
+        skipped, total, finite = 0, Traffic(), True
         for i in range(spec.steps + 1):
             counter.reset()
             counter.recording = i > 0  # the first step warms up (ZeRO-3 traces its prefetch order)
-            t0, c0 = time.perf_counter(), time.process_time()
+            t0, c0, h0 = clocks()
             res = step(micro)
             if cuda:
                 torch.cuda.synchronize()
-            dt, dc = time.perf_counter() - t0, time.process_time() - c0
+            t1, c1, h1 = clocks()
             counter.recording = False
             finite &= bool(torch.isfinite(torch.tensor(res.loss)))
             if not res.applied:  # overflow / non-finite: not a step a real run would time
                 skipped += 1
                 continue
             if i > 0:
-                times.append(dt)
-                cpu_s.append(dc)
+                times.append(t1 - t0)
+                cpu_s.append(c1 - c0)
+                thread_s.append(h1 - h0)
                 comm_s.append(counter.seconds)
+                comm_cpu_s.append(counter.cpu_seconds)
+                comm_thread_s.append(counter.thread_seconds)
                 total.merge(counter.traffic)
     except torch.OutOfMemoryError:
         raise RehearsalError(f"out of device memory while {phase}; lower --batch-size or add GPUs") from None
@@ -320,6 +326,9 @@ def rehearse_in_world(spec: RehearsalSpec, counter) -> RehearsalResult:
         loss_finite=finite,
         comm_s=comm_s,
         cpu_s=cpu_s,
+        thread_s=thread_s,
+        comm_cpu_s=comm_cpu_s,
+        comm_thread_s=comm_thread_s,
     )
 
 

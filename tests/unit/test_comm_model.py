@@ -96,3 +96,30 @@ def test_no_fake_group_is_one_line(monkeypatch):
     with pytest.raises(RehearsalError, match="no fake process group") as e:
         check_fake_group()
     assert "\n" not in str(e.value)
+
+
+def test_counter_times_calls_and_async_waits_on_all_three_clocks(monkeypatch):
+    """Every interval (a call, an async handle's wait) adds to the wall, process-CPU and main-thread-CPU
+    totals: bench/rehearsal_host_time.py subtracts the CPU ones from a real rank's step."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from dsclip import comm_model
+
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    ticks = iter(range(100))
+    monkeypatch.setattr(comm_model, "clocks", lambda: (lambda n: (n, 10.0 * n, 100.0 * n))(next(ticks)))
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        with CollectiveCounter() as c:
+            dist.all_reduce(torch.ones(2))  # one interval of one tick
+            work = dist.all_reduce(torch.ones(2), async_op=True)  # the launch: one tick
+            work.wait()  # the wait: one tick
+            assert (c.seconds, c.cpu_seconds, c.thread_seconds) == (3, 30, 300)
+            c.recording = False
+            dist.all_reduce(torch.ones(2))  # warm-up steps are not timed
+            assert (c.seconds, c.cpu_seconds, c.thread_seconds) == (3, 30, 300)
+            c.reset()
+            assert (c.seconds, c.cpu_seconds, c.thread_seconds) == (0, 0, 0)
+    finally:
+        dist.destroy_process_group()
