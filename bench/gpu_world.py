@@ -19,8 +19,9 @@ measured peak (CUDA max_memory_allocated) beside ``dsclip plan``'s per-GPU total
 without the plan's 2 GiB reserve for the CUDA context and allocator (which max_memory_allocated does not
 see), their ratio, and the plan's parts (issue #49's goal: the plan within 10 % on memory). DeepSpeed's
 coalesced block (the gradient cache's K backwards) accumulates every parameter's full 16-bit gradient in
-``param.grad`` before its one reduction, which the plan's ZeRO-2 gradients (6 B x P / N) do not hold; the
-row prints that 2 B x P apart so a gap of that size is read as such.
+``param.grad`` before its one reduction; the plan counts it (its "grads (whole, until the one reduction)"
+part: 2 B x P plus the 16-bit partition, dsclip.plan.gradient_cache_grad_bytes) and the row prints that
+2 B x P apart too, so the plan's gradient part can be read against it.
 """
 
 from __future__ import annotations

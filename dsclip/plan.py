@@ -17,7 +17,9 @@ measurements:
   master, Adam m and v partitioned), for ZeRO-3 ``18·P/N + 4·largest_layer`` (everything
   partitioned plus the gathered layers in flight): identical to DeepSpeed's own
   ``estimate_zero2/3_model_states_mem_needs`` (tests/unit/test_plan.py) and to the tensors a real
-  engine allocates (tests/dist/test_scale_plan.py).
+  engine allocates (tests/dist/test_scale_plan.py). Under ZeRO-2/3 the plan then counts the gradients as
+  dsclip's step holds them (``gradient_cache_grad_bytes``): the gradient cache's one coalesced reduction
+  leaves the WHOLE 16-bit gradient in ``.grad`` on every rank until the step boundary, ~2P, not 6P/N.
 * activations (``activation_bytes``): the tensors autograd saves, listed per transformer block
   (pre-norm timm ``Block`` with fused SDPA: 8·T·W + 2·T·H elements plus fp32 norm statistics and the
   attention log-sum-exp) plus the stem/head of each tower; checked against the bytes autograd
@@ -219,6 +221,57 @@ def split_offloaded(states: dict[str, float], offload: str) -> tuple[dict[str, f
     moved = {"none": (), "optimizer": ("grads", "optimizer"), "optimizer+params": ("grads", "optimizer", "params")}
     keys = moved[offload]
     return {k: (0.0 if k in keys else v) for k, v in states.items()}, sum(states[k] for k in keys)
+
+
+GRADS_LINE = "grads (whole, until the one reduction)"
+
+
+def whole_grad_bytes(trainable_params: int, precision: str) -> float:
+    """Bytes of ``param.grad`` one rank holds at the end of the gradient cache's backwards, before the one
+    coalesced reduction: the whole gradient of every trainable parameter in the weights' dtype, whatever
+    the stage or world (tests/dist/test_coalesced_grads.py measures it)."""
+    return (4 if precision == "fp32" else 2) * float(trainable_params)
+
+
+def gradient_cache_grad_bytes(
+    step_partitions: float, trainable_params: int, world: int, zero: int, precision: str, offloaded: bool
+) -> float:
+    """Per-GPU bytes of gradients under dsclip's step, which DeepSpeed's ZeRO-2/3 accounting undercounts.
+
+    dsclip runs every step's K backwards (K = 1 too) inside DeepSpeed's ``coalesce_grad_reduction``
+    (dsclip/train/gradcache.py), so each rank accumulates the WHOLE gradient in ``param.grad`` (16-bit:
+    2 B x trainable params, 4 B in fp32; measured 2.000 B/param at world 8 under ZeRO-2 and ZeRO-3 alike,
+    bench/results/coalesced-grads_cpu2_2026-12-06.md) until the step boundary's one reduction. Only then
+    does DeepSpeed keep the partitions ``step_partitions`` (``model_state_bytes``'s "grads": the 16-bit
+    partition, and in the step the fp32 copy made from it after ``.grad`` is freed). Not double counted:
+    what is alive together is the larger of (a) the whole ``.grad`` plus one 16-bit partition (ZeRO-3's
+    flat partition buffer lives the whole run; ZeRO-2 builds its partition at the boundary before it frees
+    ``.grad``) and (b) the step's partitions. At world 1 (b) is the larger in mixed precision, so one GPU's
+    count is DeepSpeed's. With the optimizer offloaded the partitions live on the host, the whole ``.grad``
+    still on the GPU. ZeRO-1 is already counted whole (``step_partitions``).
+    """
+    if zero < 2:
+        return step_partitions
+    whole = whole_grad_bytes(trainable_params, precision)
+    if offloaded:
+        return whole
+    return max(whole + whole / world, step_partitions)
+
+
+def gpu_state_bytes(
+    arch: Arch, gpus: int, zero: int, precision: str, offload: str = "none", *, ema: bool = False, locked: bool = True
+) -> tuple[dict[str, float], float]:
+    """(per-GPU model states as dsclip's step holds them, bytes offloaded to the host): DeepSpeed's accounting
+    (``model_state_bytes``, ``split_offloaded``) with its "grads" replaced by ``GRADS_LINE``
+    (``gradient_cache_grad_bytes``) under ZeRO-2/3. ``locked=False``: as if every parameter trained."""
+    trainable = arch.trainable_params if locked else arch.params
+    states = model_state_bytes(arch.params, gpus, zero, precision, arch.largest_layer_params, trainable, ema)
+    partitions = states["grads"]
+    states, host = split_offloaded(states, offload)
+    if zero < 2:
+        return states, host
+    grads = gradient_cache_grad_bytes(partitions, trainable, gpus, zero, precision, offload != "none")
+    return {(GRADS_LINE if k == "grads" else k): (grads if k == "grads" else v) for k, v in states.items()}, host
 
 
 def held_weight_bytes(
@@ -556,12 +609,12 @@ def _plan_memory(
 ) -> dict[str, float]:
     """Fill the memory budget, the largest micro-batch that fits and the accumulation; returns loss bytes per mode."""
     local, loss, precision = plan.local_batch, plan.loss, plan.precision
-    states = model_state_bytes(
-        arch.params, plan.gpus, plan.zero, precision, arch.largest_layer_params, arch.trainable_params, ema
+    states, host_states = gpu_state_bytes(arch, plan.gpus, plan.zero, precision, plan.offload, ema=ema)
+    unlocked, unlocked_host = gpu_state_bytes(
+        arch, plan.gpus, plan.zero, precision, plan.offload, ema=ema, locked=False
     )
-    unlocked = model_state_bytes(arch.params, plan.gpus, plan.zero, precision, arch.largest_layer_params, ema=ema)
-    plan.locked_saving_gb = round((sum(unlocked.values()) - sum(states.values())) / GiB, 3)
-    states, host_states = split_offloaded(states, plan.offload)
+    saved = sum(unlocked.values()) + unlocked_host - sum(states.values()) - host_states
+    plan.locked_saving_gb = round(saved / GiB, 3)
     plan.host_offload_gb = round(host_states / GiB, 3)
     buckets = bucket_bytes(ds_cfg, precision)
     held = held_weight_bytes(arch.params, plan.gpus, plan.zero, precision, plan.grad_checkpointing, ds_cfg)
@@ -819,7 +872,7 @@ def largest_batch(
     _, ds_cfg = shipped_ds_config(zero, precision)
     act = activation_bytes(arch, precision, grad_checkpointing)
     fixed = (
-        sum(model_state_bytes(arch.params, gpus, zero, precision, arch.largest_layer_params).values())
+        sum(gpu_state_bytes(arch, gpus, zero, precision, locked=False)[0].values())
         + bucket_bytes(ds_cfg, precision)
         + held_weight_bytes(arch.params, gpus, zero, precision, grad_checkpointing, ds_cfg)
         + reserve_gb * GiB
@@ -874,7 +927,7 @@ def format_plan(p: Plan) -> str:
         else "per-rank peak resident memory, predicted (GiB; the larger of the loss and pass-2 phases):",
     ]
     for k, v in p.memory_gb.items():
-        lines.append(f"  {k:<36} {v:10.3f}")
+        lines.append(f"  {k:<38} {v:10.3f}")
     a = p.activation_per_sample_mb
     lines += [
         "",

@@ -61,8 +61,11 @@ class Search:
 
 
 def rank_key(p: Plan):
-    """Fits first, then the highest predicted samples/s, then the least memory (ZeRO-2 over ZeRO-1 at one rate)."""
-    return (not p.fits, -p.samples_per_s_per_gpu, p.memory_gb.get("total", 0.0))
+    """Fits first, then the highest predicted samples/s, then the least memory (ZeRO-2 over ZeRO-1 at one rate);
+    exact ties (equal rate and memory) go to the lower stage, less offload, no checkpointing, then the loss's
+    and micro-batch's order, so the choice never depends on the order the candidates were planned in."""
+    return (not p.fits, -p.samples_per_s_per_gpu, p.memory_gb.get("total", 0.0), p.zero, OFFLOADS.index(p.offload),
+            p.grad_checkpointing, p.loss, p.micro_batch)  # fmt: skip
 
 
 def _value(p: Plan, dim: str):

@@ -608,3 +608,35 @@ def test_zero3_with_torchs_linear_counts_the_weights_held_to_their_backward():
     assert not any("held" in k for k in ckpt.memory_gb)
     states = sum(v for k, v in plain.memory_gb.items() if k in ("params", "grads", "optimizer", "gathered_layers"))
     assert plain.memory_gb["total"] >= states + held
+
+
+def test_gpu_plan_counts_the_gradient_caches_whole_grads():
+    """dsclip's step holds the whole 16-bit .grad on every rank until its one coalesced reduction (ZeRO-2 and
+    ZeRO-3 alike: tests/dist/test_coalesced_grads.py), so the GPU plan counts 2 B x trainable params plus the
+    16-bit partition made at the boundary, not DeepSpeed's 6 B x P / N; at world 1 DeepSpeed's 6 B x P is
+    the larger and stays; offloaded partitions leave the whole .grad on the GPU; locked parameters none."""
+    from dsclip.model.lock import LockConfig
+
+    kw = dict(batch_size=4096, loss="infonce_tiled", grad_checkpointing=True)
+    t = P.load_arch("ViT-bigG-14").trainable_params
+    for zero in (2, 3):
+        p = P.make_plan("ViT-bigG-14", gpus=32, gpu_memory_gb=80, zero=zero, **kw)
+        assert "grads" not in p.memory_gb  # DeepSpeed's partitioned count is replaced, not added to
+        assert p.memory_gb[P.GRADS_LINE] == pytest.approx((2 * t + 2 * t / 32) / P.GiB, abs=1e-3)
+        ds = P.model_state_bytes(t, 32, zero, "bf16")["grads"]
+        assert p.memory_gb[P.GRADS_LINE] - ds / P.GiB > 4.4  # the gap the issue measured (2 P (1 - 1/N) = 4.4 GiB)
+    one = P.make_plan("ViT-bigG-14", gpus=1, gpu_memory_gb=141, zero=2, micro_batch=1, batch_size=1)
+    assert one.memory_gb[P.GRADS_LINE] == pytest.approx(6 * t / P.GiB, abs=1e-3)  # unchanged at world 1
+    z1 = P.make_plan("ViT-bigG-14", gpus=32, gpu_memory_gb=80, zero=1, **kw)
+    assert z1.memory_gb["grads"] == pytest.approx(6 * t / P.GiB, abs=1e-3)  # ZeRO-1: already whole
+    _, cfg = P.shipped_ds_config(2, "bf16")
+    cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    off = P.make_plan("ViT-bigG-14", gpus=8, gpu_memory_gb=80, zero=2, ds_config=("x", cfg), **kw)
+    assert off.memory_gb[P.GRADS_LINE] == pytest.approx(2 * t / P.GiB, abs=1e-3)  # partitions on the host
+    assert off.host_offload_gb == pytest.approx((6 + 12) * t / 8 / P.GiB, abs=1e-3)
+    lit = P.make_plan("ViT-bigG-14", gpus=32, gpu_memory_gb=80, zero=2, lock=LockConfig(lock_image=True), **kw)
+    assert lit.memory_gb[P.GRADS_LINE] == pytest.approx(2 * lit.trainable_params * (1 + 1 / 32) / P.GiB, abs=1e-3)
+    whole_saved = (
+        2 * (lit.params - lit.trainable_params) * (1 + 1 / 32) + (12 * (lit.params - lit.trainable_params)) / 32
+    )
+    assert lit.locked_saving_gb == pytest.approx(whole_saved / P.GiB, abs=2e-3)
