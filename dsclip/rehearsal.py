@@ -227,37 +227,12 @@ def rehearse_in_world(spec: RehearsalSpec, counter) -> RehearsalResult:
     collectives with ``counter`` (installed before DeepSpeed's backend started)."""
     import torch
 
-    from dsclip.comm_model import Traffic, clocks, track_phases
+    from dsclip.comm_model import track_phases
     from dsclip.engine.build import build_engine
-    from dsclip.engine.ds_config import TrainArgs
-    from dsclip.engine.optim import OptimArgs
-    from dsclip.losses import LossArgs
-    from dsclip.model import ModelArgs
-    from dsclip.model.factory import get_model_config
-    from dsclip.train.build import build_ds_config, build_step, model_factory
+    from dsclip.train.build import build_step, model_factory
 
-    ds_path = Path(tempfile.mkdtemp(prefix="dsclip-rehearsal-ds-")) / "ds_config.json"
-    ds_path.write_text(json.dumps(spec.ds_config))
-    train = TrainArgs(
-        batch_size=spec.batch_size,
-        accum_freq=spec.accum_freq,
-        precision=spec.precision,
-        deepspeed_config=str(ds_path),
-        engine_patches=spec.engine_patches,
-        seed=spec.seed,
-        max_steps=spec.steps + 1,
-    )
-    model_args = ModelArgs(model=spec.model, grad_checkpointing=spec.grad_checkpointing)
-    loss_args, optim_args = LossArgs(), OptimArgs()
-    model_cfg = get_model_config(spec.model)
-    tok = _Tokens(model_cfg)
+    train, model_args, loss_args, optim_args, model_cfg, tok, ds_config = _run_settings(spec, counter)
     cuda = spec.device == "cuda"
-    counter.recording = False
-    try:
-        ds_config = build_ds_config(train, optim_args, spec.world)
-    finally:
-        ds_path.unlink()
-        ds_path.parent.rmdir()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated() if cuda else _rss_bytes()
@@ -274,29 +249,7 @@ def rehearse_in_world(spec: RehearsalSpec, counter) -> RehearsalResult:
         gen = torch.Generator().manual_seed(spec.seed + int(os.environ.get("RANK", "0")))
         micro = _synthetic_batches(spec, model_cfg, tok, gen)
         phase = f"a step of {spec.accum_freq} micro-batch(es) of {spec.batch_size} (activations, loss)"
-        times, cpu_s, thread_s, comm_s, comm_cpu_s, comm_thread_s = [], [], [], [], [], []
-        skipped, total, finite = 0, Traffic(), True
-        for i in range(spec.steps + 1):
-            counter.reset()
-            counter.recording = i > 0  # the first step warms up (ZeRO-3 traces its prefetch order)
-            t0, c0, h0 = clocks()
-            res = step(micro)
-            if cuda:
-                torch.cuda.synchronize()
-            t1, c1, h1 = clocks()
-            counter.recording = False
-            finite &= bool(torch.isfinite(torch.tensor(res.loss)))
-            if not res.applied:  # overflow / non-finite: not a step a real run would time
-                skipped += 1
-                continue
-            if i > 0:
-                times.append(t1 - t0)
-                cpu_s.append(c1 - c0)
-                thread_s.append(h1 - h0)
-                comm_s.append(counter.seconds)
-                comm_cpu_s.append(counter.cpu_seconds)
-                comm_thread_s.append(counter.thread_seconds)
-                total.merge(counter.traffic)
+        timed = _timed_steps(spec, step, micro, counter, cuda)
     except torch.OutOfMemoryError:
         raise RehearsalError(f"out of device memory while {phase}; lower --batch-size or add GPUs") from None
     peak = (torch.cuda.max_memory_allocated() if cuda else _peak_rss_bytes()) - base
@@ -311,25 +264,102 @@ def rehearse_in_world(spec: RehearsalSpec, counter) -> RehearsalResult:
     cpu_kind = "CPU peak resident set (ru_maxrss) minus the resident set before the build"
     if len(_done) > 1:  # ru_maxrss is the process's peak: a later rehearsal shows only growth above the earlier
         cpu_kind += " (not the first rehearsal of its process: growth above the earlier peaks only)"
-    per_step = total.scaled(max(1, len(times)))
+    per_step = timed.traffic.scaled(max(1, len(timed.step_s)))
     traffic = [[*key, per_step.calls[key], per_step.bytes[key]] for key in sorted(per_step.calls)]
     return RehearsalResult(
         spec=asdict(spec),
         params=int(params),
-        step_s=times,
-        skipped=skipped,
+        step_s=timed.step_s,
+        skipped=timed.skipped,
         peak_bytes=int(max(0, peak)),
         peak_kind="CUDA max_memory_allocated over the build and steps" if cuda else cpu_kind,
         optimizer_numel=int(numel),
         optimizer_bytes=int(nbytes),
         traffic=traffic,
-        loss_finite=finite,
-        comm_s=comm_s,
-        cpu_s=cpu_s,
-        thread_s=thread_s,
-        comm_cpu_s=comm_cpu_s,
-        comm_thread_s=comm_thread_s,
+        loss_finite=timed.finite,
+        comm_s=timed.comm_s,
+        cpu_s=timed.cpu_s,
+        thread_s=timed.thread_s,
+        comm_cpu_s=timed.comm_cpu_s,
+        comm_thread_s=timed.comm_thread_s,
     )
+
+
+def _run_settings(spec: RehearsalSpec, counter):
+    """The run config sections ``dsclip train`` would build for ``spec``, and its resolved DeepSpeed dict."""
+    from dsclip.engine.ds_config import TrainArgs
+    from dsclip.engine.optim import OptimArgs
+    from dsclip.losses import LossArgs
+    from dsclip.model import ModelArgs
+    from dsclip.model.factory import get_model_config
+    from dsclip.train.build import build_ds_config
+
+    ds_path = Path(tempfile.mkdtemp(prefix="dsclip-rehearsal-ds-")) / "ds_config.json"
+    ds_path.write_text(json.dumps(spec.ds_config))
+    train = TrainArgs(
+        batch_size=spec.batch_size,
+        accum_freq=spec.accum_freq,
+        precision=spec.precision,
+        deepspeed_config=str(ds_path),
+        engine_patches=spec.engine_patches,
+        seed=spec.seed,
+        max_steps=spec.steps + 1,
+    )
+    model_args = ModelArgs(model=spec.model, grad_checkpointing=spec.grad_checkpointing)
+    loss_args, optim_args = LossArgs(), OptimArgs()
+    model_cfg = get_model_config(spec.model)
+    counter.recording = False
+    try:
+        ds_config = build_ds_config(train, optim_args, spec.world)
+    finally:  # nothing of the rehearsal is left behind
+        ds_path.unlink()
+        ds_path.parent.rmdir()
+    return train, model_args, loss_args, optim_args, model_cfg, _Tokens(model_cfg), ds_config
+
+
+@dataclass
+class _Timings:
+    step_s: list = field(default_factory=list)  # wall seconds per timed step
+    cpu_s: list = field(default_factory=list)  # process CPU
+    thread_s: list = field(default_factory=list)  # the stepping thread's CPU
+    comm_s: list = field(default_factory=list)  # inside collectives: wall, process CPU, thread CPU
+    comm_cpu_s: list = field(default_factory=list)
+    comm_thread_s: list = field(default_factory=list)
+    skipped: int = 0
+    finite: bool = True
+    traffic: object = None
+
+
+def _timed_steps(spec: RehearsalSpec, step, micro, counter, cuda: bool) -> _Timings:
+    """One warm-up step (ZeRO-3 traces its prefetch order), then ``spec.steps`` timed ones; a step DeepSpeed
+    skipped (overflow / non-finite) is counted and never timed: a real run would not time it either."""
+    import torch
+
+    from dsclip.comm_model import Traffic, clocks
+
+    out = _Timings(traffic=Traffic())
+    for i in range(spec.steps + 1):
+        counter.reset()
+        counter.recording = i > 0
+        t0, c0, h0 = clocks()
+        res = step(micro)
+        if cuda:
+            torch.cuda.synchronize()
+        t1, c1, h1 = clocks()
+        counter.recording = False
+        out.finite &= bool(torch.isfinite(torch.tensor(res.loss)))
+        if not res.applied:
+            out.skipped += 1
+            continue
+        if i > 0:
+            out.step_s.append(t1 - t0)
+            out.cpu_s.append(c1 - c0)
+            out.thread_s.append(h1 - h0)
+            out.comm_s.append(counter.seconds)
+            out.comm_cpu_s.append(counter.cpu_seconds)
+            out.comm_thread_s.append(counter.thread_seconds)
+            out.traffic.merge(counter.traffic)
+    return out
 
 
 def run_child(specs: list[RehearsalSpec]) -> list[RehearsalResult]:
