@@ -59,6 +59,21 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         allow_abbrev=False,
     )
+    _cluster_arguments(p)
+    _batch_arguments(p)
+    _engine_arguments(p)
+    _rate_arguments(p)
+    _output_arguments(p)
+    _model_arguments(p)
+    p.add_argument("--json", action="store_true", help="plan-only: print the plan as JSON")
+    for old in RENAMED:
+        p.add_argument(old, action=_Renamed, help=argparse.SUPPRESS)
+    add_measure_arguments(p)  # --measure: the rehearsal (dsclip/measure_cli.py)
+    return p
+
+
+def _cluster_arguments(p: argparse.ArgumentParser) -> None:
+    """The model and the GPUs it is planned for."""
     p.add_argument("--model", required=True, help="architecture name (dsclip/model/configs) or JSON path")
     p.add_argument("--gpus", type=int, required=True, help="plan-only: total number of GPUs (ranks)")
     p.add_argument(
@@ -67,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
         f"table; default {DEFAULT_GPU}",
     )
     p.add_argument("--gpu-memory", type=float, help="plan-only: memory per GPU in GiB (overrides --gpu's)")
+
+
+def _batch_arguments(p: argparse.ArgumentParser) -> None:
+    """The contrastive batch and how it is split (dsclip train's flags)."""
     p.add_argument(
         "--batch-size",
         type=int,
@@ -88,6 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="plan-only: find the largest contrastive batch that fits (gradient cache) and plan that batch",
     )
+
+
+def _engine_arguments(p: argparse.ArgumentParser) -> None:
+    """What the search would choose, fixed by the user: stage, DeepSpeed JSON, precision, checkpointing, loss."""
     p.add_argument(
         "--zero",
         type=int,
@@ -121,6 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
         "fastest InfoNCE implementation that fits (global, local with gathered gradients, tiled: one loss value)",
     )
     p.add_argument("--loss-tile-size", type=int, default=TRAIN_TILE_SIZE, help="tile edge of the tiled losses")
+
+
+def _rate_arguments(p: argparse.ArgumentParser) -> None:
+    """What the step time and memory are predicted from: MFU, peak, node size, reserves."""
     p.add_argument(
         "--mfu",
         type=float,
@@ -141,6 +168,25 @@ def build_parser() -> argparse.ArgumentParser:
         default=1024.0,
         help="plan-only: host RAM per node in GiB: the step's inputs (all --accum-freq micro-batches) are held there",
     )
+
+
+def _model_arguments(p: argparse.ArgumentParser) -> None:
+    """Training settings that change memory (dsclip train's flags, same meanings)."""
+    p.add_argument("--force-image-size", type=int, help="train at this image size, as in dsclip train")
+    p.add_argument("--lock-image", action=argparse.BooleanOptionalAction, default=False, help="as in dsclip train")
+    p.add_argument("--lock-image-unlocked-groups", type=int, default=0, help="as in dsclip train")
+    p.add_argument("--lock-text", action=argparse.BooleanOptionalAction, default=False, help="as in dsclip train")
+    p.add_argument("--lock-text-unlocked-layers", type=int, default=0, help="as in dsclip train")
+    p.add_argument(
+        "--lock-text-freeze-layer-norm", action=argparse.BooleanOptionalAction, default=False, help="as in dsclip train"
+    )
+    p.add_argument(
+        "--ema-decay", type=float, help="as in dsclip train: count the sharded EMA (4 B x trainable params / GPUs)"
+    )
+
+
+def _output_arguments(p: argparse.ArgumentParser) -> None:
+    """What is printed: a CPU run's memory instead of a GPU's, the launcher of the command."""
     p.add_argument(
         "--device",
         default="cuda",
@@ -160,22 +206,6 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("hostfile", "sbatch"),
         help="plan-only: the launcher of the printed command: deepspeed --hostfile, or sbatch " + SBATCH_SCRIPT,
     )
-    p.add_argument("--force-image-size", type=int, help="train at this image size, as in dsclip train")
-    p.add_argument("--lock-image", action=argparse.BooleanOptionalAction, default=False, help="as in dsclip train")
-    p.add_argument("--lock-image-unlocked-groups", type=int, default=0, help="as in dsclip train")
-    p.add_argument("--lock-text", action=argparse.BooleanOptionalAction, default=False, help="as in dsclip train")
-    p.add_argument("--lock-text-unlocked-layers", type=int, default=0, help="as in dsclip train")
-    p.add_argument(
-        "--lock-text-freeze-layer-norm", action=argparse.BooleanOptionalAction, default=False, help="as in dsclip train"
-    )
-    p.add_argument(
-        "--ema-decay", type=float, help="as in dsclip train: count the sharded EMA (4 B x trainable params / GPUs)"
-    )
-    p.add_argument("--json", action="store_true", help="plan-only: print the plan as JSON")
-    for old in RENAMED:
-        p.add_argument(old, action=_Renamed, help=argparse.SUPPRESS)
-    add_measure_arguments(p)  # --measure: the rehearsal (dsclip/measure_cli.py)
-    return p
 
 
 def clean_path(path: str) -> str:
