@@ -905,27 +905,12 @@ def largest_fitting(fits) -> int:
 
 
 def format_plan(p: Plan) -> str:
-    lines = [
-        f"dsclip plan: {p.model} ({p.params / 1e9:.3f} B params, {p.trainable_params / 1e9:.3f} B trainable) | "
-        + (f"{p.gpus} GPUs x {p.gpu_memory_gb:g} GiB | " if p.device != "cpu" else f"{p.gpus} CPU ranks | ")
-        + f"ZeRO-{p.zero}{'' if p.offload == 'none' else ' offload ' + p.offload} {p.precision} | "
-        + f"global batch {p.batch_size} ({p.local_batch}/GPU) | loss {p.loss}"
-        + (" | grad-checkpointing" if p.grad_checkpointing else "")
-        + (f" | patch-dropout {p.patch_dropout:g}" if p.patch_dropout else "")
-        + (f" | image size {p.image_size}" if p.image_size else ""),
-        *(
-            [
-                f"locked: {p.params - p.trainable_params:,} parameters ({', '.join(p.lock)}): "
-                f"{p.locked_saving_gb:.3f} GiB/GPU of gradients + optimizer state not allocated"
-            ]
-            if p.params != p.trainable_params
-            else []
-        ),
-        "",
+    lines = [*_headline(p), ""]
+    lines.append(
         "per-GPU memory (GiB):"
         if p.device != "cpu"
-        else "per-rank peak resident memory, predicted (GiB; the larger of the loss and pass-2 phases):",
-    ]
+        else "per-rank peak resident memory, predicted (GiB; the larger of the loss and pass-2 phases):"
+    )
     for k, v in p.memory_gb.items():
         lines.append(f"  {k:<38} {v:10.3f}")
     a = p.activation_per_sample_mb
@@ -948,8 +933,37 @@ def format_plan(p: Plan) -> str:
             f"host RAM for the step's inputs: {p.host_inputs_gb:.2f} GiB per GPU (--host-memory {p.host_memory_gb:g} "
             f"GiB per node)"
         )
+    lines += _step_time_lines(p)
+    lines += [f"note: {n}" for n in p.notes]
+    if p.fits:  # a command the plan says does not fit is never printed (the CLI prints a change that fits)
+        lines += ["", "recommended:", "  " + p.command]
+    return "\n".join(lines)
+
+
+def _headline(p: Plan) -> list[str]:
+    """The plan's first line (what is planned) and, with locking, what the locked parameters save."""
+    head = (
+        f"dsclip plan: {p.model} ({p.params / 1e9:.3f} B params, {p.trainable_params / 1e9:.3f} B trainable) | "
+        + (f"{p.gpus} GPUs x {p.gpu_memory_gb:g} GiB | " if p.device != "cpu" else f"{p.gpus} CPU ranks | ")
+        + f"ZeRO-{p.zero}{'' if p.offload == 'none' else ' offload ' + p.offload} {p.precision} | "
+        + f"global batch {p.batch_size} ({p.local_batch}/GPU) | loss {p.loss}"
+        + (" | grad-checkpointing" if p.grad_checkpointing else "")
+        + (f" | patch-dropout {p.patch_dropout:g}" if p.patch_dropout else "")
+        + (f" | image size {p.image_size}" if p.image_size else "")
+    )
+    if p.params == p.trainable_params:
+        return [head]
+    return [
+        head,
+        f"locked: {p.params - p.trainable_params:,} parameters ({', '.join(p.lock)}): "
+        f"{p.locked_saving_gb:.3f} GiB/GPU of gradients + optimizer state not allocated",
+    ]
+
+
+def _step_time_lines(p: Plan) -> list[str]:
+    """FLOPs, the MFU row and its world, and the step as compute + exposed communication (+ offload)."""
     f = p.forward_gflops_per_sample
-    lines += [
+    lines = [
         f"FLOPs per sample: forward {f['total']:.1f} GFLOP (vision {f['vision']:.1f}, text {f['text']:.1f}); "
         f"train (3x fwd) {p.train_gflops_per_sample:.1f}; "
         f"executed incl. recompute {p.executed_gflops_per_sample:.1f}",
@@ -963,24 +977,17 @@ def format_plan(p: Plan) -> str:
             if p.mfu_world and p.mfu_world != p.gpus
             else ""
         ),
-        *(
-            [
-                f"step = compute {p.compute_s:.3f} s + exposed communication {p.comm_s:.3f} s "
-                + (f"+ offload {p.offload_s:.3f} s " if p.offload_s else "")
-                + f"(communication {p.comm_share:.1%} of the step; {p.comm_total_s:.3f} s back to back before "
-                "overlap; dsclip/plan_comm.py)",
-                f"links: {p.comm_link}",
-            ]
-            if p.comm_link
-            else []
-        ),
-        *(
-            [f"ZeRO-Offload ({p.offload}) adds {p.offload_s:.2f} s/step: host Adam + PCIe copies (plan_efficiency)"]
-            if p.offload_s
-            else []
-        ),
     ]
-    lines += [f"note: {n}" for n in p.notes]
-    if p.fits:  # a command the plan says does not fit is never printed (the CLI prints a change that fits)
-        lines += ["", "recommended:", "  " + p.command]
-    return "\n".join(lines)
+    if p.comm_link:
+        lines += [
+            f"step = compute {p.compute_s:.3f} s + exposed communication {p.comm_s:.3f} s "
+            + (f"+ offload {p.offload_s:.3f} s " if p.offload_s else "")
+            + f"(communication {p.comm_share:.1%} of the step; {p.comm_total_s:.3f} s back to back before "
+            "overlap; dsclip/plan_comm.py)",
+            f"links: {p.comm_link}",
+        ]
+    if p.offload_s:
+        lines.append(
+            f"ZeRO-Offload ({p.offload}) adds {p.offload_s:.2f} s/step: host Adam + PCIe copies (plan_efficiency)"
+        )
+    return lines
