@@ -18,9 +18,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import dsclip.comm_model as cm  # noqa: E402
-from dsclip.plan import shipped_ds_config  # noqa: E402
-from dsclip.rehearsal import RehearsalSpec, run_child  # noqa: E402
+import dsclip.rehearsal.counter as cm  # noqa: E402
+from dsclip.plan.planner import shipped_ds_config  # noqa: E402
+from dsclip.rehearsal.room import RehearsalSpec, run_child  # noqa: E402
 
 seen: list[tuple[int, int, int]] = []
 

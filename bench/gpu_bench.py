@@ -311,8 +311,8 @@ def main(argv=None) -> int:
     if a.world > 1:
         global WORLD
         WORLD = a.world
-        from dsclip.comm_model import CollectiveCounter
         from dsclip.engine.fake_world import fake_world
+        from dsclip.rehearsal.counter import CollectiveCounter
 
         # the counter before the world: DeepSpeed's backend keeps references to the collectives it finds then
         with CollectiveCounter(fill_outputs=True), fake_world(a.world):

@@ -41,7 +41,7 @@ import gpu_bench as G  # noqa: E402
 import utilisation as U  # noqa: E402
 import vs_openclip as V  # noqa: E402
 
-from dsclip.plan import largest_fitting, make_plan  # noqa: E402
+from dsclip.plan.planner import largest_fitting, make_plan  # noqa: E402
 
 GiB = 2**30
 

@@ -35,10 +35,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dsclip.comm_model import LinkModel, Traffic, estimate  # noqa: E402
-from dsclip.plan import make_plan, shipped_ds_config  # noqa: E402
-from dsclip.plan_comm import hideable_compute_s  # noqa: E402
-from dsclip.rehearsal import RehearsalError, RehearsalSpec, rehearse_many  # noqa: E402
+from dsclip.plan.comm import (  # noqa: E402
+    LinkModel,
+    Traffic,
+    estimate,
+    hideable_compute_s,  # noqa: E402
+)
+from dsclip.plan.planner import make_plan, shipped_ds_config  # noqa: E402
+from dsclip.rehearsal.room import RehearsalError, RehearsalSpec, rehearse_many  # noqa: E402
 
 # config name -> (ZeRO stage, engine patches)
 CONFIGS = {"zero2": (2, "all"), "zero2_none": (2, "none"), "zero1": (1, "all"), "zero3": (3, "all")}

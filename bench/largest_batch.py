@@ -105,7 +105,7 @@ def measure_run(batch: int, micro: int, world: int, workdir: Path) -> tuple[list
 def predict(batch: int, micro: int, world: int, baseline_gb: float) -> dict:
     from dataclasses import asdict
 
-    from dsclip.plan import make_plan
+    from dsclip.plan.planner import make_plan
 
     plan = make_plan(
         "demo", gpus=world, gpu_memory_gb=1e6, batch_size=batch, zero=2, precision="fp32",

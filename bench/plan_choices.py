@@ -19,9 +19,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dsclip import plan as P  # noqa: E402
-from dsclip import plan_cli as C  # noqa: E402
-from dsclip import plan_search as S  # noqa: E402
+from dsclip.cli import plan as C  # noqa: E402
+from dsclip.model import get_model_config  # noqa: E402
+from dsclip.plan import search as S  # noqa: E402
 
 
 def describe(p) -> str:
@@ -36,7 +36,7 @@ def describe(p) -> str:
 
 
 def main() -> int:
-    cfg = P.get_model_config("ViT-bigG-14")
+    cfg = get_model_config("ViT-bigG-14")
     cfg["vision_cfg"].update(width=6656, layers=48)
     big = Path(tempfile.mkdtemp()) / "ViT-e-30B.json"
     big.write_text(json.dumps(cfg))

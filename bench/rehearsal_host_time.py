@@ -35,8 +35,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dsclip.plan import shipped_ds_config  # noqa: E402
-from dsclip.rehearsal import RehearsalSpec, read_child, rehearse_many, run_real_rank, start_child  # noqa: E402
+from dsclip.plan.planner import shipped_ds_config  # noqa: E402
+from dsclip.rehearsal.room import RehearsalSpec, read_child, rehearse_many, run_real_rank, start_child  # noqa: E402
 from dsclip.testing.gloo_world import run_world  # noqa: E402
 
 

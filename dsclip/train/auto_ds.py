@@ -1,7 +1,7 @@
 """``dsclip train --deepspeed-config auto``: the shipped DeepSpeed JSON ``dsclip plan`` would choose for this run.
 
 Rank 0 reads its device's memory, plans every shipped JSON for the run's precision (the ZeRO stage and
-offload; dsclip.plan_search) at the real world size and batch, with the run's own micro-batch, loss and
+offload; dsclip.plan.search) at the real world size and batch, with the run's own micro-batch, loss and
 checkpointing fixed (the flags a user gave or the recipe's: this chooses the engine, not the training), and
 every rank takes rank 0's answer. The concrete name replaces ``auto`` in the run settings, so run_config.yaml
 records it, and a resume of that run keeps it rather than choosing again (a ZeRO-2 checkpoint does not load
@@ -58,7 +58,8 @@ def kept_from_resume(cfg: RunConfig) -> str | None:
 
 def choose(cfg: RunConfig, model_cfg: dict, world_size: int, memory_gb: float) -> tuple[str, str]:
     """(shipped JSON name, why) for this run on ``world_size`` devices of ``memory_gb`` GiB."""
-    from dsclip.plan_search import describe, search
+    from dsclip.plan.report import describe
+    from dsclip.plan.search import search
 
     t, m = cfg.train, cfg.model
     precision = {"amp": "fp16", "amp_bf16": "bf16"}.get(t.precision, t.precision)

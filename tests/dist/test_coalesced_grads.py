@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dsclip import plan as P
+from dsclip.plan import memory as M
 
 ROOT = Path(__file__).resolve().parents[2]
 WORLD = 4
@@ -30,8 +30,8 @@ def measured():
 @pytest.mark.parametrize("zero", [2, 3])
 def test_plan_counts_the_whole_grad_a_rank_holds(measured, zero):
     grads, params = measured[zero]
-    assert grads == P.whole_grad_bytes(params, "bf16")  # the whole 16-bit gradient, not a 1/N partition
-    ds_partitions = P.model_state_bytes(params, WORLD, zero, "bf16")["grads"]
+    assert grads == M.whole_grad_bytes(params, "bf16")  # the whole 16-bit gradient, not a 1/N partition
+    ds_partitions = M.model_state_bytes(params, WORLD, zero, "bf16")["grads"]
     assert grads > ds_partitions  # what DeepSpeed's own accounting (6 B x P / N) would have counted
-    planned = P.gradient_cache_grad_bytes(ds_partitions, params, WORLD, zero, "bf16", offloaded=False)
+    planned = M.gradient_cache_grad_bytes(ds_partitions, params, WORLD, zero, "bf16", offloaded=False)
     assert planned >= grads  # the plan counts at least what is held

@@ -12,8 +12,9 @@ from dataclasses import asdict
 
 import pytest
 
-from dsclip.plan import model_state_bytes, shipped_ds_config
-from dsclip.rehearsal import RehearsalSpec, read_child, run_real_rank, start_child
+from dsclip.plan.memory import model_state_bytes
+from dsclip.plan.planner import shipped_ds_config
+from dsclip.rehearsal.room import RehearsalSpec, read_child, run_real_rank, start_child
 from dsclip.testing.gloo_world import run_world
 
 CONFIGS = [(2, 1), (2, 2), (3, 1), (3, 2)]  # (ZeRO stage, accum_freq)

@@ -19,11 +19,11 @@ pytestmark = [pytest.mark.dist]
 
 
 def _measure(rank, world, stage):
-    from dsclip import plan as P
     from dsclip.config import make_run_config
     from dsclip.engine.build import autocast_dtype, build_engine
     from dsclip.engine.ds_config import load_ds_json, resolve_ds_config
     from dsclip.losses import build_loss
+    from dsclip.plan import memory as M
     from dsclip.train.gradcache import GradCacheStep
 
     cfg = make_run_config(
@@ -77,7 +77,7 @@ def _measure(rank, world, stage):
         grads16 = nbytes([opt.grad_partitions_flat_buffer])
     adam = nbytes(v for m in masters for v in opt.optimizer.state[m].values() if torch.is_tensor(v) and v.dim())
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())
-    planned = P.model_state_bytes(n_params, world, stage, "bf16")
+    planned = M.model_state_bytes(n_params, world, stage, "bf16")
     return {
         "params16": params16,
         "master": nbytes(masters),

@@ -9,7 +9,7 @@ import tempfile
 
 import pytest
 
-from dsclip.plan_cli import main_plan
+from dsclip.cli.plan import main_plan
 
 PLAN = ["--model", "demo", "--batch-size", "4", "--accum-freq", "2", "--precision", "bf16"]
 
@@ -32,9 +32,9 @@ def test_measure_world8_beside_the_plan(tmp_path, monkeypatch, capsys):
     assert re.search(r"step time\s+measured\s+[\d.]+ ms host wall time", out)
     assert "all_gather in step" in out and "all_reduce in boundary" in out  # ZeRO-2's traffic, by phase
     assert "nccl-tests" in out  # the link figures come with their source
-    # the plan's own step: compute + the exposed communication it derives (dsclip/plan_comm.py), beside the counted
+    # the plan's own step: compute + the exposed communication it derives (dsclip/plan/comm.py), beside the counted
     assert re.search(r"step = compute [\d.]+ s \+ exposed communication [\d.]+ s \(communication [\d.]+% of", out)
-    assert "the plan's communication (dsclip/plan_comm.py, bytes derived, not counted)" in out
+    assert "the plan's communication (dsclip/plan/comm.py, bytes derived, not counted)" in out
     # no run folder, checkpoint or rehearsal folder left behind
     assert os.listdir(tmp_path) == []
     assert not [d for d in set(os.listdir(tempfile.gettempdir())) - before if d.startswith("dsclip-rehearsal")]
@@ -45,7 +45,7 @@ def test_measure_refusals_are_one_line(tmp_path, monkeypatch, capsys):
     rc = main_plan([*PLAN, "--gpus", "8", "--measure", "--measure-steps", "0"])
     assert rc == 2
     assert capsys.readouterr().err.strip() == "dsclip plan: --measure-steps must be at least 1"
-    from dsclip.rehearsal import smallest_group_numel
+    from dsclip.rehearsal.room import smallest_group_numel
 
     world = (smallest_group_numel("demo") // 8 + 1) * 8
     rc = main_plan([*PLAN, "--gpus", str(world), "--measure"])

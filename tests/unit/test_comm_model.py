@@ -9,8 +9,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dsclip.comm_model import CollectiveCounter, LinkModel, Traffic, estimate, ring_factor
-from dsclip.rehearsal import RehearsalError, check_fake_group, check_world
+from dsclip.plan.comm import LinkModel, Traffic, estimate, ring_factor
+from dsclip.rehearsal.counter import CollectiveCounter
+from dsclip.rehearsal.room import RehearsalError, check_fake_group, check_world
 
 
 def test_ring_factors():
@@ -79,7 +80,7 @@ def test_counter_counts_and_fills_under_the_fake_group():
 
 
 def test_a_world_the_model_cannot_be_partitioned_for_is_one_line():
-    from dsclip.rehearsal import smallest_group_numel
+    from dsclip.rehearsal.room import smallest_group_numel
 
     n = smallest_group_numel("demo")
     world = (n // 8 + 1) * 8  # whole nodes, more ranks than the smallest group has elements
@@ -103,12 +104,12 @@ def test_counter_times_calls_and_async_waits_on_all_three_clocks(monkeypatch):
     totals: bench/rehearsal_host_time.py subtracts the CPU ones from a real rank's step."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from dsclip import comm_model
+    from dsclip.rehearsal import counter as counter_module
 
     if dist.is_initialized():
         pytest.skip("a process group already exists in this process")
     ticks = iter(range(100))
-    monkeypatch.setattr(comm_model, "clocks", lambda: (lambda n: (n, 10.0 * n, 100.0 * n))(next(ticks)))
+    monkeypatch.setattr(counter_module, "clocks", lambda: (lambda n: (n, 10.0 * n, 100.0 * n))(next(ticks)))
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
         with CollectiveCounter() as c:

@@ -4,7 +4,8 @@ import pytest
 
 from dsclip.config import ConfigError, make_run_config
 from dsclip.model.lock import LockConfig
-from dsclip.plan import make_plan, model_state_bytes
+from dsclip.plan.memory import model_state_bytes
+from dsclip.plan.planner import make_plan
 
 GiB = 2**30
 

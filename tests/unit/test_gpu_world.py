@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from dsclip.plan import make_plan
-from dsclip.rehearsal import RehearsalResult
+from dsclip.plan.planner import make_plan
+from dsclip.rehearsal.room import RehearsalResult
 
 ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("gpu_world", ROOT / "bench" / "gpu_world.py")

@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsclip import plan as P
 from dsclip.engine.optim import param_groups
 from dsclip.model import create_model, get_model_config, openclip_model_config, to_openclip_state_dict
 from dsclip.model.lock import LockConfig, LockError, apply_locking, check_lock_config
+from dsclip.plan import planner as P
+from dsclip.plan import report as R
 
 open_clip = pytest.importorskip("open_clip")
 
@@ -80,6 +81,6 @@ def test_plan_reports_trainable_parameters_and_saving():
     # partition built at the boundary (2 B / 8), and the optimizer's 4+8 B / 8, are not allocated
     locked = full.params - lit.trainable_params
     assert lit.locked_saving_gb == pytest.approx(locked * (2 + (2 + 12) / 8) / 2**30, abs=1e-3)
-    assert "--lock-image" in lit.command and "trainable" in P.format_plan(lit)
+    assert "--lock-image" in lit.command and "trainable" in R.format_plan(lit)
     sized = P.make_plan("ViT-B-32", gpus=8, gpu_memory_gb=80, batch_size=1024, image_size=320)
     assert sized.params == full.params + (100 - 49) * 768 and "--force-image-size 320" in sized.command

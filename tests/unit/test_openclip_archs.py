@@ -71,7 +71,7 @@ def test_towers_dsclip_lacks_are_one_line_naming_them(name, expect, tmp_path, ca
 
 
 def test_plan_takes_an_openclip_name(capsys):
-    from dsclip import plan_cli
+    from dsclip.cli import plan as C
 
-    assert plan_cli.main_plan(["--model", "ViT-L-14-336", "--gpus", "8", "--global-batch", "4096"]) == 0
+    assert C.main_plan(["--model", "ViT-L-14-336", "--gpus", "8", "--global-batch", "4096"]) == 0
     assert "ViT-L-14-336" in capsys.readouterr().out

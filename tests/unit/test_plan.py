@@ -10,9 +10,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
-from dsclip import plan as P
-from dsclip import plan_cli as C
+from dsclip.cli import plan as C
 from dsclip.model import create_model
+from dsclip.plan import architecture as A
+from dsclip.plan import flops as F
+from dsclip.plan import memory as M
+from dsclip.plan import planner as P
 
 # Small architectures that exercise every term: head_width != 64, a non-integer MLP ratio (bigG's
 # 4.9231), a causal text tower, an image larger than one patch grid.
@@ -43,7 +46,7 @@ def test_model_states_equal_deepspeed_zero2_estimate():
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
     for name in ("ViT-H-14", "ViT-bigG-14"):
-        arch = P.load_arch(name)
+        arch = A.load_arch(name)
         for gpus in (8, 64, 256):
             _, ds_gpu = estimate_zero2_model_states_mem_needs(
                 arch.params,
@@ -51,7 +54,7 @@ def test_model_states_equal_deepspeed_zero2_estimate():
                 num_nodes=max(gpus // 8, 1),
                 cpu_offload=False,
             )
-            ours = sum(P.model_state_bytes(arch.params, gpus, 2, "bf16").values())
+            ours = sum(M.model_state_bytes(arch.params, gpus, 2, "bf16").values())
             assert abs(ours - ds_gpu) <= 2, (name, gpus, ours, ds_gpu)
 
 
@@ -64,7 +67,7 @@ def test_model_states_zero3_vs_deepspeed_estimate():
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 
     for name in ("ViT-H-14", "ViT-bigG-14"):
-        arch = P.load_arch(name)
+        arch = A.load_arch(name)
         for gpus in (8, 256):
             _, ds_gpu, ds_layer = estimate_zero3_model_states_mem_needs(
                 arch.params,
@@ -73,7 +76,7 @@ def test_model_states_zero3_vs_deepspeed_estimate():
                 num_nodes=gpus // 8,
                 cpu_offload=False,
             )
-            ours = P.model_state_bytes(arch.params, gpus, 3, "bf16", arch.largest_layer_params)
+            ours = M.model_state_bytes(arch.params, gpus, 3, "bf16", arch.largest_layer_params)
             assert ours["gathered_layers"] == ds_layer
             assert abs(sum(ours.values()) - (ds_gpu + 2 * arch.params / gpus)) <= 2, (name, gpus)
 
@@ -83,7 +86,7 @@ def test_largest_layer_is_deepspeeds_definition():
 
     m = create_model(SMALL)
     total, largest = model_to_params(m)
-    arch = P.load_arch(SMALL)
+    arch = A.load_arch(SMALL)
     assert (arch.params, arch.largest_layer_params) == (total, largest)
 
 
@@ -134,8 +137,8 @@ def test_activation_estimate_matches_autograd_saved_tensors(name, dtype, patch_d
     model = create_model(cfg, patch_dropout=patch_dropout, vocab_size=300).to(dtype).train()
     # Per sample: the difference between two batch sizes removes anything batch-independent.
     measured = (_saved_bytes(model, 6, dtype, ckpt) - _saved_bytes(model, 2, dtype, ckpt)) / 4
-    arch = P.load_arch(model.config, patch_dropout)
-    est = P.activation_bytes(arch, "fp32" if dtype == torch.float32 else "bf16", ckpt)["saved"]
+    arch = A.load_arch(model.config, patch_dropout)
+    est = M.activation_bytes(arch, "fp32" if dtype == torch.float32 else "bf16", ckpt)["saved"]
     assert est == pytest.approx(measured, rel=ACT_TOL), (est, measured)
 
 
@@ -152,7 +155,7 @@ def test_forward_flops_match_flop_counter(name, patch_dropout):
     # the CPU flash kernel that SDPA picks by default); the FLOPs are the same either way.
     with counter, torch.no_grad(), sdpa_kernel(SDPBackend.MATH):
         model(image=torch.randn(batch, 3, size, size), text=txt)
-    est = P.forward_flops(P.load_arch(c, patch_dropout))["total"] * batch
+    est = F.forward_flops(A.load_arch(c, patch_dropout))["total"] * batch
     assert est == pytest.approx(counter.get_total_flops(), rel=0.01)
 
 
@@ -261,7 +264,7 @@ def test_does_not_fit_exits_1_with_a_suggestion(capsys):
 
 def test_loss_memory_orders_modes():
     n, b, d = 32768, 128, 1280
-    m = {mode: P.loss_bytes(mode, b, n, d) for mode in P.LOSS_MODES}
+    m = {mode: M.loss_bytes(mode, b, n, d) for mode in M.LOSS_MODES}
     assert m["infonce"] > m["infonce_local"] > m["infonce_tiled"]
     assert m["infonce"] >= 4 * n * n * 4
 
@@ -304,27 +307,27 @@ def test_step_inputs_and_one_graph_at_a_time_are_counted():
     """The gradient cache holds all K micro-batches of inputs (host); on the device pass 2 back-propagates
     the kept last chunk's graph first, so one micro-batch's graph is alive at a time, whatever K (the kept
     graph's saved activations sit beside the loss, below the backward peak)."""
-    arch = P.load_arch("ViT-L-14")
-    assert P.input_bytes(arch, 10) == 10 * (4 * 3 * 224 * 224 + 8 * 77)
-    act = P.activation_bytes(arch, "bf16", True)
+    arch = A.load_arch("ViT-L-14")
+    assert M.input_bytes(arch, 10) == 10 * (4 * 3 * 224 * 224 + 8 * 77)
+    act = M.activation_bytes(arch, "bf16", True)
     assert act["saved"] <= act["peak"]
-    assert P.held_activation_bytes(act, 32) == 32 * act["peak"]
+    assert M.held_activation_bytes(act, 32) == 32 * act["peak"]
 
 
 def test_cpu_plan_predicts_phases_from_a_measured_baseline():
     """--device cpu: baseline + model states + inputs + the larger of the loss and pass-2 phases."""
     kw = dict(gpus=2, gpu_memory_gb=64, batch_size=65536, zero=2, precision="fp32", loss="infonce_tiled")
     p = P.make_plan("demo", device="cpu", baseline_gb=0.7, micro_batch=256, **kw)
-    arch = P.load_arch("demo")
+    arch = A.load_arch("demo")
     m = p.memory_gb
     assert p.fits and p.micro_batch == 256 and p.accum_freq == 128
     assert m["baseline (measured)"] == 0.7
-    assert m["inputs (K micro-batches)"] == pytest.approx(P.input_bytes(arch, 32768) / P.GiB, abs=1e-4)
-    act = P.activation_bytes(arch, "fp32")
-    loss_phase = 4 * 32768 * 128 * 4 + P.loss_bytes("infonce_tiled", 32768, 65536, 128, 4096) + 256 * act["saved"]
-    pass2 = 2 * 32768 * 128 * 4 + P.held_activation_bytes(act, 256)
-    states = sum(P.cpu_model_state_bytes(arch.params, 2, 2, "fp32").values())
-    expect = 0.7 + (states + P.input_bytes(arch, 32768) + max(loss_phase, pass2)) / P.GiB
+    assert m["inputs (K micro-batches)"] == pytest.approx(M.input_bytes(arch, 32768) / P.GiB, abs=1e-4)
+    act = M.activation_bytes(arch, "fp32")
+    loss_phase = 4 * 32768 * 128 * 4 + M.loss_bytes("infonce_tiled", 32768, 65536, 128, 4096) + 256 * act["saved"]
+    pass2 = 2 * 32768 * 128 * 4 + M.held_activation_bytes(act, 256)
+    states = sum(M.cpu_model_state_bytes(arch.params, 2, 2, "fp32").values())
+    expect = 0.7 + (states + M.input_bytes(arch, 32768) + max(loss_phase, pass2)) / P.GiB
     assert m["total"] == pytest.approx(expect, abs=1e-3)
     from dsclip.config import ConfigError
 
@@ -594,16 +597,16 @@ def test_zero3_with_torchs_linear_counts_the_weights_held_to_their_backward():
     assert shipped["zero_optimization"]["memory_efficient_linear"] is False, name
     deepspeeds = {"zero_optimization": {"stage": 3}}  # DeepSpeed's default: its autograd linear
     n = 1_000_000
-    assert P.held_weight_bytes(n, 8, 3, "bf16", False, shipped) == 2 * n
-    assert P.held_weight_bytes(n, 8, 3, "fp32", False, shipped) == 4 * n
+    assert M.held_weight_bytes(n, 8, 3, "bf16", False, shipped) == 2 * n
+    assert M.held_weight_bytes(n, 8, 3, "fp32", False, shipped) == 4 * n
     for args in ((8, 3, "bf16", True, shipped), (1, 3, "bf16", False, shipped), (8, 2, "bf16", False, shipped)):
-        assert P.held_weight_bytes(n, *args) == 0, args  # checkpointing, one GPU, ZeRO-2
-    assert P.held_weight_bytes(n, 8, 3, "bf16", False, deepspeeds) == 0
+        assert M.held_weight_bytes(n, *args) == 0, args  # checkpointing, one GPU, ZeRO-2
+    assert M.held_weight_bytes(n, 8, 3, "bf16", False, deepspeeds) == 0
     # in the plan: a line of its own, in the total, and not with checkpointing
     kw = dict(gpus=8, gpu_memory_gb=80, batch_size=256, zero=3, loss="infonce_tiled")
     plain = P.make_plan("ViT-L-14", **kw)
     held = plain.memory_gb["held_weights (torch's linear)"]
-    assert held == pytest.approx(2 * P.load_arch("ViT-L-14").params / P.GiB, rel=1e-3)
+    assert held == pytest.approx(2 * A.load_arch("ViT-L-14").params / P.GiB, rel=1e-3)
     ckpt = P.make_plan("ViT-L-14", grad_checkpointing=True, **kw)
     assert not any("held" in k for k in ckpt.memory_gb)
     states = sum(v for k, v in plain.memory_gb.items() if k in ("params", "grads", "optimizer", "gathered_layers"))
@@ -618,24 +621,24 @@ def test_gpu_plan_counts_the_gradient_caches_whole_grads():
     from dsclip.model.lock import LockConfig
 
     kw = dict(batch_size=4096, loss="infonce_tiled", grad_checkpointing=True)
-    t = P.load_arch("ViT-bigG-14").trainable_params
+    t = A.load_arch("ViT-bigG-14").trainable_params
     for zero in (2, 3):
         p = P.make_plan("ViT-bigG-14", gpus=32, gpu_memory_gb=80, zero=zero, **kw)
         assert "grads" not in p.memory_gb  # DeepSpeed's partitioned count is replaced, not added to
-        assert p.memory_gb[P.GRADS_LINE] == pytest.approx((2 * t + 2 * t / 32) / P.GiB, abs=1e-3)
-        ds = P.model_state_bytes(t, 32, zero, "bf16")["grads"]
-        assert p.memory_gb[P.GRADS_LINE] - ds / P.GiB > 4.4  # the gap the issue measured (2 P (1 - 1/N) = 4.4 GiB)
+        assert p.memory_gb[M.GRADS_LINE] == pytest.approx((2 * t + 2 * t / 32) / P.GiB, abs=1e-3)
+        ds = M.model_state_bytes(t, 32, zero, "bf16")["grads"]
+        assert p.memory_gb[M.GRADS_LINE] - ds / P.GiB > 4.4  # the gap the issue measured (2 P (1 - 1/N) = 4.4 GiB)
     one = P.make_plan("ViT-bigG-14", gpus=1, gpu_memory_gb=141, zero=2, micro_batch=1, batch_size=1)
-    assert one.memory_gb[P.GRADS_LINE] == pytest.approx(6 * t / P.GiB, abs=1e-3)  # unchanged at world 1
+    assert one.memory_gb[M.GRADS_LINE] == pytest.approx(6 * t / P.GiB, abs=1e-3)  # unchanged at world 1
     z1 = P.make_plan("ViT-bigG-14", gpus=32, gpu_memory_gb=80, zero=1, **kw)
     assert z1.memory_gb["grads"] == pytest.approx(6 * t / P.GiB, abs=1e-3)  # ZeRO-1: already whole
     _, cfg = P.shipped_ds_config(2, "bf16")
     cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     off = P.make_plan("ViT-bigG-14", gpus=8, gpu_memory_gb=80, zero=2, ds_config=("x", cfg), **kw)
-    assert off.memory_gb[P.GRADS_LINE] == pytest.approx(2 * t / P.GiB, abs=1e-3)  # partitions on the host
+    assert off.memory_gb[M.GRADS_LINE] == pytest.approx(2 * t / P.GiB, abs=1e-3)  # partitions on the host
     assert off.host_offload_gb == pytest.approx((6 + 12) * t / 8 / P.GiB, abs=1e-3)
     lit = P.make_plan("ViT-bigG-14", gpus=32, gpu_memory_gb=80, zero=2, lock=LockConfig(lock_image=True), **kw)
-    assert lit.memory_gb[P.GRADS_LINE] == pytest.approx(2 * lit.trainable_params * (1 + 1 / 32) / P.GiB, abs=1e-3)
+    assert lit.memory_gb[M.GRADS_LINE] == pytest.approx(2 * lit.trainable_params * (1 + 1 / 32) / P.GiB, abs=1e-3)
     whole_saved = (
         2 * (lit.params - lit.trainable_params) * (1 + 1 / 32) + (12 * (lit.params - lit.trainable_params)) / 32
     )

@@ -1,4 +1,4 @@
-"""The planner's communication half (dsclip.plan_comm) and its world-N MFU rows (dsclip.plan_efficiency).
+"""The planner's communication half (dsclip.plan.comm) and its world-N MFU rows (dsclip.plan.efficiency).
 
 * The bytes the planner derives for a configuration equal what the rehearsal's collective counter counts on a
   real engine under torch's fake world 8 (one child process: the demo model and ViT-B-32, ZeRO-1/2/3, the
@@ -16,11 +16,12 @@ import math
 
 import pytest
 
-from dsclip.comm_model import LinkModel, ring_factor
 from dsclip.model import create_model
-from dsclip.plan import format_plan, load_arch, make_plan, shipped_ds_config
-from dsclip.plan_comm import forward_passes, persistent_numel, step_traffic, zero3_persistence
-from dsclip.plan_efficiency import MeasuredMFU, plan_mfu_row
+from dsclip.plan.architecture import load_arch
+from dsclip.plan.comm import LinkModel, forward_passes, persistent_numel, ring_factor, step_traffic, zero3_persistence
+from dsclip.plan.efficiency import MeasuredMFU, plan_mfu_row
+from dsclip.plan.planner import make_plan, shipped_ds_config
+from dsclip.plan.report import format_plan
 
 WORLD = 8
 # (model, micro-batch, ZeRO stage, K): one child process rehearses them all, one engine after another
@@ -30,7 +31,7 @@ SMALL = 4096  # bytes per step the derivation may leave out (loss scalars, overf
 
 @pytest.fixture(scope="module")
 def counted():
-    from dsclip.rehearsal import RehearsalSpec, rehearse_many
+    from dsclip.rehearsal.room import RehearsalSpec, rehearse_many
 
     specs = [
         RehearsalSpec(

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from dsclip import plan as P
-from dsclip import plan_cli as C
-from dsclip.plan_efficiency import ASSUMED_MFU, MEASURED, executed_share
+from dsclip.cli import plan as C
+from dsclip.plan import planner as P
+from dsclip.plan.efficiency import ASSUMED_MFU, MEASURED, executed_share
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -100,7 +100,7 @@ def test_zero3_rows_once_measured_are_used_and_scale_the_models_without_one():
     """What the next GPU lease adds (gpu_h200.sh stage zero3) changes the plans at once: a model's own
     ZeRO-3 row; for another model its ZeRO-2 figure times ZeRO-3's measured share on the nearest model
     measured at both; ZeRO-2 plans keep their ZeRO-2 rows. A stand-in table, not measurements."""
-    from dsclip.plan_efficiency import MeasuredMFU, plan_mfu
+    from dsclip.plan.efficiency import MeasuredMFU, plan_mfu
 
     def row(model, zero, mfu):
         return MeasuredMFU(model, zero, "bf16", 64, 100.0, mfu, "H200", "stand-in")

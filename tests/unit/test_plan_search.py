@@ -1,4 +1,4 @@
-"""dsclip plan chooses: the fastest configuration that fits (dsclip/plan_search.py), checked against an
+"""dsclip plan chooses: the fastest configuration that fits (dsclip/plan/search.py), checked against an
 exhaustive search written here without the module's code; fixed flags stay fixed; commands always fit and parse."""
 
 from __future__ import annotations
@@ -8,10 +8,11 @@ import shlex
 
 import pytest
 
-from dsclip import plan as P
-from dsclip import plan_cli as C
-from dsclip import plan_search as S
+from dsclip.cli import plan as C
 from dsclip.engine.ds_config import SHIPPED_DS_CONFIGS
+from dsclip.model import get_model_config
+from dsclip.plan import planner as P
+from dsclip.plan import search as S
 
 
 def brute_force(model, gpus, mem, batch, precision="bf16"):
@@ -50,7 +51,7 @@ def big_json(tmp_path):
     the gradient cache's whole 16-bit .grad (another 56 GiB) on every GPU; ZeRO-3 partitions the weights, so
     only the whole .grad stays (plan.gradient_cache_grad_bytes). Not much larger: the whole .grad is on the
     GPU under ZeRO-3 too, offloaded or not, so past ~38 B parameters nothing fits 80 GB."""
-    cfg = P.get_model_config("ViT-bigG-14")
+    cfg = get_model_config("ViT-bigG-14")
     cfg["vision_cfg"].update(width=6656, layers=48)  # a multiple of head_width 104
     path = tmp_path / "ViT-e-big.json"
     path.write_text(json.dumps(cfg))

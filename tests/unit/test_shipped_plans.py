@@ -10,11 +10,12 @@ import shlex
 
 import pytest
 
-from dsclip import plan as P
-from dsclip import plan_search as S
 from dsclip.config import parse_run_config
 from dsclip.engine.ds_config import load_ds_json
-from dsclip.plan_efficiency import gpu_spec
+from dsclip.plan import planner as P
+from dsclip.plan import report as R
+from dsclip.plan import search as S
+from dsclip.plan.efficiency import gpu_spec
 
 ROOT = P.ROOT
 RECIPES = sorted(p.stem for p in (ROOT / "dsclip/recipes").glob("*.yaml") if p.stem not in ("demo", "tiny"))
@@ -31,7 +32,7 @@ def _agrees(cfg, gpus: int, gpu: str) -> None:
     shipped = P.make_plan(m.model, zero=ds["zero_optimization"]["stage"], ds_config=(t.deepspeed_config, ds),
                           grad_checkpointing=m.grad_checkpointing, loss=cfg.loss_name, micro_batch=t.batch_size,
                           **base)  # fmt: skip
-    what = f"{m.model} on {gpus} x {gpu}: shipped {S.describe(shipped)}; planner {S.describe(chosen)}"
+    what = f"{m.model} on {gpus} x {gpu}: shipped {R.describe(shipped)}; planner {R.describe(chosen)}"
     assert shipped.fits, what
     assert (shipped.zero, shipped.offload) == (chosen.zero, chosen.offload), what
     assert shipped.samples_per_s_per_gpu >= 0.99 * chosen.samples_per_s_per_gpu, what

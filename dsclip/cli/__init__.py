@@ -33,7 +33,7 @@ COMMANDS = {
     "convert": ("dsclip.checkpoint.convert_cli", "main_convert"),
     "data": ("dsclip.data.cli", "main_data"),
     "tokenizer": ("dsclip.data.cli", "main_tokenizer"),
-    "plan": ("dsclip.plan_cli", "main_plan"),
+    "plan": ("dsclip.cli.plan", "main_plan"),
     "launch": ("dsclip.launch.supervise", "main"),
 }
 

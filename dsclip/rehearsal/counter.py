@@ -1,26 +1,18 @@
-"""What one rank's training step sends, and how long that takes on a cluster's links.
+"""What one rank's training step sends, counted: :class:`CollectiveCounter` counts every collective a process
+makes, per kind: calls and bytes, with the group size of each call. How long those bytes take on a cluster's
+links is the planner's (dsclip.plan.comm: LinkModel, estimate).
 
-Two halves:
+It wraps ``torch.distributed``'s functions (module attributes), because every path ends there: dsclip's loss
+and gradient cache call them directly, and DeepSpeed's ``TorchBackend`` calls them too, partly through
+references it takes once when its backend is created (``get_all_gather_function``) - so the counter must be
+installed *before* ``deepspeed.init_distributed``. DeepSpeed's own comms logger sees only what goes through
+``deepspeed.comm``, not dsclip's loss, so it is not used. A call made inside another counted call
+(``all_gather_object`` -> ``all_gather``) counts once. The same counter instruments a real gloo group and
+torch's fake group, which is what lets a test hold the fake rank's bytes equal to a real rank's.
 
-* :class:`CollectiveCounter` counts every collective a process makes, per kind: calls and bytes, with the
-  group size of each call. It wraps ``torch.distributed``'s functions (module attributes), because every
-  path ends there: dsclip's loss and gradient cache call them directly, and DeepSpeed's ``TorchBackend``
-  calls them too, partly through references it takes once when its backend is created
-  (``get_all_gather_function``) - so the counter must be installed *before* ``deepspeed.init_distributed``.
-  DeepSpeed's own comms logger sees only what goes through ``deepspeed.comm``, not dsclip's loss, so it is
-  not used. A call made inside another counted call (``all_gather_object`` -> ``all_gather``) counts once.
-  The same counter instruments a real gloo group and torch's fake group, which is what lets a test hold the
-  fake rank's bytes equal to a real rank's.
-  Under the fake group nothing arrives, so ``fill_outputs=True`` writes this rank's own shard where the
-  peers' would land (all-gather) and its own chunk of a reduce-scatter: gathered ZeRO-3 weights and
-  reduced gradients stay finite instead of being whatever ``torch.empty`` held.
-
-* :class:`LinkModel` turns counted bytes into seconds with nccl-tests' bus-bandwidth convention:
-  ``time = size x factor(n) / busbw`` where ``size`` is the collective's whole buffer (all-reduce: the
-  tensor; all-gather: the gathered output; reduce-scatter: the input) and ``factor`` the ring's traffic per
-  byte: all-reduce ``2(n-1)/n``, all-gather and reduce-scatter ``(n-1)/n``, broadcast 1. A group that fits
-  in one node runs at the intra-node bus bandwidth, a larger one at the inter-node bandwidth per GPU (a flat
-  ring bound: NCCL's tree/NVLS algorithms can do better across nodes, so this errs long).
+Under the fake group nothing arrives, so ``fill_outputs=True`` writes this rank's own shard where the peers'
+would land (all-gather) and its own chunk of a reduce-scatter: gathered ZeRO-3 weights and reduced gradients
+stay finite instead of being whatever ``torch.empty`` held.
 """
 
 from __future__ import annotations
@@ -28,21 +20,10 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
-# torch is imported where used: `dsclip plan --help` reads this module's defaults and must stay light
-# Defaults, each with where it comes from (printed beside the times).
-# Intra-node: nccl-tests all_reduce_perf busbw at large sizes on 8x H100 SXM5 with NVSwitch, 460-480 GB/s;
-# we take the low end. H200 has the same NVLink-4 / NVSwitch fabric (900 GB/s bidirectional per GPU).
-INTRA_NODE_GBPS = 460.0
-INTRA_NODE_SOURCE = (
-    "nccl-tests all_reduce_perf busbw 460-480 GB/s on 8x H100 SXM5 NVSwitch, low end "
-    "(docs.alayanew.com/en/docs/tech-blog/2026-05-06-nccl-tests); H200: same NVLink-4 fabric"
-)
-# Inter-node: one 400 Gb/s InfiniBand NDR (ConnectX-7) port per GPU, as on DGX/HGX H100 and H200 nodes.
-INTER_NODE_GBPS = 50.0
-INTER_NODE_SOURCE = "InfiniBand NDR 400 Gb/s per GPU (one ConnectX-7 per GPU on HGX H100/H200) = 50 GB/s, link rate"
+from dsclip.plan.comm import Traffic
 
+# torch is imported where used: the rehearsal's parent (`dsclip plan --measure`) loads this module light
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all", "barrier")
 
 
@@ -87,38 +68,6 @@ _SIZES: dict[str, tuple[str, Callable]] = {
     "all_gather_object": ("all_gather", lambda a, k: 0),
     "broadcast_object_list": ("broadcast", lambda a, k: 0),
 }
-
-
-@dataclass
-class Traffic:
-    """Per (kind, group size, phase of the step): calls and bytes."""
-
-    calls: dict[tuple[str, int, str], int] = field(default_factory=dict)
-    bytes: dict[tuple[str, int, str], int] = field(default_factory=dict)
-
-    def add(self, kind: str, group: int, nbytes: int, phase: str = "other") -> None:
-        key = (kind, group, phase)
-        self.calls[key] = self.calls.get(key, 0) + 1
-        self.bytes[key] = self.bytes.get(key, 0) + nbytes
-
-    def merge(self, other: Traffic) -> None:
-        for key, c in other.calls.items():
-            self.calls[key] = self.calls.get(key, 0) + c
-            self.bytes[key] = self.bytes.get(key, 0) + other.bytes[key]
-
-    def by_kind(self) -> dict[str, tuple[int, int]]:
-        """kind -> (calls, bytes), summed over group sizes."""
-        out: dict[str, tuple[int, int]] = {}
-        for key, c in self.calls.items():
-            calls, b = out.get(key[0], (0, 0))
-            out[key[0]] = (calls + c, b + self.bytes[key])
-        return out
-
-    def scaled(self, divisor: int) -> Traffic:
-        """Per step from a total over ``divisor`` steps (integer division: counts are per-step exact)."""
-        return Traffic(
-            {k: v // divisor for k, v in self.calls.items()}, {k: v // divisor for k, v in self.bytes.items()}
-        )
 
 
 def clocks() -> tuple[float, float, float]:
@@ -338,86 +287,3 @@ def _fill_outputs(name: str, args, kwargs) -> None:
         if inputs[dist.get_rank()].data_ptr() != out.data_ptr():
             out.copy_(inputs[dist.get_rank()])
     # all_reduce, broadcast, reduce: the tensor already holds finite data of the right shape
-
-
-# ---------------------------------------------------------------------------------------------------
-# the link model
-def ring_factor(kind: str, n: int) -> float:
-    """Bytes each rank moves over its slowest link per byte of the collective's buffer (nccl-tests' busbw
-    factor): all-reduce 2(n-1)/n, all-gather / reduce-scatter (n-1)/n, broadcast / reduce 1, none at n = 1."""
-    if n <= 1 or kind == "barrier":
-        return 0.0
-    if kind == "all_reduce":
-        return 2.0 * (n - 1) / n
-    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
-        return (n - 1) / n
-    return 1.0
-
-
-@dataclass
-class LinkModel:
-    gpus_per_node: int = 8
-    intra_gbps: float = INTRA_NODE_GBPS  # GB/s bus bandwidth inside a node
-    inter_gbps: float = INTER_NODE_GBPS  # GB/s per GPU between nodes
-    intra_source: str = INTRA_NODE_SOURCE
-    inter_source: str = INTER_NODE_SOURCE
-
-    def busbw(self, n: int) -> float:
-        """GB/s of a ring over ``n`` ranks: intra-node while the group fits in a node, else the per-GPU
-        inter-node link (the slowest hop of a ring that leaves the node)."""
-        return self.intra_gbps if n <= self.gpus_per_node else self.inter_gbps
-
-    def seconds(self, kind: str, n: int, nbytes: float) -> float:
-        f = ring_factor(kind, n)
-        return 0.0 if f == 0.0 else nbytes * f / (self.busbw(n) * 1e9)
-
-    def describe(self) -> str:
-        return (
-            f"intra-node {self.intra_gbps:g} GB/s ({self.intra_source}); inter-node {self.inter_gbps:g} GB/s per "
-            f"GPU ({self.inter_source}); {self.gpus_per_node} GPUs per node"
-        )
-
-
-# What hides behind compute, per ZeRO stage and phase of the step (track_phases labels each call):
-# * ZeRO-1/2 with overlap_comm: gradient reductions made inside a backward run on a side stream, hidden
-#   behind the rest of that backward.
-# * dsclip's gradient cache reduces the K backwards' gradients once, when DeepSpeed's
-#   coalesce_grad_reduction block exits ("boundary"): after the last backward, before the optimizer
-#   step that needs them, so nothing is left to hide it: exposed.
-# * ZeRO-3: gathers (and reduce-scatters) inside forward and backward are prefetched / overlapped
-#   (stage3_prefetch_bucket_size): hidden up to the compute they overlap.
-# * The step's all-gather of updated parameters (ZeRO-1/2) waits for the optimizer: exposed. The loss's
-#   all-gather of embeddings and the gradient cache's all-reduce (phase "other") sit on the critical path.
-def overlappable(kind: str, phase: str, zero: int, overlap_comm: bool) -> bool:
-    if kind == "barrier":
-        return False
-    if zero >= 3:
-        return phase in ("forward", "backward")
-    return overlap_comm and phase == "backward"
-
-
-@dataclass
-class CommEstimate:
-    total_s: float  # every collective back to back
-    exposed_s: float  # what the overlap cannot hide, given the compute it could hide behind
-    per_kind: dict[str, dict]  # "kind in phase" -> {"calls", "bytes", "seconds", "overlappable"}
-
-
-def estimate(
-    traffic: Traffic, link: LinkModel, *, zero: int, overlap_comm: bool, hideable_compute_s: float
-) -> CommEstimate:
-    """Time of one step's traffic on ``link``. ``hideable_compute_s`` is the compute the overlappable part can
-    hide behind (ZeRO-1/2: the last backward, ZeRO-3: forward + backward); only the excess is exposed."""
-    per_kind: dict[str, dict] = {}
-    over = total = 0.0
-    for (kind, n, phase), b in traffic.bytes.items():
-        s = link.seconds(kind, n, b)
-        ov = overlappable(kind, phase, zero, overlap_comm)
-        d = per_kind.setdefault(f"{kind} in {phase}", {"calls": 0, "bytes": 0, "seconds": 0.0, "overlappable": ov})
-        d["calls"] += traffic.calls[(kind, n, phase)]
-        d["bytes"] += b
-        d["seconds"] += s
-        total += s
-        over += s if ov else 0.0
-    exposed = (total - over) + max(0.0, over - max(0.0, hideable_compute_s))
-    return CommEstimate(total, exposed, per_kind)

@@ -6,6 +6,7 @@ Flags only the planner has (``--gpus``, ``--global-batch``, ``--max-batch``, ``-
 their help. Spellings that used to mean something else stop with a one-line error naming the new flag,
 so an old command line never silently plans another batch. The answer ends with a ready command for
 the launcher asked for (``--launcher hostfile|sbatch``) with placeholders for the data and tokenizer.
+``--measure`` then rehearses rank 0 of the planned job (dsclip.rehearsal) and prints it beside the plan.
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ from dsclip.config_base import ConfigError
 from dsclip.engine.ds_config import PRECISIONS, PURE_PRECISIONS, load_ds_json, normalize_precision
 from dsclip.losses.config import LOSS_NAMES as LOSS_MODES
 from dsclip.losses.config import TRAIN_TILE_SIZE
-from dsclip.measure_cli import add_measure_arguments, link_from_args, run_measure
 from dsclip.model.lock import LockConfig
-from dsclip.plan import ROOT, Plan, format_plan, largest_batch, make_plan, shipped_ds_config, train_args
-from dsclip.plan_efficiency import DEFAULT_GPU, GPUS, gpu_spec
+from dsclip.plan.comm import INTER_NODE_GBPS, INTRA_NODE_GBPS, LinkModel
+from dsclip.plan.efficiency import DEFAULT_GPU, GPUS, gpu_spec
+from dsclip.plan.planner import ROOT, Plan, largest_batch, make_plan, shipped_ds_config, train_args
+from dsclip.plan.report import describe, format_plan, format_search
 
 DEFAULT_MAX_BATCH_MICRO = 32  # --max-batch keeps room for this micro-batch when --batch-size is not given
 SHARDS = "SHARDS/{00000..NNNNN}.tar"  # placeholder: the user's webdataset shards
@@ -68,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="plan-only: print the plan as JSON")
     for old in RENAMED:
         p.add_argument(old, action=_Renamed, help=argparse.SUPPRESS)
-    add_measure_arguments(p)  # --measure: the rehearsal (dsclip/measure_cli.py)
+    add_measure_arguments(p)  # --measure: the rehearsal (dsclip.rehearsal)
     return p
 
 
@@ -78,7 +80,7 @@ def _cluster_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpus", type=int, required=True, help="plan-only: total number of GPUs (ranks)")
     p.add_argument(
         "--gpu",
-        help=f"plan-only: the GPU ({', '.join(GPUS)}): its memory and bf16 peak from dsclip/plan_efficiency.py's "
+        help=f"plan-only: the GPU ({', '.join(GPUS)}): its memory and bf16 peak from dsclip/plan/efficiency.py's "
         f"table; default {DEFAULT_GPU}",
     )
     p.add_argument("--gpu-memory", type=float, help="plan-only: memory per GPU in GiB (overrides --gpu's)")
@@ -409,9 +411,9 @@ def _with_command(plan: Plan, a) -> Plan:
 
 
 def _search_and_print(a, model: str, batch: int, micro, precision: str, ds, gpu_note: str, memory, peak) -> int:
-    """Plan by search (dsclip.plan_search): the chosen plan, the runners-up, and where the user's fixed
+    """Plan by search (dsclip.plan.search): the chosen plan, the runners-up, and where the user's fixed
     settings do not fit, the cheapest change that does (or, when nothing fits, the smallest one)."""
-    from dsclip.plan_search import cheapest_change, describe, format_search, search, smallest_fit
+    from dsclip.plan.search import cheapest_change, search, smallest_fit
 
     base = dict(
         gpus=a.gpus, gpu_memory_gb=memory, batch_size=batch, patch_dropout=a.force_patch_dropout, mfu=a.mfu,
@@ -464,7 +466,7 @@ def _search_and_print(a, model: str, batch: int, micro, precision: str, ds, gpu_
         print(format_search(found) + "\n\n" + format_plan(plan) + "\n".join(["", *tail] if tail else []))
     if moved:
         print(f"dsclip plan: {BATCH_SIZE_MOVED}", file=sys.stderr)
-    if a.measure and plan.fits:  # rank 0 of the chosen plan, rehearsed under a fake world (dsclip/measure_cli.py)
+    if a.measure and plan.fits:  # rank 0 of the chosen plan, rehearsed under a fake world (run_measure)
         return run_measure(a, plan, _chosen_ds_config(plan))
     if a.measure:
         print("dsclip plan --measure: nothing rehearsed, the plan does not fit", file=sys.stderr)
@@ -475,6 +477,95 @@ def _chosen_ds_config(plan: Plan) -> tuple[str, dict]:
     """(name as printed, JSON) of the DeepSpeed config the search chose: a shipped file under the checkout."""
     path = Path(plan.ds_config)
     return plan.ds_config, load_ds_json(str(path if path.is_absolute() else ROOT / path))
+
+
+# ---------------------------------------------------------------------------------------------------
+# --measure: rank 0 of the planned job rehearsed on this machine (dsclip.rehearsal)
+def add_measure_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("rehearsal (--measure)")
+    g.add_argument(
+        "--measure",
+        action="store_true",
+        help="plan-only: also run rank 0 of the planned job on this machine under torch's fake process group "
+        "(world = --gpus) for a few steps on synthetic batches, and print measured memory and step time beside "
+        "the plan, with the communication model's time apart. Losses are meaningless (collectives move no data)",
+    )
+    g.add_argument(
+        "--measure-steps", type=int, default=3, help="plan-only: timed steps of --measure (after one warm-up)"
+    )
+    g.add_argument(
+        "--measure-device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="plan-only: where --measure runs rank 0 (auto: cuda when one is visible)",
+    )
+    g.add_argument(
+        "--intra-node-gbps",
+        type=float,
+        default=INTRA_NODE_GBPS,
+        help="plan-only: NVLink/NVSwitch bus bandwidth inside a node, GB/s (nccl-tests busbw): the plan's "
+        "communication time and --measure's",
+    )
+    g.add_argument(
+        "--inter-node-gbps",
+        type=float,
+        default=INTER_NODE_GBPS,
+        help="plan-only: network bandwidth per GPU between nodes, GB/s (400 Gb/s InfiniBand = 50): the plan's "
+        "communication time once --gpus exceeds --gpus-per-node, and --measure's",
+    )
+
+
+def _device(choice: str) -> str:
+    if choice != "auto":
+        return choice
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def link_from_args(a) -> LinkModel:
+    link = LinkModel(gpus_per_node=a.gpus_per_node, intra_gbps=a.intra_node_gbps, inter_gbps=a.inter_node_gbps)
+    if a.intra_node_gbps != INTRA_NODE_GBPS:
+        link.intra_source = "given (--intra-node-gbps)"
+    if a.inter_node_gbps != INTER_NODE_GBPS:
+        link.inter_source = "given (--inter-node-gbps)"
+    return link
+
+
+def run_measure(a, plan: Plan, ds: tuple[str, dict]) -> int:
+    from dsclip.rehearsal.report import format_report
+    from dsclip.rehearsal.room import RehearsalError, RehearsalSpec, rehearse
+
+    if a.measure_steps < 1:
+        print("dsclip plan: --measure-steps must be at least 1", file=sys.stderr)
+        return 2
+    device = _device(a.measure_device)
+    micro = plan.micro_batch or a.batch_size
+    spec = RehearsalSpec(
+        model=plan.model,
+        world=plan.gpus,
+        batch_size=micro,
+        accum_freq=max(1, plan.accum_freq),
+        ds_config=ds[1],
+        precision=plan.precision,
+        grad_checkpointing=plan.grad_checkpointing,
+        gpus_per_node=a.gpus_per_node,
+        steps=a.measure_steps,
+        device=device,
+    )
+    print(
+        f"\nrehearsal: rank 0 of a world of {plan.gpus} under torch's fake process group on {device}, "
+        f"micro-batch {spec.batch_size} x accum {spec.accum_freq}, ZeRO-{plan.zero} {plan.precision}, "
+        f"{a.measure_steps} timed steps after 1 warm-up ..."
+    )
+    sys.stdout.flush()
+    try:
+        r = rehearse(spec)
+    except RehearsalError as e:
+        print(f"dsclip plan --measure: {e}", file=sys.stderr)
+        return 2
+    print(format_report(r, plan, link_from_args(a), device))
+    return 0
 
 
 def main_plan(argv: list[str]) -> int:
@@ -536,6 +627,6 @@ def main_plan(argv: list[str]) -> int:
     if gpu_note:
         plan.notes.append(gpu_note)
     print(json.dumps(asdict(plan), indent=2) if a.json else format_plan(plan))
-    if a.measure:  # rank 0 of this plan, rehearsed under a fake world (dsclip/measure_cli.py)
+    if a.measure:  # rank 0 of this plan, rehearsed under a fake world (run_measure)
         return run_measure(a, plan, ds) or (0 if plan.fits else 1)
     return 0 if plan.fits else 1

@@ -3,7 +3,7 @@
 The child process builds the model, the DeepSpeed engine and the gradient-cache step exactly as
 ``dsclip train`` does (dsclip.train.build, dsclip.engine.build) under torch's fake process group
 (dsclip.engine.fake_world), runs a few steps on synthetic batches and reports, as one JSON line:
-peak memory, host time per step, the bytes and calls of every collective (dsclip.comm_model), and the
+peak memory, host time per step, the bytes and calls of every collective (dsclip.rehearsal.counter), and the
 optimizer's partition. Collectives move no data, so losses are meaningless; the collective counter writes
 each rank's own shard where its peers' would land so every tensor stays finite, and a step DeepSpeed
 skipped (overflow) is never timed.
@@ -135,14 +135,14 @@ def rehearse_many(specs: list[RehearsalSpec], timeout_s: float = 1800.0) -> list
 def start_child(specs: list[RehearsalSpec]) -> subprocess.Popen:
     """The child process, started (callers may run something else meanwhile); ``.tmp`` is its folder."""
     env = dict(os.environ)
-    root = str(Path(__file__).resolve().parent.parent)
+    root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)  # the child is its own (fake) world, whatever launched the parent
     tmp = tempfile.TemporaryDirectory(prefix="dsclip-rehearsal-")
     env["TMPDIR"] = tmp.name  # whatever the child writes lands in the folder removed afterwards
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dsclip.rehearsal", json.dumps([asdict(s) for s in specs])],
+        [sys.executable, "-m", "dsclip.rehearsal.room", json.dumps([asdict(s) for s in specs])],
         cwd=tmp.name,
         env=env,
         stdout=subprocess.PIPE,
@@ -227,8 +227,8 @@ def rehearse_in_world(spec: RehearsalSpec, counter) -> RehearsalResult:
     collectives with ``counter`` (installed before DeepSpeed's backend started)."""
     import torch
 
-    from dsclip.comm_model import track_phases
     from dsclip.engine.build import build_engine
+    from dsclip.rehearsal.counter import track_phases
     from dsclip.train.build import build_step, model_factory
 
     train, model_args, loss_args, optim_args, model_cfg, tok, ds_config = _run_settings(spec, counter)
@@ -335,7 +335,8 @@ def _timed_steps(spec: RehearsalSpec, step, micro, counter, cuda: bool) -> _Timi
     skipped (overflow / non-finite) is counted and never timed: a real run would not time it either."""
     import torch
 
-    from dsclip.comm_model import Traffic, clocks
+    from dsclip.plan.comm import Traffic
+    from dsclip.rehearsal.counter import clocks
 
     out = _Timings(traffic=Traffic())
     for i in range(spec.steps + 1):
@@ -364,8 +365,8 @@ def _timed_steps(spec: RehearsalSpec, step, micro, counter, cuda: bool) -> _Timi
 
 def run_child(specs: list[RehearsalSpec]) -> list[RehearsalResult]:
     """Every spec (same world) in this process's one fake world."""
-    from dsclip.comm_model import CollectiveCounter
     from dsclip.engine.fake_world import fake_world
+    from dsclip.rehearsal.counter import CollectiveCounter
 
     # installed before the fake world: DeepSpeed's backend keeps references to the collectives it finds then
     with CollectiveCounter(fill_outputs=True) as counter, fake_world(specs[0].world, specs[0].gpus_per_node):
@@ -377,7 +378,7 @@ def run_real_rank(rank: int, world_size: int, specs: list[dict]) -> list[dict]:
     rehearsal, counted the same way, nothing filled in. For validating the fake rank against a real one."""
     import deepspeed
 
-    from dsclip.comm_model import CollectiveCounter
+    from dsclip.rehearsal.counter import CollectiveCounter
 
     with CollectiveCounter(fill_outputs=False) as counter:
         deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)

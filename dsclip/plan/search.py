@@ -7,9 +7,9 @@ loss value, dsclip/losses) and the micro-batch x --accum-freq split of each rank
 makes every split the same step). Never changed: the precision, patch dropout, the global batch and the
 GPUs; SigLIP is another loss, so it is searched only as itself. A candidate is a shipped DeepSpeed JSON
 (ds_configs/) for the stage, offload and precision, so every choice has a command that runs. Each
-candidate is one :func:`dsclip.plan.make_plan` (its memory and speed models); for a configuration the
+candidate is one :func:`dsclip.plan.planner.make_plan` (its memory and speed models); for a configuration the
 largest micro-batch that fits is its fastest split (fewer chunks re-forward less,
-dsclip.plan_efficiency.extra_forwards).
+dsclip.plan.efficiency.extra_forwards).
 
 What the user fixed (a stage, a JSON, a loss, checkpointing, a micro-batch) stays fixed. When that does not
 fit, :func:`cheapest_change` relaxes it in the order of what a change costs the step: the tiled loss,
@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 
 from dsclip.config_base import ConfigError
 from dsclip.engine.ds_config import SHIPPED_DS_CONFIGS
-from dsclip.plan import OFFLOADS, Plan, make_plan, offload_of, shipped_ds_config
+from dsclip.plan.memory import OFFLOADS, offload_of
+from dsclip.plan.planner import Plan, make_plan, shipped_ds_config
 
 SEARCHED_LOSSES = ("infonce", "infonce_local", "infonce_tiled")  # one loss value; siglip is another loss
 DIMENSIONS = ("zero", "offload", "grad_checkpointing", "loss", "micro_batch")
@@ -150,42 +151,3 @@ def smallest_fit(model, *, precision: str = "bf16", **base) -> dict[str, Plan]:
             break
         g *= 2
     return out
-
-
-def describe(p: Plan) -> str:
-    """One line of a configuration: what the command changes, and its predicted rate."""
-    off = "" if p.offload == "none" else f", offload {p.offload}"
-    ckpt = ", checkpointing" if p.grad_checkpointing else ""
-    return (
-        f"ZeRO-{p.zero}{off}{ckpt}, loss {p.loss}, micro-batch {p.micro_batch} x --accum-freq {p.accum_freq}: "
-        f"{p.memory_gb['total']:.1f} GiB, {p.samples_per_s_per_gpu * p.gpus:,.0f} samples/s"
-    )
-
-
-def format_search(s: Search, top: int = 6) -> str:
-    """The search as rows the user can check: the chosen one first, the runners-up below it."""
-    fits = s.fitting
-    lines = [
-        f"search: {len(s.rows)} configurations with the same training mathematics "
-        f"({s.chosen.precision}, patch dropout {s.chosen.patch_dropout:g}, global batch {s.chosen.batch_size}, "
-        f"{s.chosen.gpus} GPUs); {len(fits)} fit, the fastest is chosen"
-    ]
-    if s.fixed:
-        lines.append("fixed by you: " + ", ".join(f"{d.replace('_', ' ')} ({flag})" for d, flag in s.fixed.items()))
-    lines.append(f"  {'':2}{'stage':<6}{'offload':<17}{'ckpt':<5}{'loss':<15}{'mb x K':>12}{'GiB':>8}{'samples/s':>11}")
-    shown = fits[:top] if fits else s.rows[:top]
-    for p in shown:
-        mark = "*" if p is s.chosen and p.fits else " "
-        split = f"{p.micro_batch} x {p.accum_freq}" if p.fits else "-"
-        lines.append(
-            f"  {mark} {p.zero:<5} {p.offload:<16} {'yes' if p.grad_checkpointing else 'no':<4} {p.loss:<14}"
-            f"{split:>12}{p.memory_gb['total']:>8.1f}{p.samples_per_s_per_gpu * p.gpus:>11,.0f}"
-            + ("" if p.fits else "  does not fit")
-        )
-    rest = len(s.rows) - len(shown)
-    if rest:
-        lines.append(f"  ({rest} more; {len(s.rows) - len(fits)} of all do not fit)")
-    return "\n".join(lines)
-
-
-__all__ = ["OFFLOADS", "Search", "search", "cheapest_change", "smallest_fit", "format_search", "describe"]

@@ -10,7 +10,7 @@ Rows hold the world size they were measured at. A world-1 row is one GPU alone; 
 world-N job rehearsed on one GPU under torch's fake process group (dsclip.rehearsal, bench/gpu_world.py):
 everything a rank of that job computes (its partitions, buckets, hooks and host work at world N), with
 collectives that return at once. Neither holds link time: the planner adds the communication model's exposed
-time (dsclip.plan_comm) to the step either row gives. CPU rehearsal rows measure host time only (a CPU's
+time (dsclip.plan.comm) to the step either row gives. CPU rehearsal rows measure host time only (a CPU's
 step is not a GPU's): they are not rows here, and a row whose ``gpu`` is a CPU is never taken for a GPU's
 step time.
 

@@ -1,0 +1,70 @@
+"""The rehearsal beside the plan: what ``dsclip plan ... --measure`` prints under the plan.
+
+Measured (peak memory, the optimizer partition, host time per step) next to the plan's figures; the
+communication time is the planner's link model (dsclip.plan.comm) over the bytes the rehearsal counted,
+printed apart from the measured host time, with the link figures and their sources.
+"""
+
+from __future__ import annotations
+
+from dsclip.plan.comm import LinkModel, Traffic, estimate, hideable_compute_s
+from dsclip.plan.memory import model_state_bytes
+from dsclip.plan.planner import Plan
+
+GiB = 2**30
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:9.3f} ms"
+
+
+def format_report(r, plan: Plan, link: LinkModel, device: str) -> str:
+    spec = r.spec
+    lines = ["  losses are meaningless here: collectives move no data (each rank's own shard stands in for its peers')"]
+    if r.skipped:
+        lines.append(f"  {r.skipped} step(s) skipped by DeepSpeed (overflow / non-finite): not timed")
+    if not r.step_s:
+        lines.append("  no step was applied: no step time to report")
+        return "\n".join(lines)
+    step = sorted(r.step_s)[len(r.step_s) // 2]
+    pred = plan.memory_gb.get("total")
+    lines.append(
+        f"  peak memory  measured {r.peak_bytes / GiB:.3f} GiB ({r.peak_kind})"
+        + (f"; plan {pred:.3f} GiB" if pred is not None else "")
+        + ("" if device == "cuda" else " (the plan's figure is a GPU's; a CPU run's bytes differ by design)")
+    )
+    states = model_state_bytes(r.params, plan.gpus, plan.zero, plan.precision)
+    lines.append(
+        f"  optimizer partition  measured {r.optimizer_bytes / GiB:.4f} GiB ({r.optimizer_numel} fp32 elements "
+        f"= params/{r.params / max(1, r.optimizer_numel):.2f}); plan {states['optimizer'] / GiB:.4f} GiB"
+    )
+    lines.append(
+        f"  step time    measured {_ms(step)} host wall time per step (median of {len(r.step_s)}, {device}); "
+        f"plan {_ms(plan.compute_s)} (GPU compute at MFU {plan.mfu:g}, {plan.mfu_source.split(';')[0]})"
+    )
+    traffic = Traffic()
+    for kind, n, phase, calls, nbytes in r.traffic:
+        traffic.calls[(kind, n, phase)], traffic.bytes[(kind, n, phase)] = calls, nbytes
+    compute = step if device == "cuda" else plan.compute_s
+    overlap = bool(spec["ds_config"].get("zero_optimization", {}).get("overlap_comm", False))
+    est = estimate(
+        traffic, link, zero=plan.zero, overlap_comm=overlap,
+        hideable_compute_s=hideable_compute_s(compute, plan.zero),
+    )  # fmt: skip
+    lines.append(f"  communication per step (model, not measured; {link.describe()}):")
+    for kind, d in sorted(est.per_kind.items()):
+        hide = "overlappable" if d["overlappable"] else "exposed"
+        lines.append(
+            f"    {kind:<27} {d['calls']:>5} calls {d['bytes'] / 2**20:>10.1f} MiB {_ms(d['seconds'])}  {hide}"
+        )
+    lines.append(
+        f"  communication  {_ms(est.total_s)} back to back, {_ms(est.exposed_s)} exposed; "
+        f"step = {'measured' if device == 'cuda' else 'plan'} compute {_ms(compute)} + exposed "
+        f"{_ms(est.exposed_s)} = {_ms(compute + est.exposed_s)}"
+    )
+    if plan.comm_link:  # the planner's own figure: bytes derived from the configuration, not counted
+        lines.append(
+            f"  the plan's communication (dsclip/plan/comm.py, bytes derived, not counted): {_ms(plan.comm_total_s)} "
+            f"back to back, {_ms(plan.comm_s)} exposed beside its compute {_ms(plan.compute_s)}"
+        )
+    return "\n".join(lines)
