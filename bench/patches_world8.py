@@ -9,7 +9,7 @@ time), CPU milliseconds per step (``time.process_time``), median over the timed 
 
 Models, as the patches' stages are used: ZeRO-3 (the zero3_* patches) on a thin model with ViT-H-14's
 tensor count (bench/zero3_host.py's, ZeRO-3 being for big models), ZeRO-2 (grad_hooks, grad_norm,
-overflow_check) on a thin ViT-B-32 (bench/patches.py's); bf16, the gradient cache at K = 2, micro-batch 8.
+overflow_check) on a thin ViT-B-32 (width 64); bf16, the gradient cache at K = 2, micro-batch 8.
 ``local_flush`` applies at one rank only, so it is measured at world 1 (its configuration: ZeRO-2 on one
 GPU) and said so. A patch stays in the default set with a gain of at least 3 % of the step
 (dsclip/engine/patches/__init__.py, OPT_IN).
@@ -40,6 +40,17 @@ ZERO2 = tuple(p.name for p in PATCHES if p.stages == (1, 2) and p.name != "local
 THRESHOLD = 0.03  # of the all-on step
 
 
+def thin_vit_b32() -> dict:
+    """ViT-B-32's 12 + 12 blocks at width 64: a step is mostly per-tensor bookkeeping, the part a GPU waits for."""
+    from dsclip.model import get_model_config
+
+    cfg = get_model_config("ViT-B-32")
+    cfg["embed_dim"] = 64
+    cfg["vision_cfg"].update(width=64, head_width=32, image_size=64)
+    cfg["text_cfg"].update(width=64, heads=2, context_length=32, vocab_size=1000)
+    return cfg
+
+
 def configurations(world: int) -> dict[str, dict]:
     """name -> worker spec. ``base`` rows are all patches on (all on the ``all,+...`` set: opt-in ones too)."""
     from dsclip.engine.patches import NAMES
@@ -61,7 +72,6 @@ def configurations(world: int) -> dict[str, dict]:
 def worker(spec: dict) -> dict:
     import torch
     import vs_openclip as V
-    from patches import thin_vit_b32
     from zero3_host import THIN_PERSIST, thin_config
 
     from dsclip.engine.build import autocast_dtype

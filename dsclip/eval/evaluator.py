@@ -83,7 +83,7 @@ def _first(x):
 def eval_loader(dataset: Dataset, *, batch_size: int = 256, workers: int = 0, persistent: bool = False) -> DataLoader:
     """This rank's shard of ``dataset`` in batches. ``persistent``: keep the worker processes alive
     between passes (the training evaluator reuses one loader per dataset: starting workers for every
-    evaluation cost more than encoding a digits-sized set, bench/eval_cost.py)."""
+    evaluation cost more than encoding a digits-sized set, bench/results/eval-cost_cpu2_2026-11-30.md)."""
     rank, world = rank_world()
     return DataLoader(
         Subset(dataset, shard_indices(len(dataset), rank, world)),

@@ -1,9 +1,9 @@
-"""The gradient-cache setup the tests and bench/ share: the tiny model, its seeded global batch, each rank's
+"""The gradient-cache setup the tests share: the tiny model, its seeded global batch, each rank's
 micro-batches and the run config (fp32, constant LR, a shipped or derived ZeRO JSON).
 
 The big-batch equality suite (tests/dist/test_gradcache.py) checks dsclip against a single-process
-reference built from these; bench/host_syncs.py times the same step. The ZeRO JSON paths are relative
-to the repository root, where both run.
+reference built from these (bench/results/host-syncs_cpu2_2026-11-30.md counted the same step's host
+syncs). The ZeRO JSON paths are relative to the repository root, where the tests run.
 """
 
 from __future__ import annotations

@@ -50,10 +50,11 @@ def share_cores(info: WorldInfo, env=None) -> str:
     rank line). Only when ``OMP_NUM_THREADS`` is unset: torch then gives every rank as many threads as the
     machine has physical cores, so N ranks on one host run N x that many spinning OpenMP threads, and a
     rank waiting for a peer whose threads lost their core stalls (measured: 2 ranks on 2 cores, tiny model,
-    steps 0.08-1.6 s against 0.03-0.05 s with one thread each; bench/rank_threads.py). torchrun sets 1
-    thread in that case; dividing the cores keeps a CPU run with few ranks per host fast. The ranks compare
-    their affinity masks and machines (one small all-gather at start), so launcher core binding (numactl,
-    SLURM task/affinity) counts: disjoint masks are not shared. An explicit OMP_NUM_THREADS always wins."""
+    steps 0.08-1.6 s against 0.03-0.05 s with one thread each; bench/results/rank-threads_cpu2_2026-12-01.md).
+    torchrun sets 1 thread in that case; dividing the cores keeps a CPU run with few ranks per host fast. The
+    ranks compare their affinity masks and machines (one small all-gather at start), so launcher core binding
+    (numactl, SLURM task/affinity) counts: disjoint masks are not shared. An explicit OMP_NUM_THREADS always
+    wins."""
     env = os.environ if env is None else env
     own = set(cpu_affinity())
     if info.world_size > 1 and dist.is_initialized():

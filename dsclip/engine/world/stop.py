@@ -121,7 +121,8 @@ def preemption_requested(sync: bool = True) -> str | None:
     """The stop reason (truthy) once any rank got SIGUSR1/SIGTERM. With ``sync`` (default) this is a
     collective (a SUM all-reduce of two numbers plus a host sync) so all ranks stop at the same step —
     call it on every rank. The training loop does not: the gradient cache folds the same flags into
-    the all-reduce every step already makes (see dsclip/train/gradcache.py, bench/host_syncs.py)."""
+    the all-reduce every step already makes (see dsclip/train/gradcache.py;
+    bench/results/host-syncs_cpu2_2026-11-30.md counted the host syncs per step)."""
     local = local_stop_flags()
     if not sync:
         return stop_reason(local)
