@@ -1,6 +1,6 @@
 """Gradient accumulation at equal effective batch: dsclip's gradient cache vs OpenCLIP's --accum-freq.
 
-Same model (``bench/vs_openclip.py``'s BENCH_CFG built with ``dsclip.model.create_model``), same
+Same model (``bench/harness.py``'s BENCH_CFG built with ``dsclip.model.create_model``), same
 synthetic data, fp32, one process, one thread; micro-batch B fixed, K in {1, 2, 4, 8}, so the
 contrastive batch is B·K. Each measurement runs in a fresh process (peak RSS = VmHWM after a reset
 following the warm-up), and the methods are alternated within each round.
@@ -25,11 +25,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import vs_openclip as V  # noqa: E402  (bench helpers: data, workers, peak RSS, alternation)
+import harness as H  # noqa: E402  (data, workers, timing loop, alternation, ratios)
 
 
 def openclip_style_trainer(rank: int, world: int, batch: int, accum_freq: int, cfg: dict):
@@ -94,74 +93,38 @@ def openclip_style_trainer(rank: int, world: int, batch: int, accum_freq: int, c
 
 
 def _openclip_style_rank(rank: int, world: int, batch: int, accum_freq: int, warmup: int, steps: int, cfg: dict):
-    V.one_thread()
+    H.one_thread()
     run = openclip_style_trainer(rank, world, batch, accum_freq, cfg)
-    k = accum_freq
-    run(V.synthetic_batches(warmup * k, batch, cfg, seed=1 + 100 * rank))
-    data = V.synthetic_batches(steps * k, batch, cfg, seed=2 + 100 * rank)
-    V.reset_peak_rss()
-    t0, c0 = time.perf_counter(), time.process_time()
-    run(data)
-    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
-    return {
-        "samples_per_s": steps * k * batch * world / dt,
-        "samples_per_cpu_s": steps * k * batch / cpu,
-        "peak_rss_mb": V.peak_rss_mb(),
-        "step_s": dt / steps,
-    }
+    return H.timed_run(lambda data, n0: run(data), batch, warmup, steps, cfg, accum_freq, rank, world)
 
 
 def openclip_style_worker(
-    batch: int, accum_freq: int, warmup: int, steps: int, cfg: dict = V.BENCH_CFG, world: int = 1
+    batch: int, accum_freq: int, warmup: int, steps: int, cfg: dict = H.BENCH_CFG, world: int = 1
 ) -> dict:
     from dsclip.testing.gloo_world import run_world
 
-    return V.combine_ranks(run_world(_openclip_style_rank, world, batch, accum_freq, warmup, steps, cfg))
+    return H.combine_ranks(run_world(_openclip_style_rank, world, batch, accum_freq, warmup, steps, cfg))
 
 
 def worker_main(spec: dict) -> None:
     impl = spec.pop("impl")
-    if impl == "openclip_style":
-        res = openclip_style_worker(**spec)
-    else:
-        res = V.dsclip_worker(**spec)
-    print("RESULT " + json.dumps(res), flush=True)
+    H.emit_result(openclip_style_worker(**spec) if impl == "openclip_style" else H.dsclip_worker(**spec))
 
 
 def run_worker(spec: dict) -> dict:
-    import os
-    import subprocess
-
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(V.ROOT))
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(V.ROOT / ".cache" / "torch_extensions"))
-    p = subprocess.run(
-        [sys.executable, __file__, "--worker", json.dumps(spec)],
-        cwd=V.ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=3600,
-    )
-    for line in reversed(p.stdout.splitlines()):
-        if line.startswith("RESULT "):
-            return json.loads(line[7:])
-    raise RuntimeError(f"worker {spec} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+    return H.run_worker(spec, __file__)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--worker", help=argparse.SUPPRESS)
-    ap.add_argument("--batch", type=int, default=16, help="micro-batch B")
-    ap.add_argument("--ks", default="1,2,4,8")
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--rounds", type=int, default=2)
+    H.common_args(ap, worker=True, batch=16, warmup=1, steps=3, rounds=2)
+    ap.add_argument("--ks", default="1,2,4,8", help="micro-batches per step K (the contrastive batch is B·K)")
     ap.add_argument("--world", type=int, default=1, help="ranks (gloo); samples/s is global")
-    ap.add_argument("--json-out")
     a = ap.parse_args(argv)
     if a.worker:
         worker_main(json.loads(a.worker))
         return 0
+    print(H.preamble(__file__), flush=True)
     rows = []
     for k in [int(x) for x in a.ks.split(",")]:
         common = {"warmup": a.warmup, "steps": a.steps, "world": a.world}
@@ -193,24 +156,18 @@ def main(argv=None) -> int:
                 **common,
             }
         print(f"== K={k}: micro-batch {a.batch}, world {a.world}, effective batch {a.batch * k * a.world}", flush=True)
-        res = V.alternate(specs, a.rounds, runner=run_worker)
-        summ = {n: V.summarize(v) for n, v in res.items()}
+        res = H.alternate(specs, a.rounds, run_worker)
+        summ = {n: H.summarize(v) for n, v in res.items()}
         for n, s in summ.items():
+            wall, cpu = H.ratios(s, summ["openclip-style"])
+            # time per sample against one forward + backward of the whole batch: big batch / this
+            t_wall, t_cpu = H.ratios(summ["big batch"], s) if "big batch" in summ else (1.0, 1.0)
             rows.append(
                 {
-                    "K": k,
-                    "method": n,
-                    **s,
-                    "ratio_vs_openclip": s["samples_per_s"] / summ["openclip-style"]["samples_per_s"],
-                    "cpu_ratio_vs_openclip": s["samples_per_cpu_s"] / summ["openclip-style"]["samples_per_cpu_s"],
-                    "cpu_time_per_sample_vs_big_batch": (
-                        summ["big batch"]["samples_per_cpu_s"] / s["samples_per_cpu_s"] if "big batch" in summ else 1.0
-                    ),
-                    "time_per_sample_vs_big_batch": (
-                        summ["big batch"]["samples_per_s"] / s["samples_per_s"] if "big batch" in summ else 1.0
-                    ),
+                    "K": k, "method": n, **s, "ratio_vs_openclip": wall, "cpu_ratio_vs_openclip": cpu,
+                    "cpu_time_per_sample_vs_big_batch": t_cpu, "time_per_sample_vs_big_batch": t_wall,
                 }
-            )
+            )  # fmt: skip
     print(
         "\n| K | effective batch | method | samples/s (median, min-max) | samples/CPU-s | peak RSS MB | "
         "vs OpenCLIP-style (wall / CPU) | time per sample vs big batch (wall / CPU) |"
@@ -218,13 +175,12 @@ def main(argv=None) -> int:
     print("|---:|---:|---|---:|---:|---:|---:|---:|")
     for r in rows:
         print(
-            f"| {r['K']} | {a.batch * r['K'] * a.world} | {r['method']} | {r['samples_per_s']:.2f} ({r['min']:.2f}-"
-            f"{r['max']:.2f}) | {r['samples_per_cpu_s']:.2f} | {r['peak_rss_mb']:.0f} | "
+            f"| {r['K']} | {a.batch * r['K'] * a.world} | {r['method']} | {H.rate_cell(r)} | "
+            f"{r['samples_per_cpu_s']:.2f} | {r['peak_rss_mb']:.0f} | "
             f"{r['ratio_vs_openclip']:.2f} / {r['cpu_ratio_vs_openclip']:.2f} | "
             f"{r['time_per_sample_vs_big_batch']:.2f} / {r['cpu_time_per_sample_vs_big_batch']:.2f} |"
         )
-    if a.json_out:
-        Path(a.json_out).write_text(json.dumps(rows, indent=1))
+    H.write_json(a.json_out, rows)
     return 0
 
 

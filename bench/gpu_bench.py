@@ -6,7 +6,7 @@ paths here (that is how the script is checked before the device time is spent).
 For each model: one micro-batch size for both trainers (``--batch NAME=B``; halved on OOM), then
 ``--rounds`` rounds alternating the two trainers, each ``--steps`` timed steps after two warm-up steps.
 Both train in bf16 autocast / bf16 DeepSpeed with fused AdamW on identical synthetic batches, plain
-InfoNCE, no accumulation. MFU = 3 x forward FLOPs per sample (FlopCounterMode, bench/utilisation.py)
+InfoNCE, no accumulation. MFU = 3 x forward FLOPs per sample (FlopCounterMode, bench/harness.py)
 x samples/s / the bf16 GEMM rate measured at the start (8192^3 products).
 Then the loss alone: tiled vs local InfoNCE forward+backward at large N (time and memory above baseline).
 
@@ -21,67 +21,18 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
-import os
 import statistics
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import utilisation as U  # noqa: E402
+import harness as H  # noqa: E402
 import vs_openclip as V  # noqa: E402
 
 from dsclip.model import get_model_config  # noqa: E402
-
-
-def sync(dev):
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def peak_mem_gb(dev):
-    return torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else float("nan")
-
-
-def reset_mem(dev):
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-
-
-def bf16_peak_tflops(dev) -> float:
-    n = 8192 if dev.type == "cuda" else 512
-    a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
-    b = torch.randn_like(a)
-    for _ in range(3):
-        a @ b
-    sync(dev)
-    reps = 20 if dev.type == "cuda" else 3
-    t = time.perf_counter()
-    for _ in range(reps):
-        a @ b
-    sync(dev)
-    return 2 * n**3 * reps / (time.perf_counter() - t) / 1e12
-
-
-def make_batches(cfg, bs, n, dev):
-    s = cfg["vision_cfg"]["image_size"]
-    ctx, vocab = cfg["text_cfg"].get("context_length", 77), cfg["text_cfg"].get("vocab_size", 49408)
-    g = torch.Generator().manual_seed(0)
-    out = []
-    for _ in range(n):
-        img = torch.randn(bs, 3, s, s, generator=g).to(dev)
-        tok = torch.randint(1, vocab - 1, (bs, ctx), generator=g)
-        end = min(20, ctx - 1)
-        tok[:, end] = vocab - 1  # EOT (argmax pooling in OpenCLIP's text tower)
-        tok[:, end + 1 :] = 0
-        out.append((img, tok.to(dev)))
-    return out
-
 
 WORLD = 1  # --world: the fake world every trainer runs in (set by main)
 
@@ -93,56 +44,19 @@ def _bucket_unchanged(state, bucket):
 
 
 def openclip_run(name, cfg, bs, steps, dev):
-    import open_clip
     from open_clip.loss import ClipLoss
-    from open_clip_train.train import train_one_epoch
 
     precision = "amp_bf16" if dev.type == "cuda" else "fp32"
-    # The same architecture JSON dsclip builds from, registered under a name OpenCLIP resolves.
-    open_clip.add_model_config(str(V.write_model_json(cfg, f"gpu-bench-{Path(name).stem}")))
-    torch.manual_seed(0)
-    model = open_clip.create_model(f"gpu-bench-{Path(name).stem}", precision=precision, device=dev, output_dict=True)
+    model = V.openclip_model(cfg, precision, dev, f"gpu-bench-{Path(name).stem}")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=dev.type == "cuda")
     if WORLD > 1:  # open_clip_train's rank: its model in DDP (as its main() wraps it), its loss over WORLD ranks
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[dev] if dev.type == "cuda" else None)
         # the fake group's all-reduce future carries no tensor, which DDP's reducer refuses: a hook that hands the
         # bucket back unchanged stands in for it (what the fake all-reduce would have done, minus its launch)
         model.register_comm_hook(None, _bucket_unchanged)
-    args = SimpleNamespace(
-        device=str(dev),
-        precision=precision,
-        accum_freq=1,
-        distill=False,
-        skip_scheduler=True,
-        horovod=False,
-        grad_clip_norm=None,
-        log_every_n_steps=10**9,
-        batch_size=bs,
-        world_size=WORLD,
-        rank=0,
-        local_rank=0,
-        wandb=False,
-        save_logs=False,
-    )
-
-    class Loader(list):
-        num_batches = property(len)
-        num_samples = property(lambda self: len(self) * bs)
-
-    def epoch(batches):
-        data = {"train": SimpleNamespace(dataloader=Loader(batches), set_epoch=lambda e: None)}
-        train_one_epoch(model, data, ClipLoss(rank=0, world_size=WORLD), 0, opt, None, None, None, args)
-
-    epoch(make_batches(cfg, bs, 2, dev))
-    sync(dev)
-    reset_mem(dev)
-    batches = make_batches(cfg, bs, steps, dev)
-    sync(dev)
-    t = time.perf_counter()
-    epoch(batches)
-    sync(dev)
-    sps = steps * bs / (time.perf_counter() - t)
-    return sps, peak_mem_gb(dev)  # model and optimizer are freed on return
+    args = V.openclip_args(precision, bs, world=WORLD, device=dev)
+    epoch = V.openclip_epoch(model, ClipLoss(rank=0, world_size=WORLD), opt, args)
+    return H.timed_on_device(lambda batches, timed: epoch(batches), cfg, bs, steps, dev)  # all freed on return
 
 
 def dsclip_run(name, cfg, bs, steps, dev, compile_blocks=False, engine_patches="all", ds_json=None, accum=1, zero=None):
@@ -161,7 +75,7 @@ def dsclip_run(name, cfg, bs, steps, dev, compile_blocks=False, engine_patches="
     if ds_json:
         extra["deepspeed_config"] = f"ds_configs/{ds_json.format(p=precision)}.json"
     mb = bs // accum
-    engine, bundle, _ = V.dsclip_engine(
+    engine, bundle, _ = H.dsclip_engine(
         precision,
         mb,
         accum,
@@ -176,21 +90,14 @@ def dsclip_run(name, cfg, bs, steps, dev, compile_blocks=False, engine_patches="
     def chunks(b):
         return [(b[0][i * mb : (i + 1) * mb], b[1][i * mb : (i + 1) * mb]) for i in range(accum)]
 
-    for b in make_batches(cfg, bs, 2, dev):
-        step(chunks(b))
-    sync(dev)
-    reset_mem(dev)
-    batches = make_batches(cfg, bs, steps, dev)
-    sync(dev)
-    log_every = LogArgs().log_every_n_steps  # the gradient norm on logged steps only, as `dsclip train` runs
-    t = time.perf_counter()
-    for i, b in enumerate(batches):
-        step(chunks(b), grad_norm=(i + 1) % log_every == 0)
-    sync(dev)
-    sps = steps * bs / (time.perf_counter() - t)
-    mem = peak_mem_gb(dev)
-    engine.destroy()
-    del engine, step, bundle
+    log_every = LogArgs().log_every_n_steps
+
+    def run(batches, timed):  # timed: the gradient norm on logged steps only, as `dsclip train` runs
+        for i, b in enumerate(batches):
+            step(chunks(b), grad_norm=not timed or (i + 1) % log_every == 0)
+
+    sps, mem = H.timed_on_device(run, cfg, bs, steps, dev)
+    engine.destroy()  # the rest is freed on return
     restore_torch_linear()
     return sps, mem
 
@@ -247,10 +154,10 @@ def fitting_batch(name, cfg, bs, dev):
         try:
             for fn in (openclip_run, dsclip_run):
                 fn(name, cfg, bs, 1, dev)
-                reset_mem(dev)
+                H.reset_mem(dev)
             return bs
         except torch.OutOfMemoryError:
-            reset_mem(dev)
+            H.reset_mem(dev)
             print(f"{name}: batch {bs} does not fit, halving", flush=True)
             bs //= 2
     raise RuntimeError(f"{name}: not even batch 1 fits")
@@ -264,7 +171,7 @@ def loss_memory(dev, sizes, dim):
         for mode in ("infonce_local", "infonce_tiled"):
             key = f"{mode} {n}"
             try:
-                reset_mem(dev)
+                H.reset_mem(dev)
                 g = torch.Generator(device=dev).manual_seed(0)
                 x = torch.nn.functional.normalize(torch.randn(n, dim, device=dev, generator=g), dim=-1)
                 y = torch.nn.functional.normalize(torch.randn(n, dim, device=dev, generator=g), dim=-1)
@@ -273,10 +180,10 @@ def loss_memory(dev, sizes, dim):
                 scale = torch.tensor(14.0, device=dev, requires_grad=True)
                 base = torch.cuda.memory_allocated() if dev.type == "cuda" else 0
                 fn = build_loss(mode)
-                sync(dev)
+                H.sync(dev)
                 t = time.perf_counter()
                 fn(x, y, scale).backward()
-                sync(dev)
+                H.sync(dev)
                 extra = (torch.cuda.max_memory_allocated() - base) / 2**30 if dev.type == "cuda" else float("nan")
                 res[key] = {"s": time.perf_counter() - t, "peak_gb_above_inputs": extra}
             except torch.OutOfMemoryError:
@@ -289,8 +196,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--models", default="ViT-B-32=512,ViT-L-14=128", help="NAME=micro-batch,...")
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=8)
+    H.common_args(ap, rounds=2, steps=8)
     ap.add_argument(
         "--trainers",
         default="openclip,dsclip",
@@ -300,7 +206,6 @@ def main(argv=None) -> int:
     ap.add_argument("--assume-fits", action="store_true", help="skip the OOM probe: the given batch is known to fit")
     ap.add_argument("--loss-sizes", default="32768,65536,131072", help="N for the loss-memory rows ('' skips them)")
     ap.add_argument("--loss-dim", type=int, default=768)
-    ap.add_argument("--json-out")
     ap.add_argument(
         "--world", type=int, default=1, help="run every trainer as rank 0 of a world-N job (torch's fake process group)"
     )
@@ -317,9 +222,7 @@ def main(argv=None) -> int:
         # the counter before the world: DeepSpeed's backend keeps references to the collectives it finds then
         with CollectiveCounter(fill_outputs=True), fake_world(a.world):
             return run(a)
-    for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29533", "RANK": "0", "WORLD_SIZE": "1"}.items():
-        os.environ.setdefault(k, v)
-    os.environ.setdefault("LOCAL_RANK", "0")
+    H.single_rank_env(29533)
     return run(a)
 
 
@@ -328,18 +231,18 @@ def run(a) -> int:
     dev = torch.device(a.device)
     report = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "world": WORLD, "models": {}}
     print(f"world {WORLD}" + (" (rank 0 under torch's fake process group: no communication)" if WORLD > 1 else ""))
-    peak = report["bf16_peak_tflops"] = bf16_peak_tflops(dev)
+    peak = report["bf16_peak_tflops"] = H.bf16_peak_tflops(dev)
     print(f"measured dense bf16 GEMM rate (8192^3): {peak:.0f} TFLOP/s", flush=True)
     for spec in a.models.split(","):
         name, bs = spec.split("=")
         cfg = get_model_config(name)
-        flops = U.train_flops_per_sample(cfg)
+        flops = H.train_flops_per_sample(cfg)
         bs = int(bs) if a.assume_fits else fitting_batch(name, cfg, int(bs), dev)
         rows = {t: [] for t in trainers}
         for r in range(a.rounds):
             for impl in trainers if r % 2 == 0 else trainers[::-1]:
                 sps, mem = TRAINERS[impl](name, cfg, bs, a.steps, dev)
-                reset_mem(dev)
+                H.reset_mem(dev)
                 mfu = sps * flops / (peak * 1e12)
                 rows[impl].append({"samples_per_s": sps, "peak_mem_gb": mem, "mfu": mfu})
                 print(
@@ -360,8 +263,7 @@ def run(a) -> int:
                 f"{100 * statistics.median(r['mfu'] for r in m[k]):.1f}% | "
                 f"{max(r['peak_mem_gb'] for r in m[k]):.1f} | {med[k] / med[base]:.2f}x |"
             )
-    if a.json_out:
-        Path(a.json_out).write_text(json.dumps(report, indent=1))
+    H.write_json(a.json_out, report)
     return 0
 
 

@@ -11,7 +11,7 @@ measured, beside what the planner predicted for that GPU (issue #29: ViT-bigG-14
 2. The measurement, one child process per probe (a CUDA OOM inside a ZeRO-3 forward leaves gathered
    parameters behind, so a fresh engine per probe is the only clean retry; the device's memory and GEMM
    rate come from a child too, so this process holds no CUDA context on the GPU being measured): the
-   engine as `dsclip train` builds it (bench/vs_openclip.py ``dsclip_engine``), the gradient-cache step
+   engine as `dsclip train` builds it (bench/harness.py ``dsclip_engine``), the gradient-cache step
    at K = 1, two warm-up steps and ``--steps`` timed steps on synthetic batches. The probes are M, then
    M·(1 + tol) if M fits (does more fit than predicted?) or M·(1 - tol) if it does not: two probes say
    whether the largest batch is within ``--memory-tolerance`` of the prediction; ``--max-probes`` allows
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -36,10 +35,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import gpu_bench as G  # noqa: E402
-import utilisation as U  # noqa: E402
-import vs_openclip as V  # noqa: E402
+import harness as H  # noqa: E402  (and the repository root on the path)
 
 from dsclip.plan.planner import largest_fitting, make_plan  # noqa: E402
 
@@ -99,7 +95,7 @@ def device_info_main(a) -> int:
     """In a child: the device's name, memory and measured bf16 GEMM rate, so that the parent never holds
     a CUDA context (and its workspaces) on the GPU the probes measure."""
     dev = torch.device(a.device)
-    info = {"device": "cpu", "total_gb": None, "bf16_peak_tflops": G.bf16_peak_tflops(dev)}
+    info = {"device": "cpu", "total_gb": None, "bf16_peak_tflops": H.bf16_peak_tflops(dev)}
     if dev.type == "cuda":
         info.update(
             device=torch.cuda.get_device_name(), total_gb=torch.cuda.get_device_properties(0).total_memory / GiB
@@ -115,30 +111,28 @@ def probe_main(a) -> int:
     from dsclip.model import get_model_config
     from dsclip.train.gradcache import GradCacheStep
 
-    for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(a.port), "RANK": "0", "WORLD_SIZE": "1"}.items():
-        os.environ.setdefault(k, v)
-    os.environ.setdefault("LOCAL_RANK", "0")
+    H.single_rank_env(a.port)
     dev = torch.device(a.device)
     precision = a.precision if dev.type == "cuda" else "fp32"
     cfg = get_model_config(a.model)
     micro = a.probe
     result = {"micro_batch": micro, "fits": False}
     try:
-        engine, bundle, _ = V.dsclip_engine(
+        engine, bundle, _ = H.dsclip_engine(
             precision, micro, 1, cfg, 1, extra={"deepspeed_config": f"ds_configs/zero{a.zero}_{precision}.json"},
             grad_checkpointing=a.grad_checkpointing, device_type=dev.type,
         )  # fmt: skip
         step = GradCacheStep(engine, build_loss("infonce"), compute_dtype=autocast_dtype(bundle), accum_freq=1)
-        (batch,) = G.make_batches(cfg, micro, 1, dev)  # one batch on the device at a time, as in a run
+        (batch,) = H.make_batches(cfg, micro, 1, dev)  # one batch on the device at a time, as in a run
         for _ in range(2):  # warm-up: optimizer states, allocator, ZeRO-3's trace
             step([batch])
-        G.sync(dev)
+        H.sync(dev)
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         t = time.perf_counter()
         for _ in range(a.steps):
             step([batch])
-        G.sync(dev)
+        H.sync(dev)
         dt = (time.perf_counter() - t) / a.steps
         result.update(fits=True, step_s=dt, samples_per_s=micro / dt)
         if dev.type == "cuda":
@@ -173,7 +167,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-probes", type=int, default=2)
     ap.add_argument("--probe-timeout", type=int, default=600)
     ap.add_argument("--port", type=int, default=29541)
-    ap.add_argument("--json-out")
+    H.common_args(ap)
     ap.add_argument("--probe", type=int, default=0, help=argparse.SUPPRESS)  # the child's micro-batch
     ap.add_argument("--device-info", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -222,7 +216,7 @@ def main(argv=None) -> int:
     }  # fmt: skip
     if largest:
         r, p = results[largest], plan_at(largest)
-        mfu = U.train_flops_per_sample(get_model_config(a.model)) * r["samples_per_s"] / (peak * 1e12)
+        mfu = H.train_flops_per_sample(get_model_config(a.model)) * r["samples_per_s"] / (peak * 1e12)
         report.update(
             measured=r, mfu=mfu, plan_mfu=p.mfu, plan_mfu_source=p.mfu_source, plan_step_s=p.step_time_s,
             plan_memory_gb=p.memory_gb["total"], step_time_error=compare(p.step_time_s, r["step_s"]),
@@ -242,8 +236,7 @@ def main(argv=None) -> int:
     else:
         print(f"nothing fits: probes {tried}")
     print(json.dumps(report), flush=True)
-    if a.json_out:
-        Path(a.json_out).write_text(json.dumps(report, indent=1))
+    H.write_json(a.json_out, report)
     return 0
 
 

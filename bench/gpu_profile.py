@@ -13,7 +13,6 @@ device time) for openclip and dsclip-engine, and device-busy time / wall time pe
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -23,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gpu_bench as G  # noqa: E402
+import harness as H  # noqa: E402
 import vs_openclip as V  # noqa: E402
 
 from dsclip.model import create_model, get_model_config  # noqa: E402
@@ -53,11 +52,7 @@ def plain_step_fn(model, dev, autocast: bool, weights_dtype):
 
 
 def openclip_step_fn(name, cfg, dev):
-    import open_clip
-
-    open_clip.add_model_config(str(V.write_model_json(cfg, f"gpu-bench-{Path(name).stem}")))
-    torch.manual_seed(0)
-    model = open_clip.create_model(f"gpu-bench-{Path(name).stem}", precision="fp32", device=dev, output_dict=True)
+    model = V.openclip_model(cfg, "fp32", dev, f"gpu-bench-{Path(name).stem}")
     return plain_step_fn(model, dev, autocast=dev.type == "cuda", weights_dtype=torch.float32)
 
 
@@ -71,7 +66,7 @@ def engine_step_fn(cfg, bs, dev, ds_json="zero2_{p}", accum=1):
     precision = "bf16" if dev.type == "cuda" else "fp32"
     extra = {"deepspeed_config": f"ds_configs/{ds_json.format(p=precision)}.json"}
     mb = bs // accum
-    engine, bundle, _ = V.dsclip_engine(precision, mb, accum, cfg, 1, extra=extra, device_type=dev.type)
+    engine, bundle, _ = H.dsclip_engine(precision, mb, accum, cfg, 1, extra=extra, device_type=dev.type)
     gc = GradCacheStep(engine, build_loss("infonce"), compute_dtype=autocast_dtype(bundle), accum_freq=accum)
 
     def step(batch):  # a step between logged steps, as 99 in 100 of `dsclip train`
@@ -83,12 +78,12 @@ def engine_step_fn(cfg, bs, dev, ds_json="zero2_{p}", accum=1):
 def time_steps(step, batches, dev) -> float:
     for b in batches[:2]:
         step(b)
-    G.sync(dev)
+    H.sync(dev)
     times = []
     for b in batches[2:]:
         t = time.perf_counter()
         step(b)
-        G.sync(dev)
+        H.sync(dev)
         times.append(time.perf_counter() - t)
     return statistics.median(times)
 
@@ -100,12 +95,12 @@ def profile(step, batches, dev, label, top, sort=None):
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
     step(batches[0])
-    G.sync(dev)
+    H.sync(dev)
     t = time.perf_counter()
     with prof(activities=acts) as p:
         for b in batches[1:3]:
             step(b)
-        G.sync(dev)
+        H.sync(dev)
     wall = (time.perf_counter() - t) / 2
     ka = p.key_averages()
     key = "self_device_time_total" if dev.type == "cuda" else "self_cpu_time_total"
@@ -129,13 +124,13 @@ def host_profile(step, batches, dev, label, lines):
     import pstats
 
     step(batches[0])
-    G.sync(dev)
+    H.sync(dev)
     prof = cProfile.Profile(time.perf_counter)
     t = time.perf_counter()
     prof.enable()
     for b in batches[1:]:
         step(b)
-    G.sync(dev)
+    H.sync(dev)
     prof.disable()
     n = len(batches) - 1
     print(f"\n== {label}: cProfile of {n} steps, {(time.perf_counter() - t) / n * 1e3:.1f} ms/step wall", flush=True)
@@ -149,8 +144,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--model", default="ViT-B-32")
-    ap.add_argument("--batch", type=int, default=512)
-    ap.add_argument("--steps", type=int, default=6)
+    H.common_args(ap, json_out=False, batch=512, steps=6)
     ap.add_argument("--top", type=int, default=18)
     ap.add_argument("--no-profile", action="store_true", help="step times only")
     ap.add_argument("--variants", default="openclip,dsclip-autocast,dsclip-bf16,dsclip-engine")
@@ -167,12 +161,10 @@ def main(argv=None) -> int:
     unknown = sorted(set(a.variants.split(",")) - set(known))
     if unknown:
         ap.error(f"unknown --variants {unknown}; choose from {', '.join(known)}")
-    for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29534", "RANK": "0", "WORLD_SIZE": "1"}.items():
-        os.environ.setdefault(k, v)
-    os.environ.setdefault("LOCAL_RANK", "0")
+    H.single_rank_env(29534)
     dev = torch.device(a.device)
     cfg = get_model_config(a.model)
-    batches = G.make_batches(cfg, a.batch, a.steps + 2, dev)
+    batches = H.make_batches(cfg, a.batch, a.steps + 2, dev)
     bf16 = torch.bfloat16 if dev.type == "cuda" else torch.float32
     variants = {
         "openclip": lambda: openclip_step_fn(a.model, cfg, dev),
@@ -187,7 +179,7 @@ def main(argv=None) -> int:
         print(f"{a.model} batch {a.batch} {name}: {t * 1e3:.1f} ms/step, {a.batch / t:.0f} samples/s", flush=True)
         if name not in ("openclip", "dsclip-engine"):
             del steps[name]
-        G.reset_mem(dev)
+        H.reset_mem(dev)
     for name in () if a.no_profile else [n for n in ("openclip", "dsclip-engine") if n in steps]:
         profile(steps[name], batches, dev, name, a.top, a.sort)
     if a.cprofile and "dsclip-engine" in steps:

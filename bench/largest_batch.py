@@ -20,29 +20,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness as H  # noqa: E402  (and the repository root on the path)
+
+ROOT = H.ROOT
 GiB = 2**30
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _vm(field: str) -> float:
     """A /proc/self/status memory field in GiB (VmHWM: peak resident set, VmRSS: current)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024 / GiB
-    raise KeyError(field)
+    return H.proc_status_kb(field) * 1024 / GiB
 
 
 def baseline_worker() -> None:
@@ -60,7 +53,9 @@ def baseline_worker() -> None:
 
 def _launch(args: list[str], world: int, log: Path, timeout: float) -> str:
     cmd = [str(Path(sys.executable).with_name("deepspeed")), "--num_gpus", str(world), "--master_port"]
-    cmd += [str(_free_port()), *args]
+    from dsclip.testing.gloo_world import free_port
+
+    cmd += [str(free_port()), *args]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     with open(log, "w") as f:
         p = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout)

@@ -24,33 +24,19 @@ import argparse
 import ctypes
 import gc
 import os
-import socket
 import sys
 import time
 import traceback
+from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness as H  # noqa: E402  (and the repository root on the path)
+
 LOSSES = ("openclip_local", "dsclip_local", "dsclip_tiled", "dsclip_siglip")
 MB = 1024**2
-
-
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise KeyError(field)
-
-
-def _reset_peak() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 def _mem_available() -> int:
@@ -104,13 +90,13 @@ def _rank_main(rank, world, port, name, n, d, tile, queue):
         gc.collect()
         ctypes.CDLL("libc.so.6").malloc_trim(0)
         dist.barrier()
-        exact = _reset_peak()
-        rss0 = _status_kb("VmRSS")
+        exact = H.reset_peak_rss()
+        rss0 = H.proc_status_kb("VmRSS")
         t0, c0 = time.perf_counter(), time.process_time()
         loss = loss_fn(x, y, s) if bias is None else loss_fn(x, y, s, bias)
         loss.backward()
         elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
-        peak = _status_kb("VmHWM") - rss0  # without clear_refs: lifetime peak (an upper bound)
+        peak = H.proc_status_kb("VmHWM") - rss0  # without clear_refs: lifetime peak (an upper bound)
         assert x.grad is not None and y.grad is not None and torch.isfinite(loss)
         dist.barrier()
         queue.put(
@@ -125,16 +111,12 @@ def _rank_main(rank, world, port, name, n, d, tile, queue):
         queue.put((rank, "error", traceback.format_exc()))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_config(name, n, d, world, tile, timeout):
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    from dsclip.testing.gloo_world import free_port
+
+    port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, world, port, name, n, d, tile, queue)) for r in range(world)]
     for p in procs:
         p.start()
@@ -235,5 +217,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     sys.exit(main())

@@ -21,16 +21,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness as H  # noqa: E402  (and the repository root on the path)
 
 from dsclip.engine.patches import PATCHES  # noqa: E402
 
@@ -38,17 +35,6 @@ from dsclip.engine.patches import PATCHES  # noqa: E402
 ZERO3 = tuple(p.name for p in PATCHES if p.stages == (3,))
 ZERO2 = tuple(p.name for p in PATCHES if p.stages == (1, 2) and p.name != "local_flush")  # world 1 only: apart
 THRESHOLD = 0.03  # of the all-on step
-
-
-def thin_vit_b32() -> dict:
-    """ViT-B-32's 12 + 12 blocks at width 64: a step is mostly per-tensor bookkeeping, the part a GPU waits for."""
-    from dsclip.model import get_model_config
-
-    cfg = get_model_config("ViT-B-32")
-    cfg["embed_dim"] = 64
-    cfg["vision_cfg"].update(width=64, head_width=32, image_size=64)
-    cfg["text_cfg"].update(width=64, heads=2, context_length=32, vocab_size=1000)
-    return cfg
 
 
 def configurations(world: int) -> dict[str, dict]:
@@ -71,7 +57,6 @@ def configurations(world: int) -> dict[str, dict]:
 
 def worker(spec: dict) -> dict:
     import torch
-    import vs_openclip as V
     from zero3_host import THIN_PERSIST, thin_config
 
     from dsclip.engine.build import autocast_dtype
@@ -80,16 +65,16 @@ def worker(spec: dict) -> dict:
     from dsclip.train.gradcache import GradCacheStep
     from dsclip.train.loop import step_seed
 
-    V.one_thread()
+    H.one_thread()
     stage, k, batch = spec["stage"], spec["k"], spec["batch"]
-    cfg = thin_config("H") if stage == 3 else thin_vit_b32()
+    cfg = thin_config("H") if stage == 3 else H.thin_config("ViT-B-32", width=64, image_size=64, context_length=32)
     extra = {"deepspeed_config": f"ds_configs/zero{stage}_bf16.json", "engine_patches": spec["patches"]}
     overrides = {"zero_optimization": THIN_PERSIST} if stage == 3 else {}
     with fake_world(spec["world"]):
-        engine, bundle, _ = V.dsclip_engine("bf16", batch, k, cfg, spec["world"], extra, overrides)
+        engine, bundle, _ = H.dsclip_engine("bf16", batch, k, cfg, spec["world"], extra, overrides)
         step_fn = GradCacheStep(engine, build_loss("infonce"), compute_dtype=autocast_dtype(bundle), accum_freq=k)
         engine.train()
-        data = V.synthetic_batches(2 * k, batch, cfg, seed=1)
+        data = H.synthetic_batches(2 * k, batch, cfg, seed=1)
         times = []
         for n in range(spec["warmup"] + spec["steps"]):
             torch.manual_seed(step_seed(0, n, 0))
@@ -101,14 +86,7 @@ def worker(spec: dict) -> dict:
 
 
 def run_one(spec: dict) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    out = subprocess.run(
-        [sys.executable, __file__, "--worker", json.dumps(spec)], capture_output=True, text=True, env=env, timeout=900
-    )
-    for line in out.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT ") :])
-    raise RuntimeError(f"worker {spec} failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
+    return H.run_worker(spec, __file__, timeout=900)
 
 
 def base_and_without(patch: str) -> tuple[str, str]:
@@ -146,11 +124,8 @@ def paired(specs: dict[str, dict], patches: list[str], rounds: int) -> int:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--world", type=int, default=8)
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--k", type=int, default=2)
-    ap.add_argument("--batch", type=int, default=8)
+    H.common_args(ap, json_out=False, worker=True, rounds=2, steps=6, warmup=2, batch=8)
+    ap.add_argument("--k", type=int, default=2, help="micro-batches per step (the gradient cache)")
     ap.add_argument("--only", default="", help="comma list of configuration names (default: all)")
     ap.add_argument(
         "--paired",
@@ -158,10 +133,9 @@ def main(argv=None) -> int:
         help="comma list of patches: for each, all-on and all-but-it run back to back, the order swapped every "
         "repetition (--rounds of them); the gain is the median of the pairs' ratios (load drift cancels)",
     )
-    ap.add_argument("--worker", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.worker:
-        print("RESULT " + json.dumps(worker(json.loads(a.worker))), flush=True)
+        H.emit_result(worker(json.loads(a.worker)))
         return 0
     specs = configurations(a.world)
     for s in specs.values():

@@ -36,7 +36,6 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -44,9 +43,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import accumulation as A  # noqa: E402
+import harness as H  # noqa: E402
 import vs_openclip as V  # noqa: E402
 
-from dsclip.model import create_model, get_model_config  # noqa: E402
+from dsclip.model import get_model_config  # noqa: E402
 
 
 def vit_gemm_shapes(cfg: dict, rows: int) -> list[tuple[int, int, int]]:
@@ -63,15 +63,15 @@ def gemm_peak(shapes, dtype, device, seconds: float = 1.0) -> dict:
         b = torch.randn(k, n, device=device, dtype=dtype)
         for _ in range(3):
             a @ b
-        sync(device)
+        H.sync(device)
         reps, t0 = 0, time.perf_counter()
         while time.perf_counter() - t0 < seconds:
             a @ b
             reps += 1
             if device.type == "cuda" and reps % 50:
                 continue
-            sync(device)
-        sync(device)
+            H.sync(device)
+        H.sync(device)
         per[f"{m}x{k}x{n}"] = 2 * m * k * n * reps / (time.perf_counter() - t0) / 1e12
     return {"peak": max(per.values()), "shapes": per}
 
@@ -101,29 +101,13 @@ def gemm_core_peak(shapes, dtype, reps: int = 40) -> dict:
         torch.set_num_threads(threads)
 
 
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def train_flops_per_sample(cfg: dict) -> float:
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    from torch.utils.flop_counter import FlopCounterMode
-
-    model = create_model(cfg).eval()
-    batch = V.synthetic_batches(1, 2, cfg, seed=0)[0]
-    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as fc:
-        model(image=batch[0], text=batch[1])
-    return 3 * fc.get_total_flops() / 2
-
-
 def _phases_rank(rank, world, cfg, batch, steps):
     """Per-phase wall time of dsclip steps: wrap the engine's forward/backward/step, the loss, the flush."""
     from dsclip.losses import build_loss
     from dsclip.train.gradcache import GradCacheStep
 
-    V.one_thread()
-    engine, _, _ = V.dsclip_engine("fp32", batch, 1, cfg, world)
+    H.one_thread()
+    engine, _, _ = H.dsclip_engine("fp32", batch, 1, cfg, world)
     acc = {"forward": 0.0, "loss (fwd+bwd)": 0.0, "backward": 0.0, "gradient reduction": 0.0, "optimizer step": 0.0}
 
     clock = time.process_time  # CPU seconds of this (one-thread) rank: the machine's load stays out
@@ -140,7 +124,7 @@ def _phases_rank(rank, world, cfg, batch, steps):
 
     loss = build_loss("infonce")
     step_fn = GradCacheStep(engine, timed("loss (fwd+bwd)", lambda *a: loss(*a)))
-    data = V.synthetic_batches(steps + 1, batch, cfg, seed=3)
+    data = H.synthetic_batches(steps + 1, batch, cfg, seed=3)
     engine.train()
     step_fn(data[:1])  # warm-up
     engine.forward = timed("forward", engine.forward)
@@ -170,11 +154,11 @@ def _interleaved_rank(rank, world, cfg, batch, warmup, blocks, block_steps, name
     turn's (wall seconds, CPU seconds of this process)."""
     import torch.distributed as dist
 
-    V.one_thread()
+    H.one_thread()
     runs = {}
     for name in names:
         if name == "dsclip":
-            runs[name] = V.dsclip_trainer(rank, world, "fp32", batch, cfg)
+            runs[name] = H.dsclip_trainer(rank, world, "fp32", batch, cfg)
         elif name == "open_clip_train":
             runs[name] = (lambda epoch: lambda data, n0: epoch(data))(
                 V.openclip_trainer("fp32", batch, cfg, rank=rank, world=world)
@@ -184,11 +168,11 @@ def _interleaved_rank(rank, world, cfg, batch, warmup, blocks, block_steps, name
         else:
             raise ValueError(f"unknown trainer {name!r}; choose from {INTERLEAVED}")
     for run in runs.values():
-        run(V.synthetic_batches(warmup, batch, cfg, seed=1 + 100 * rank), 0)
+        run(H.synthetic_batches(warmup, batch, cfg, seed=1 + 100 * rank), 0)
     out = {name: [] for name in names}
     for b in range(blocks):
         for name in names[b % len(names) :] + names[: b % len(names)]:
-            data = V.synthetic_batches(block_steps, batch, cfg, seed=2 + 100 * rank + 1000 * b)
+            data = H.synthetic_batches(block_steps, batch, cfg, seed=2 + 100 * rank + 1000 * b)
             if world > 1:
                 dist.barrier()
             t0, c0 = time.perf_counter(), time.process_time()
@@ -199,7 +183,7 @@ def _interleaved_rank(rank, world, cfg, batch, warmup, blocks, block_steps, name
 
 def interleaved(spec: dict, cfg: dict) -> dict[str, list[dict]]:
     """Per trainer, per turn: samples/s (global, the slowest rank's wall time) and samples per CPU-second
-    (the slowest rank's), the fields V.alternate's runs have."""
+    (the slowest rank's), the fields H.alternate's runs have."""
     from dsclip.testing.gloo_world import run_world
 
     world, n = spec["world"], spec["block_steps"] * spec["batch"]
@@ -221,7 +205,7 @@ def _worker(spec: dict) -> dict:
     kind = spec.pop("kind")
     cfg = get_model_config(spec.pop("model"))
     if kind == "dsclip":
-        return V.dsclip_worker("fp32", spec["batch"], spec["warmup"], spec["steps"], cfg, spec["world"])
+        return H.dsclip_worker("fp32", spec["batch"], spec["warmup"], spec["steps"], cfg, spec["world"])
     if kind == "openclip" and spec["world"] == 1:
         return V.openclip_worker("fp32", spec["batch"], spec["warmup"], spec["steps"], cfg)
     if kind == "openclip":
@@ -236,32 +220,13 @@ def _worker(spec: dict) -> dict:
 
 
 def run_worker(spec: dict) -> dict:
-    import os
-    import subprocess
-
-    # vs_openclip writes the model JSON under $TMPDIR/dsclip-bench: a private TMPDIR keeps other benches'
-    # concurrent writes of that file out of this run's models
-    tmp = Path(tempfile.gettempdir()) / f"dsclip-utilisation-{os.getpid()}"
-    tmp.mkdir(exist_ok=True)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(V.ROOT), TMPDIR=str(tmp))
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(V.ROOT / ".cache" / "torch_extensions"))
-    p = subprocess.run(
-        [sys.executable, __file__, "--worker", json.dumps(spec)], cwd=V.ROOT, env=env, capture_output=True, text=True
-    )
-    for line in reversed(p.stdout.splitlines()):
-        if line.startswith("RESULT "):
-            return json.loads(line[7:])
-    raise RuntimeError(f"worker {spec} failed ({p.returncode}):\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}")
+    return H.run_worker(spec, __file__, timeout=7200)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    H.common_args(ap, worker=True, batch=16, warmup=1, steps=3, rounds=2)
     ap.add_argument("--models", default="demo,ViT-B-32")
-    ap.add_argument("--batch", type=int, default=16, help="micro-batch per process")
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--worlds", default="1,2")
     ap.add_argument(
         "--interleave",
@@ -272,11 +237,11 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--trainers", default=",".join(INTERLEAVED), help="with --interleave; dsclip first")
     ap.add_argument("--device", default="cpu", help="cpu: all of the above; cuda: peak bf16 GEMM and FLOPs only")
-    ap.add_argument("--json-out")
     a = ap.parse_args(argv)
     if a.worker:
-        print("RESULT " + json.dumps(_worker(json.loads(a.worker))), flush=True)
+        H.emit_result(_worker(json.loads(a.worker)))
         return 0
+    print(H.preamble(__file__, a.device), flush=True)
     device = torch.device(a.device)
     report: dict = {"device": a.device, "threads": torch.get_num_threads(), "models": {}}
     for name in a.models.split(","):
@@ -288,7 +253,7 @@ def main(argv=None) -> int:
         if a.device == "cpu":
             peaks["fp32_core"] = gemm_core_peak(shapes, torch.float32)
             peaks["bf16_core"] = gemm_core_peak(shapes, torch.bfloat16)
-        flops = train_flops_per_sample(cfg)
+        flops = H.train_flops_per_sample(cfg)
         m = report["models"][name] = {"peak_tflops": peaks, "train_gflop_per_sample": flops / 1e9}
         print(
             f"== {name}: peak fp32 {peaks['fp32']['peak']:.3f} / bf16 {peaks['bf16']['peak']:.3f} TFLOP/s "
@@ -323,7 +288,7 @@ def main(argv=None) -> int:
             for w in worlds:
                 specs[f"dsclip world {w}"] = {"kind": "dsclip", "world": w, **common}
                 specs[f"openclip world {w}"] = {"kind": "openclip", "world": w, **common}
-            res = V.alternate(specs, a.rounds, runner=run_worker)
+            res = H.alternate(specs, a.rounds, run_worker)
         core = peaks["fp32_core"]["peak"] * 1e12
         m["mfu"], m["runs"] = {}, res
         for n, runs in res.items():
@@ -378,8 +343,7 @@ def main(argv=None) -> int:
             for k, v in ph.items():
                 if k != "total_s":
                     print(f"  {k:<44} {v:8.3f} s  {100 * v / ph['total_s']:5.1f}%")
-    if a.json_out:
-        Path(a.json_out).write_text(json.dumps(report, indent=1))
+    H.write_json(a.json_out, report)
     return 0
 
 

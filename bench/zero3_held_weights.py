@@ -28,15 +28,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import vs_openclip as V  # noqa: E402
+import harness as H  # noqa: E402  (and the repository root on the path)
 
 MB = 2**20
-
-
-def _rss_mb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096 / MB
 
 
 def _rank(rank, world, linear_off: bool, ckpt: bool, release_all: bool) -> dict:
@@ -47,14 +41,14 @@ def _rank(rank, world, linear_off: bool, ckpt: bool, release_all: bool) -> dict:
     from dsclip.model import get_model_config
     from dsclip.train.gradcache import GradCacheStep
 
-    V.one_thread()
+    H.one_thread()
     cfg = get_model_config("ViT-B-16")
     cfg["vision_cfg"].update(image_size=32)
     cfg["text_cfg"].update(context_length=8)
     zero = {"memory_efficient_linear": not linear_off}
     if release_all:
         zero |= {"stage3_prefetch_bucket_size": 0, "stage3_max_reuse_distance": 0}
-    engine, bundle, _ = V.dsclip_engine(
+    engine, bundle, _ = H.dsclip_engine(
         "bf16", 2, 1, cfg, world, {"deepspeed_config": "ds_configs/zero3_bf16.json"}, {"zero_optimization": zero},
         grad_checkpointing=ckpt,
     )  # fmt: skip
@@ -64,21 +58,21 @@ def _rank(rank, world, linear_off: bool, ckpt: bool, release_all: bool) -> dict:
     forward, backward = engine.forward, engine.backward
 
     def timed_forward(*args, **kwargs):
-        out["base"] = _rss_mb()
-        V.reset_peak_rss()
+        out["base"] = H.rss_mb()
+        H.reset_peak_rss()
         result = forward(*args, **kwargs)
-        out["after_forward_mb"] = _rss_mb() - out["base"]
+        out["after_forward_mb"] = H.rss_mb() - out["base"]
         gathered = [p for p in partitioned if p.ds_status.name != "NOT_AVAILABLE"]
         out["available_mb"] = sum(p.ds_numel for p in gathered) * 2 / MB
         return result
 
     def timed_backward(*args, **kwargs):
         result = backward(*args, **kwargs)
-        out["fwd_bwd_peak_mb"] = V.peak_rss_mb() - out["base"]
+        out["fwd_bwd_peak_mb"] = H.peak_rss_mb() - out["base"]
         return result
 
     engine.forward, engine.backward = timed_forward, timed_backward
-    for img, txt in V.synthetic_batches(3, 2, cfg, seed=1 + rank):
+    for img, txt in H.synthetic_batches(3, 2, cfg, seed=1 + rank):
         step([(img, txt)], grad_norm=False)
     out["linear"] = torch.nn.functional.linear.__name__
     out.pop("base")

@@ -33,8 +33,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import vs_openclip as V  # noqa: E402
+import harness as H  # noqa: E402  (and the repository root on the path)
 
 DEPTHS = {"H": "ViT-H-14", "bigG": "ViT-bigG-14"}
 THIN_PERSIST = {"stage3_param_persistence_threshold": 256}
@@ -99,13 +98,7 @@ TORCH_LINEAR = None  # torch's F.linear, taken in each rank before any engine is
 
 
 def thin_config(depth: str) -> dict:
-    from dsclip.model import get_model_config
-
-    cfg = get_model_config(DEPTHS[depth])
-    cfg["embed_dim"] = 32
-    cfg["vision_cfg"].update(width=32, head_width=16, image_size=28)
-    cfg["text_cfg"].update(width=32, heads=2, context_length=16, vocab_size=1000)
-    return cfg
+    return H.thin_config(DEPTHS[depth], width=32, image_size=28, context_length=16)
 
 
 class PhaseClock:
@@ -146,7 +139,7 @@ def _trainer(rank, world, precision, batch, k, cfg, json_name, zero, values):
     # DeepSpeed's autograd linear, never put back; without this every engine built or stepped after it in this
     # process (ZeRO-2 too) ran DeepSpeed's linear: the rows before 2026-12-05 did.
     torch.nn.functional.linear = TORCH_LINEAR
-    engine, bundle, _ = V.dsclip_engine(precision, batch, k, cfg, world, extra, {"zero_optimization": zero})
+    engine, bundle, _ = H.dsclip_engine(precision, batch, k, cfg, world, extra, {"zero_optimization": zero})
     own_linear, torch.nn.functional.linear = torch.nn.functional.linear, TORCH_LINEAR
     step_fn = GradCacheStep(engine, build_loss("infonce"), compute_dtype=autocast_dtype(bundle), accum_freq=k)
     clock = PhaseClock(engine)
@@ -167,14 +160,14 @@ def _rank(rank, world, a, plan):
     import torch
 
     TORCH_LINEAR = torch.nn.functional.linear  # before any zero.Init
-    V.one_thread()
+    H.one_thread()
     cfg = thin_config(a.depth)
     p = a.precision
     runs = {n: _trainer(rank, world, p, b, k, cfg, j.format(p=p), z, v) for n, (j, z, v, b, k) in plan.items()}
     rows = max(b * k for *_, b, k in plan.values())
     data = {}
     for b, k in {(b, k) for *_, b, k in plan.values()}:
-        whole = V.synthetic_batches(2, rows, cfg, seed=1 + rank)  # the same rows for every split of the batch
+        whole = H.synthetic_batches(2, rows, cfg, seed=1 + rank)  # the same rows for every split of the batch
         data[b, k] = [[(img[i * b : (i + 1) * b], txt[i * b : (i + 1) * b]) for i in range(k)] for img, txt in whole]
     for n, (run, clock) in runs.items():  # warm-up: optimizer states, allocator, ZeRO-3's trace
         *_, b, k = plan[n]
@@ -257,9 +250,8 @@ def main(argv=None) -> int:
     ap.add_argument("--depth", choices=DEPTHS, default="H", help="the real model whose blocks the thin one has")
     ap.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
     ap.add_argument("--world", type=int, default=1)
-    ap.add_argument("--batch", type=int, default=4, help="micro-batch per rank")
+    H.common_args(ap, json_out=False, batch=4, steps=6)
     ap.add_argument("--k", type=int, default=1, help="micro-batches per step (the gradient cache)")
-    ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--variants", default="", help=f"comma list of {list(VARIANTS)} (default: all)")
     ap.add_argument("--gradcache", action="store_true", help="K = 2 against K = 1 on the same rows (item 4)")
     ap.add_argument("--profile", default="", help="cProfile one variant instead of timing them")

@@ -65,11 +65,11 @@ def test_compare_is_relative_to_the_measurement():
 
 
 def _engine_checkpointing(rank, world, grad_checkpointing):
-    import vs_openclip as V
+    import harness as H
 
     from dsclip.model import get_model_config
 
-    engine, _, _ = V.dsclip_engine(
+    engine, _, _ = H.dsclip_engine(
         "fp32", 2, 1, get_model_config("demo"), world, extra={"deepspeed_config": "ds_configs/zero3_fp32.json"},
         grad_checkpointing=grad_checkpointing,
     )  # fmt: skip
