@@ -229,6 +229,7 @@ def main(argv=None) -> int:
 def run(a) -> int:
     trainers = a.trainers.split(",")
     dev = torch.device(a.device)
+    print(H.preamble(__file__, dev.type), flush=True)
     report = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "world": WORLD, "models": {}}
     print(f"world {WORLD}" + (" (rank 0 under torch's fake process group: no communication)" if WORLD > 1 else ""))
     peak = report["bf16_peak_tflops"] = H.bf16_peak_tflops(dev)

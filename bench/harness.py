@@ -482,12 +482,13 @@ def write_json(path: str | None, obj) -> None:
 
 
 def hardware(device: str = "cpu") -> str:
-    """The hardware part of a result file's name: ``cpuN`` (N cores), or the GPU's model (``h200``)."""
+    """The hardware part of a result file's name: ``cpuN`` (N cores), or the GPU's model (``h200`` for "NVIDIA
+    H200", ``a100`` for "NVIDIA A100-SXM4-80GB")."""
     if device == "cpu":
         return f"cpu{os.cpu_count()}"
     import torch
 
-    return torch.cuda.get_device_name().split()[-1].lower()
+    return torch.cuda.get_device_name().replace("NVIDIA", "").split()[0].split("-")[0].lower()
 
 
 def result_name(script: str, device: str = "cpu", day: datetime.date | None = None) -> str:

@@ -137,6 +137,7 @@ def main(argv=None) -> int:
     if a.worker:
         H.emit_result(worker(json.loads(a.worker)))
         return 0
+    print(H.preamble(__file__), flush=True)
     specs = configurations(a.world)
     for s in specs.values():
         s.update(k=a.k, batch=a.batch, steps=a.steps, warmup=a.warmup)

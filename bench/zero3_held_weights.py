@@ -85,6 +85,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     from dsclip.testing.gloo_world import run_world
 
+    print(H.preamble(__file__), flush=True)
     print(
         f"ZeRO-3 bf16, ViT-B-16 towers (32 px, 8 tokens, micro-batch 2), world {a.world}, MB per rank (rank 0)\n\n"
         "| linear | checkpointing | ZeRO-3 releases | gathered after forward | RSS growth over forward "

@@ -262,6 +262,7 @@ def main(argv=None) -> int:
     from dsclip.testing.gloo_world import run_world
 
     plan = _plan(a)
+    print(H.preamble(__file__), flush=True)
     ranks = run_world(_rank, a.world, a, plan, timeout=7200)
     if a.profile:
         print(ranks[0])
