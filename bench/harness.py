@@ -14,6 +14,7 @@ import datetime
 import json
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -515,7 +516,7 @@ def preamble(script: str, device: str = "cpu") -> str:
             f"- **date**: {when}",
             f"- **hardware**: {os.cpu_count()} cores ({cpu}){gpu}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}",
             f"- **software**: Python {platform.python_version()}, {', '.join(versions)}",
-            f"- **command**: `{' '.join([Path(sys.executable).name, *sys.argv])}`",
+            f"- **command**: `{shlex.join([Path(sys.executable).name, *sys.argv])}`",
             f"- **result file**: bench/results/{result_name(script, device)}",
         ]
     )
