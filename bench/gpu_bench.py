@@ -13,7 +13,7 @@ Then the loss alone: tiled vs local InfoNCE forward+backward at large N (time an
 ``--world N`` (issue #49): every trainer runs as rank 0 of a world-N job under torch's fake process group
 (dsclip.engine.fake_world): open_clip_train's model wrapped in DDP with its loss gathering over N ranks,
 dsclip's engine partitioning over N, as a rank of an N-GPU job. Collectives return at once (each rank's
-own shard stands in for its peers', dsclip.comm_model), so the ratio is a world-N rank's without the
+own shard stands in for its peers', dsclip.rehearsal.counter), so the ratio is a world-N rank's without the
 communication; the link model's time is ``dsclip plan --measure``'s. Default 1: one GPU, the whole job.
 """
 

@@ -7,7 +7,7 @@ measured, beside what the planner predicted for that GPU (issue #29: ViT-bigG-14
 
 1. The prediction: ``make_plan`` for one GPU of this device's memory (K = 1, plain InfoNCE, the shipped
    ``zero{N}_{precision}.json``): the largest micro-batch M whose plan fits, and at a measured micro-batch
-   its total memory and step time (from the MFU ``dsclip.plan_efficiency`` gives it, which says where it comes from).
+   its total memory and step time (from the MFU ``dsclip.plan.efficiency`` gives it, which says where it comes from).
 2. The measurement, one child process per probe (a CUDA OOM inside a ZeRO-3 forward leaves gathered
    parameters behind, so a fresh engine per probe is the only clean retry; the device's memory and GEMM
    rate come from a child too, so this process holds no CUDA context on the GPU being measured): the
@@ -20,7 +20,7 @@ measured, beside what the planner predicted for that GPU (issue #29: ViT-bigG-14
    (the CUDA context, cuBLAS/NCCL workspaces: device used minus reserved at the end), against the
    planner's total, which budgets those as its 2 GiB reserve. On CPU no OOM happens and memory is not
    measured: ``--device cpu`` runs the code paths only.
-Prints a table and one JSON line; the MFU measured here is what ``dsclip.plan_efficiency.MEASURED`` takes.
+Prints a table and one JSON line; the MFU measured here is what ``dsclip.plan.efficiency.MEASURED`` takes.
 """
 
 from __future__ import annotations

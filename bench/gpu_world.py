@@ -4,10 +4,10 @@ Every GPU figure before this was a world-1 rank's, where patches such as ``local
 an 8-GPU job never runs. Here each row is rank 0 of a world-N job (dsclip.rehearsal: ``dsclip train``'s
 engine and gradient-cache step, synthetic batches, bf16), its collectives answered at once by the fake
 group: the GPU time of everything a real rank does except communicating. The communication model
-(dsclip.comm_model, nccl-tests bus bandwidths, printed with their source) adds what the links would cost,
+(dsclip.plan.comm, nccl-tests bus bandwidths, printed with their source) adds what the links would cost,
 shown apart. Each (world, model) runs in its own child process (one fake world per process); rows print as
 each child finishes. ``--json-out`` keeps every result. On a GPU each row with the default patches also prints
-as a ``MeasuredMFU(..., world=N)`` line for dsclip/plan_efficiency.py's table (``SOURCE``: the results file
+as a ``MeasuredMFU(..., world=N)`` line for dsclip/plan/efficiency.py's table (``SOURCE``: the results file
 it goes in), which plans at that world size then take before the world-1 rows.
 
     python3 bench/gpu_world.py --worlds 8 64 --models ViT-B-32=512,ViT-L-14=128,ViT-H-14=64:ckpt \\
@@ -92,7 +92,7 @@ def row(world: int, model: str, config: str, r, link: LinkModel, k: int) -> tupl
 
 
 def table_row(world: int, model: str, config: str, r, plan, step: float, k: int) -> str:
-    """The rank's compute as a dsclip/plan_efficiency.py MEASURED row (a world-N row: fake collectives, no link
+    """The rank's compute as a dsclip/plan/efficiency.py MEASURED row (a world-N row: fake collectives, no link
     time), for the default patch set only: MFU = the plan's model FLOPs per sample (3 x forward + loss, the
     planner's convention) x the measured samples/s / the H200's measured 790 TFLOP/s."""
     if config == "zero2_none" or not r.step_s or r.skipped or r.spec["device"] != "cuda":

@@ -8,7 +8,7 @@ one real gloo world of N processes (dsclip.testing.gloo_world.run_world) run the
 model, bf16, synthetic batches. Rank 0's medians are reported.
 
 The N real ranks share this machine's cores, so wall time is no fair measure (a real rank's wall time holds
-the time its peers had the core). Two CPU measures, both from dsclip.comm_model's counter, which clocks every
+the time its peers had the core). Two CPU measures, both from dsclip.rehearsal.counter's counter, which clocks every
 collective call, async handle's wait and coalescing-manager exit on three clocks:
 - process CPU (``time.process_time``: all threads, gloo's workers included) per step, minus the process CPU
   inside those intervals. gloo's threads also burn CPU outside them for async ops (ZeRO-3's prefetched
