@@ -26,7 +26,7 @@ from dsclip.console import say
 from dsclip.dist import rank_world
 from dsclip.engine import optim
 from dsclip.engine.compile import compile_towers
-from dsclip.engine.ds_config import TrainArgs, precision_of, zero_stage
+from dsclip.engine.ds_config import TrainArgs, grad_reduction_of, precision_of, zero_stage
 from dsclip.engine.input_grads import needs_input_grads, require_input_grads
 from dsclip.engine.optim import OptimArgs
 from dsclip.engine.patches import PatchReport, install_patches, parse_selection
@@ -42,6 +42,8 @@ class EngineBundle:
     zero_stage: int
     precision: str  # "fp32" | "bf16" | "fp16"
     patches: PatchReport | None = None  # dsclip's changes to DeepSpeed internals active on this engine
+    # how the gradient cache reduces K chunk gradients here (engine/accumulation.py: sharded | coalesced)
+    grad_reduction: str = "coalesced"
 
     @property
     def module(self) -> nn.Module:
@@ -154,7 +156,8 @@ def build_engine(
     rank = rank_world()[0]
     patches = install_patches(engine, selection, log=say)
     say(f"[dsclip] rank {rank} {patches.describe()} (DeepSpeed {deepspeed_version()})")
-    return EngineBundle(engine, zero_stage(ds_config), precision_of(ds_config).name, patches)
+    reduction = grad_reduction_of(ds_config, train, rank_world()[1])
+    return EngineBundle(engine, zero_stage(ds_config), precision_of(ds_config).name, patches, reduction)
 
 
 def check_engine_device(engine, bound: int | None) -> None:

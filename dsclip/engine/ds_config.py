@@ -22,6 +22,7 @@ from typing import Any
 
 from dsclip.config_base import ConfigError, opt
 from dsclip.console import say
+from dsclip.engine.accumulation import GRAD_REDUCTIONS, choose_grad_reduction
 from dsclip.engine.ds_schema import check_zero_and_compile
 from dsclip.engine.optim_config import OptimArgs, timm_optimizer_info
 
@@ -56,6 +57,15 @@ class TrainArgs:
         "ds_configs/zero2.json",
         "DeepSpeed JSON; 'auto' values are filled from these settings. 'auto' itself: the shipped JSON dsclip plan "
         "chooses for this run (stage, offload) from device memory, world size and batch; run_config.yaml records it",
+    )
+    grad_reduction: str = opt(
+        "auto",
+        "Gradient cache, how the accum_freq chunk gradients of a step are reduced: sharded (DeepSpeed's own "
+        "accumulation: each chunk's backward reduce-scatters into this rank's partition, overlapped, summed in fp32; "
+        "ZeRO-2/3), coalesced (summed in every rank's whole .grad, one reduction per step; 16-bit only at "
+        "accum_freq 1) or auto (dsclip/engine/accumulation.py: sharded for 16-bit with accum_freq > 1, ZeRO-3 and "
+        "accum_freq 1 at world > 1; coalesced otherwise). dsclip plan shows both.",
+        choices=GRAD_REDUCTIONS,
     )
     keep_last_graph: bool = opt(
         True, "Gradient cache: keep the last micro-batch's graph from the first pass instead of re-forwarding it."
@@ -319,6 +329,7 @@ def resolve_ds_config(
             f"or drop --device (DS_ACCELERATOR selects DeepSpeed's accelerator)"
         )
     _fill_precision(ds, train, where, device_type)
+    _fill_grad_accum_dtype(ds, train, where)
     _fill_optimizer(ds, optim, where)
     # The installed DeepSpeed's own schema of zero_optimization/compile (which the fills above leave alone),
     # before any model. Last because it is the one rule that imports deepspeed (its pydantic models): a
@@ -408,6 +419,49 @@ def _fill_precision(ds: dict[str, Any], train: TrainArgs, where: str, device_typ
         fp16 = ds["fp16"]
         fp16.setdefault("loss_scale", 0)  # 0 = dynamic loss scaling
         fp16.setdefault("initial_scale_power", 16)
+
+
+def ds_precision(ds: dict[str, Any]) -> str:
+    """fp32, bf16 or fp16: what a resolved DeepSpeed dict runs in."""
+    return "bf16" if ds.get("bf16", {}).get("enabled") else "fp16" if ds.get("fp16", {}).get("enabled") else "fp32"
+
+
+def grad_reduction_of(ds: dict[str, Any], train: TrainArgs, world: int | None) -> str:
+    """The gradient cache's reduction for this run (``world=None``: before the process group, as at world > 1)."""
+    return choose_grad_reduction(
+        train.grad_reduction,
+        stage=zero_stage(ds),
+        world=2 if world is None else world,
+        accum_freq=train.accum_freq,
+        precision=ds_precision(ds),
+    )
+
+
+def _fill_grad_accum_dtype(ds: dict[str, Any], train: TrainArgs, where: str) -> None:
+    """16-bit runs that sum K > 1 chunk gradients sum them in fp32 (dsclip/engine/accumulation.py).
+
+    ZeRO-2/3 (sharded): DeepSpeed's gradient_accumulation_dtype is the dtype of the partition each chunk's
+    reduction adds into (ZeRO-2's compact fp32 partition buffer, ZeRO-3's partition_grads); ZeRO-1 bf16: the
+    BF16_Optimizer wrapper, which accumulates every backward into fp32 gradients (ZeRO-1 fp16: a per-parameter fp32
+    grad_accum). ZeRO-0 has no fp32 accumulation
+    in DeepSpeed (bf16 + fp32 accumulation is "unsupported mix" there), so K > 1 in 16-bit is refused."""
+    precision, stage = ds_precision(ds), zero_stage(ds)
+    reduction = grad_reduction_of(ds, train, None)  # raises for a combination that cannot be exact
+    if precision == "fp32" or train.accum_freq <= 1:
+        return
+    if stage == 0:
+        raise ConfigError(
+            f"{where}: ZeRO-0 with --precision {precision} and --accum-freq {train.accum_freq} would sum the chunk "
+            f"gradients in {precision} (DeepSpeed has no fp32 accumulation at stage 0); use a ZeRO-1/2/3 config "
+            f"(e.g. ds_configs/zero2_{precision}.json) or --accum-freq 1"
+        )
+    dtypes = ds.setdefault("data_types", {})
+    if dtypes.get("grad_accum_dtype", "fp32") not in ("fp32", "float32"):
+        raise ConfigError(
+            f"{where} sets data_types.grad_accum_dtype {dtypes['grad_accum_dtype']!r}, but --accum-freq "
+            f"{train.accum_freq} in {precision} sums its chunk gradients in it ({reduction}); remove the key or set fp32"
+        )
+    dtypes["grad_accum_dtype"] = "fp32"
 
 
 def _fill_optimizer(ds: dict[str, Any], o: OptimArgs, where: str) -> None:

@@ -173,6 +173,7 @@ def build_step(bundle: EngineBundle, loss: LossArgs, train: TrainArgs, teacher: 
         bundle.engine,
         loss_fn,
         accum_freq=train.accum_freq,
+        grad_reduction=bundle.grad_reduction,
         keep_last_graph=train.keep_last_graph,
         compute_dtype=autocast_dtype(bundle),
         extra_flags=stop.local_stop_flags,  # stop signals ride on the step's own all-reduce

@@ -99,6 +99,7 @@ class GradCacheStep:
         loss_fn: Callable[..., torch.Tensor],
         *,
         accum_freq: int = 1,
+        grad_reduction: str = "coalesced",
         keep_last_graph: bool = True,
         compute_dtype: torch.dtype = torch.float32,
         extra_flags: Callable[[], Sequence[float]] = tuple,
@@ -114,8 +115,11 @@ class GradCacheStep:
         self.keep_last_graph = keep_last_graph
         self.compute_dtype = compute_dtype
         self.device = engine.device if isinstance(engine.device, torch.device) else torch.device(engine.device)
-        # a one-line error here (start-up) where K backwards per step could not be exact (issue #34)
-        self.reduction = require_exact_accumulation(engine, accum_freq)
+        # a one-line error here (start-up) where K backwards per step could not be exact (issue #34); the
+        # engine's reduction: "sharded" (each chunk reduced into the fp32 partition as its backward runs),
+        # "coalesced" (one reduction of the summed .grad), "boundary" (DeepSpeed reduces at the boundary only)
+        self.grad_reduction = grad_reduction
+        self.reduction = require_exact_accumulation(engine, accum_freq, grad_reduction)
 
     def _inputs(self, batch: Batch) -> Batch:
         images, tokens = batch
@@ -206,7 +210,7 @@ class GradCacheStep:
         if k < 1:
             raise ValueError("a step needs at least one micro-batch")
         if k > 1:
-            require_exact_accumulation(self.engine, k)
+            require_exact_accumulation(self.engine, k, self.grad_reduction)
         rng_states, img_cache, txt_cache, live, out, teacher_cache = self._first_pass(micro_batches)
         rng_after = snapshot_rng(self.device)
         sizes = [t.shape[0] for t in img_cache]
