@@ -459,7 +459,8 @@ def _fill_grad_accum_dtype(ds: dict[str, Any], train: TrainArgs, where: str) -> 
     if dtypes.get("grad_accum_dtype", "fp32") not in ("fp32", "float32"):
         raise ConfigError(
             f"{where} sets data_types.grad_accum_dtype {dtypes['grad_accum_dtype']!r}, but --accum-freq "
-            f"{train.accum_freq} in {precision} sums its chunk gradients in it ({reduction}); remove the key or set fp32"
+            f"{train.accum_freq} in {precision} sums its chunk gradients in it ({reduction}); remove the key or "
+            f"set fp32"
         )
     dtypes["grad_accum_dtype"] = "fp32"
 

@@ -143,14 +143,14 @@ def world_results(request):
 def test_grad_reduction_equals_float64_big_batch(world_results):
     world, results = world_results
     model = make_model()
-    for (stage, precision, reduction, k), (grads, master, used) in results.items():
+    for (stage, precision, reduction, k), (_, _, used) in results.items():
         expected = {"fp32": reduction, "bf16": "sharded" if k > 1 else ("coalesced" if world == 1 else "sharded")}
         assert used == expected[precision], (stage, precision, reduction, k, used)
     errors = {}
     for (stage, precision, reduction, k), (grads, master, _) in results.items():
         ref = reference_grads(master, world)
         if precision == "fp32":
-            n = fp32_terms(world)
+            n, case = fp32_terms(world), f"ZeRO-{stage} {reduction} K={k} world {world}"
             for name, g in ref.items():
                 tol = rounding(n, float(g.abs().max()))
                 torch.testing.assert_close(
@@ -158,7 +158,7 @@ def test_grad_reduction_equals_float64_big_batch(world_results):
                     g,
                     atol=tol,
                     rtol=0,
-                    msg=lambda m, name=name: f"ZeRO-{stage} {reduction} K={k} world {world}: grad {name}: {m}",
+                    msg=lambda m, name=name, case=case: f"{case}: grad {name}: {m}",
                 )
         else:
             errors[(stage, k)] = linear_error(grads, ref, model)
