@@ -22,8 +22,8 @@ from typing import Any
 
 from dsclip.config_base import ConfigError, opt
 from dsclip.console import say
-from dsclip.engine.accumulation import GRAD_REDUCTIONS, choose_grad_reduction
 from dsclip.engine.ds_schema import check_zero_and_compile
+from dsclip.engine.grad_reduction import GRAD_REDUCTIONS, choose_grad_reduction
 from dsclip.engine.optim_config import OptimArgs, timm_optimizer_info
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16", "amp", "amp_bf16", "amp_bfloat16", "pure_bf16", "pure_fp16")

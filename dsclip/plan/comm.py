@@ -107,9 +107,18 @@ def step_traffic(
     embed_dim: int,
     loss: str,
     keep_last_graph: bool = True,
+    grad_reduction: str = "coalesced",
+    zero2_reduce: str = "reduce",
 ) -> Traffic:
     """One rank's collectives per step, as (kind, group size, phase) -> calls and bytes (the counter's
-    convention: the collective's whole buffer). Nothing at world 1."""
+    convention: the collective's whole buffer). Nothing at world 1.
+
+    The gradient reduction (``grad_reduction``, dsclip/engine/accumulation.py): "coalesced" reduces the summed
+    gradient once, at the boundary (exposed); "sharded" reduces every chunk's gradient inside its backward (K
+    reductions, overlappable with overlap_comm). ZeRO-2 reduces a bucket with one all-reduce
+    (``zero2_reduce="all_reduce"``: DeepSpeed's default ``use_multi_rank_bucket_allreduce``) or with one reduce
+    to each partition's owner (``"reduce"``, the shipped JSONs: reduce-scatter's (n-1)/n of the traffic, not
+    all-reduce's 2(n-1)/n); ZeRO-3 reduce-scatters."""
     t = Traffic()
     n = world
     if n <= 1:
@@ -124,11 +133,16 @@ def step_traffic(
         t.add("all_gather", n, 3 * rows * embed_dim * 4, "ring")
     else:
         raise ValueError(f"unknown loss {loss!r}; known: {', '.join(GATHERED_LOSSES + RING_LOSSES)}")
+    sharded = grad_reduction == "sharded" and zero >= 2
+    reductions, phase = (max(accum_freq, 1), "backward") if sharded else (1, "boundary")
     if zero in (1, 2):
-        t.add("all_reduce", n, w * trainable, "boundary")
+        kind = zero2_reduce if zero == 2 else "all_reduce"
+        for _ in range(reductions):
+            t.add(kind, n, w * trainable, phase)
         t.add("all_gather", n, w * trainable, "step")
     elif zero == 3:
-        t.add("reduce_scatter", n, w * trainable, "boundary")
+        for _ in range(reductions):
+            t.add("reduce_scatter", n, w * trainable, phase)
         for _ in range(forward_passes(accum_freq, keep_last_graph)):
             t.add("all_gather", n, w * (params - persistent), "forward")
         t.add("all_gather", n, w * persistent, "step")

@@ -86,6 +86,7 @@ def split_offloaded(states: dict[str, float], offload: str) -> tuple[dict[str, f
 
 
 GRADS_LINE = "grads (whole, until the one reduction)"
+SHARDED_GRADS_LINE = "grads (partition, each chunk reduced into it)"
 
 
 def whole_grad_bytes(trainable_params: int, precision: str) -> float:
@@ -121,17 +122,32 @@ def gradient_cache_grad_bytes(
 
 
 def gpu_state_bytes(
-    arch: Arch, gpus: int, zero: int, precision: str, offload: str = "none", *, ema: bool = False, locked: bool = True
+    arch: Arch,
+    gpus: int,
+    zero: int,
+    precision: str,
+    offload: str = "none",
+    *,
+    ema: bool = False,
+    locked: bool = True,
+    grad_reduction: str = "coalesced",
 ) -> tuple[dict[str, float], float]:
     """(per-GPU model states as dsclip's step holds them, bytes offloaded to the host): DeepSpeed's accounting
-    (``model_state_bytes``, ``split_offloaded``) with its "grads" replaced by ``GRADS_LINE``
-    (``gradient_cache_grad_bytes``) under ZeRO-2/3. ``locked=False``: as if every parameter trained."""
+    (``model_state_bytes``, ``split_offloaded``), whose "grads" under ZeRO-2/3 is the gradient cache's:
+    ``grad_reduction="coalesced"`` holds the whole ``.grad`` (``GRADS_LINE``, ``gradient_cache_grad_bytes``);
+    ``"sharded"`` reduces each chunk's gradients into the partition as they are produced (dsclip/engine/
+    accumulation.py), so a rank holds DeepSpeed's own partitions (``SHARDED_GRADS_LINE``: 6 B x P / N in mixed
+    precision, 4 B x P / N in fp32; with K > 1 in 16-bit the partition is fp32, 4 B x P / N, and the step reads
+    it in place, so 6 B is an upper bound) plus the reduction buckets (``bucket_bytes``, counted apart).
+    ``locked=False``: as if every parameter trained."""
     trainable = arch.trainable_params if locked else arch.params
     states = model_state_bytes(arch.params, gpus, zero, precision, arch.largest_layer_params, trainable, ema)
     partitions = states["grads"]
     states, host = split_offloaded(states, offload)
     if zero < 2:
         return states, host
+    if grad_reduction == "sharded":
+        return {(SHARDED_GRADS_LINE if k == "grads" else k): v for k, v in states.items()}, host
     grads = gradient_cache_grad_bytes(partitions, trainable, gpus, zero, precision, offload != "none")
     return {(GRADS_LINE if k == "grads" else k): (grads if k == "grads" else v) for k, v in states.items()}, host
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from dsclip.config_base import ConfigError
-from dsclip.engine.accumulation import MAX_16BIT_SUM_CHUNKS, choose_grad_reduction
 from dsclip.engine.ds_config import TrainArgs, load_ds_json, resolve_ds_config
+from dsclip.engine.grad_reduction import MAX_16BIT_SUM_CHUNKS, choose_grad_reduction
 from dsclip.engine.optim_config import OptimArgs
 
 
