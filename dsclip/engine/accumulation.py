@@ -77,3 +77,43 @@ def require_exact_accumulation(engine, accum_freq: int, grad_reduction: str = "c
             f"JSON (or leave it unset: dsclip fills it)"
         )
     return mode
+
+
+def held_gradient_storages(engine) -> dict[int, int]:
+    """The gradient storages this rank holds right now (address -> bytes), each storage once: every ``param.grad`` (and
+    ``grad_accum``), ZeRO-1/2's gradient partitions (``grads_in_partition``, ``averaged_gradients``) and ZeRO-3's
+    flat partition buffer; the reduction buckets are left out (``dsclip plan`` counts them apart, and a
+    ``.grad`` that is a view into a bucket is the bucket's). What the rehearsal holds beside the plan's gradient
+    line (dsclip/rehearsal/room.py); DeepSpeed's attribute names, read here because the engine package owns them.
+    """
+    opt = engine.optimizer
+    buckets = set()
+    for bucket in (getattr(opt, "ipg_buckets", None) or {}).values():
+        for buf in _tensors(getattr(bucket, "buffer", None)):
+            buckets.add(buf.untyped_storage().data_ptr())
+    found: dict[int, int] = {}
+
+    def add(t) -> None:
+        for x in _tensors(t):
+            s = x.untyped_storage()
+            if s.data_ptr() not in buckets and s.nbytes():
+                found[s.data_ptr()] = s.nbytes()
+
+    for p in engine.module.parameters():
+        add(p.grad)
+        add(getattr(p, "grad_accum", None))
+    add(getattr(opt, "grads_in_partition", None))
+    for v in (getattr(opt, "averaged_gradients", None) or {}).values():
+        add(getattr(v, "flat_partition", v))
+    add(getattr(opt, "grad_partitions_flat_buffer", None))
+    return found
+
+
+def _tensors(t) -> list:
+    import torch
+
+    if isinstance(t, torch.Tensor):
+        return [t]
+    if isinstance(t, list | tuple):
+        return [x for item in t for x in _tensors(item)]
+    return []

@@ -329,7 +329,7 @@ def resolve_ds_config(
             f"or drop --device (DS_ACCELERATOR selects DeepSpeed's accelerator)"
         )
     _fill_precision(ds, train, where, device_type)
-    _fill_grad_accum_dtype(ds, train, where)
+    _fill_grad_accum_dtype(ds, train, where, world_size)
     _fill_optimizer(ds, optim, where)
     # The installed DeepSpeed's own schema of zero_optimization/compile (which the fills above leave alone),
     # before any model. Last because it is the one rule that imports deepspeed (its pydantic models): a
@@ -437,30 +437,34 @@ def grad_reduction_of(ds: dict[str, Any], train: TrainArgs, world: int | None) -
     )
 
 
-def _fill_grad_accum_dtype(ds: dict[str, Any], train: TrainArgs, where: str) -> None:
-    """16-bit runs that sum K > 1 chunk gradients sum them in fp32 (dsclip/engine/accumulation.py).
+def _fill_grad_accum_dtype(ds: dict[str, Any], train: TrainArgs, where: str, world: int | None) -> None:
+    """Where a 16-bit run's gradients are summed or partitioned by DeepSpeed, they are in fp32
+    (dsclip/engine/accumulation.py): ``data_types.grad_accum_dtype: fp32``.
 
-    ZeRO-2/3 (sharded): DeepSpeed's gradient_accumulation_dtype is the dtype of the partition each chunk's
-    reduction adds into (ZeRO-2's compact fp32 partition buffer, ZeRO-3's partition_grads); ZeRO-1 bf16: the
-    BF16_Optimizer wrapper, which accumulates every backward into fp32 gradients (ZeRO-1 fp16: a per-parameter fp32
-    grad_accum). ZeRO-0 has no fp32 accumulation
-    in DeepSpeed (bf16 + fp32 accumulation is "unsupported mix" there), so K > 1 in 16-bit is refused."""
+    ZeRO-2/3 sharded (any K): the partition each chunk's reduction adds into is then fp32 (ZeRO-2's compact fp32
+    partition buffer, ZeRO-3's flat gradient partition), and the optimizer step reads it in place: 4 B x P / N
+    held, not a 16-bit partition plus the fp32 copy the step makes of it (6 B x P / N). ZeRO-1 with K > 1: the
+    BF16_Optimizer wrapper (fp16: a per-parameter fp32 grad_accum) sums every backward in fp32. ZeRO-0 has no
+    fp32 accumulation in DeepSpeed (bf16 + fp32 accumulation is an "unsupported mix" there), so K > 1 in
+    16-bit is refused. Coalesced ZeRO-2/3 keeps the model's dtype: it sums in ``.grad`` (16-bit only at K = 1)."""
     precision, stage = ds_precision(ds), zero_stage(ds)
-    reduction = grad_reduction_of(ds, train, None)  # raises for a combination that cannot be exact
-    if precision == "fp32" or train.accum_freq <= 1:
+    reduction = grad_reduction_of(ds, train, world)  # raises for a combination that cannot be exact
+    if precision == "fp32":
         return
-    if stage == 0:
+    if stage == 0 and train.accum_freq > 1:
         raise ConfigError(
             f"{where}: ZeRO-0 with --precision {precision} and --accum-freq {train.accum_freq} would sum the chunk "
             f"gradients in {precision} (DeepSpeed has no fp32 accumulation at stage 0); use a ZeRO-1/2/3 config "
             f"(e.g. ds_configs/zero2_{precision}.json) or --accum-freq 1"
         )
+    if not (reduction == "sharded" or (stage == 1 and train.accum_freq > 1)):
+        return
     dtypes = ds.setdefault("data_types", {})
     if dtypes.get("grad_accum_dtype", "fp32") not in ("fp32", "float32"):
         raise ConfigError(
-            f"{where} sets data_types.grad_accum_dtype {dtypes['grad_accum_dtype']!r}, but --accum-freq "
-            f"{train.accum_freq} in {precision} sums its chunk gradients in it ({reduction}); remove the key or "
-            f"set fp32"
+            f"{where} sets data_types.grad_accum_dtype {dtypes['grad_accum_dtype']!r}, but this {precision} run "
+            f"sums or partitions its gradients in it ({reduction}, --accum-freq {train.accum_freq}); remove the key "
+            f"or set fp32"
         )
     dtypes["grad_accum_dtype"] = "fp32"
 

@@ -87,6 +87,13 @@ def persistent_numel(cfg_json: str, param_threshold: int, model_threshold: int) 
     return total
 
 
+def zero2_reduce_kind(ds_config: dict) -> str:
+    """How ZeRO-2 reduces a gradient bucket under this JSON: "reduce" (one reduce to each partition's owner,
+    ``use_multi_rank_bucket_allreduce: false``, the shipped JSONs) or "all_reduce" (DeepSpeed's default)."""
+    z = ds_config.get("zero_optimization", {})
+    return "all_reduce" if z.get("use_multi_rank_bucket_allreduce", True) else "reduce"
+
+
 def forward_passes(accum_freq: int, keep_last_graph: bool = True) -> int:
     """Forwards a gradient-cache step runs: K without a graph, then K - 1 re-forwards (K without the kept
     last graph; dsclip/train/gradcache.py)."""

@@ -86,7 +86,7 @@ def split_offloaded(states: dict[str, float], offload: str) -> tuple[dict[str, f
 
 
 GRADS_LINE = "grads (whole, until the one reduction)"
-SHARDED_GRADS_LINE = "grads (partition, each chunk reduced into it)"
+SHARDED_GRADS_LINE = "grads (partition, reduced per chunk)"
 
 
 def whole_grad_bytes(trainable_params: int, precision: str) -> float:
@@ -94,6 +94,17 @@ def whole_grad_bytes(trainable_params: int, precision: str) -> float:
     coalesced reduction: the whole gradient of every trainable parameter in the weights' dtype, whatever
     the stage or world (tests/dist/test_coalesced_grads.py measures it)."""
     return (4 if precision == "fp32" else 2) * float(trainable_params)
+
+
+def sharded_grad_bytes(trainable_params: int, world: int) -> float:
+    """Per-GPU gradient bytes of the sharded reduction under ZeRO-2/3: one fp32 partition, 4 B x trainable / N.
+
+    16-bit runs get ``data_types.grad_accum_dtype: fp32`` (dsclip/engine/ds_config.py), so each chunk's reduced
+    bucket is added into an fp32 partition (ZeRO-2's compact partition buffer, ZeRO-3's flat gradient partition)
+    that the optimizer step reads in place: DeepSpeed's accounting of a 16-bit partition plus the step's fp32
+    copy (6 B x P / N) does not apply. Measured by the rehearsal (``held_gradient_storages``, demo model, world 8
+    and 64, ZeRO-2/3, K = 1 and 2: tests/unit/test_plan_comm.py)."""
+    return 4.0 * float(trainable_params) / world
 
 
 def gradient_cache_grad_bytes(
@@ -136,9 +147,8 @@ def gpu_state_bytes(
     (``model_state_bytes``, ``split_offloaded``), whose "grads" under ZeRO-2/3 is the gradient cache's:
     ``grad_reduction="coalesced"`` holds the whole ``.grad`` (``GRADS_LINE``, ``gradient_cache_grad_bytes``);
     ``"sharded"`` reduces each chunk's gradients into the partition as they are produced (dsclip/engine/
-    accumulation.py), so a rank holds DeepSpeed's own partitions (``SHARDED_GRADS_LINE``: 6 B x P / N in mixed
-    precision, 4 B x P / N in fp32; with K > 1 in 16-bit the partition is fp32, 4 B x P / N, and the step reads
-    it in place, so 6 B is an upper bound) plus the reduction buckets (``bucket_bytes``, counted apart).
+    accumulation.py), so a rank holds one fp32 partition (``SHARDED_GRADS_LINE``, ``sharded_grad_bytes``) plus
+    the reduction buckets (``bucket_bytes``, counted apart).
     ``locked=False``: as if every parameter trained."""
     trainable = arch.trainable_params if locked else arch.params
     states = model_state_bytes(arch.params, gpus, zero, precision, arch.largest_layer_params, trainable, ema)
@@ -147,7 +157,10 @@ def gpu_state_bytes(
     if zero < 2:
         return states, host
     if grad_reduction == "sharded":
-        return {(SHARDED_GRADS_LINE if k == "grads" else k): v for k, v in states.items()}, host
+        grads = 0.0 if offload != "none" else sharded_grad_bytes(trainable, gpus)
+        return {
+            (SHARDED_GRADS_LINE if k == "grads" else k): (grads if k == "grads" else v) for k, v in states.items()
+        }, host
     grads = gradient_cache_grad_bytes(partitions, trainable, gpus, zero, precision, offload != "none")
     return {(GRADS_LINE if k == "grads" else k): (grads if k == "grads" else v) for k, v in states.items()}, host
 

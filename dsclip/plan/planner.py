@@ -15,11 +15,19 @@ from pathlib import Path
 
 from dsclip.config_base import ConfigError
 from dsclip.engine.ds_config import SHIPPED_DS_CONFIGS
+from dsclip.engine.grad_reduction import GRAD_REDUCTIONS, choose_grad_reduction
 from dsclip.losses.config import LOSS_FLAGS, TRAIN_TILE_SIZE
 from dsclip.losses.config import LOSS_NAMES as LOSS_MODES
 from dsclip.model.lock import LockConfig, check_lock_config
 from dsclip.plan.architecture import Arch, load_arch
-from dsclip.plan.comm import LinkModel, exposed_seconds, persistent_numel, step_traffic, zero3_persistence
+from dsclip.plan.comm import (
+    LinkModel,
+    exposed_seconds,
+    persistent_numel,
+    step_traffic,
+    zero2_reduce_kind,
+    zero3_persistence,
+)
 from dsclip.plan.efficiency import MEASURED, extra_forwards, offload_seconds, plan_mfu_row
 from dsclip.plan.flops import forward_flops, loss_flops
 from dsclip.plan.memory import (
@@ -87,6 +95,11 @@ class Plan:
     comm_total_s: float = 0.0  # per step: every collective back to back (what overlap could hide)
     comm_share: float = 0.0  # comm_s / step_time_s
     comm_link: str = ""  # the link model's figures and their sources
+    # how the gradient cache reduces the K chunk gradients (dsclip/engine/accumulation.py): sharded | coalesced
+    grad_reduction: str = "coalesced"
+    # every reduction the plan weighed: mode -> {fits, samples_per_s_per_gpu, memory_gb, micro_batch, accum_freq,
+    # refused (why the run would refuse it, or "")}
+    reductions: dict = field(default_factory=dict)
 
 
 def shipped_ds_config(zero: int, precision: str) -> tuple[str, dict]:
@@ -149,14 +162,24 @@ def make_plan(
     ds_config: tuple[str, dict] | None = None,
     ema: bool = False,
     link: LinkModel | None = None,
+    grad_reduction: str = "auto",
 ) -> Plan:
     """Plan one run. ``device="cpu"`` predicts the peak resident memory of each rank of a CPU run
     (``gpu_memory_gb`` is then the RAM per rank and ``baseline_gb`` the measured resident size of a rank
     before the model exists: see :func:`_plan_cpu_memory`). ``ds_config`` is (name as printed, JSON) of the
     user's DeepSpeed JSON; default: the shipped one for ``zero`` and ``precision``. ``link``: the links the
     communication time is modelled on (dsclip.plan.comm; default: NVLink inside ``gpus_per_node``, InfiniBand
-    per GPU between nodes)."""
+    per GPU between nodes). ``grad_reduction`` (``--grad-reduction``): "auto" plans both reductions under
+    ZeRO-2/3 and keeps the faster that fits and that the run would allow (:func:`_choose_reduction`)."""
+    given = dict(locals())  # every argument, for planning each reduction with the same settings
     _check_plan_args(loss, zero, precision, gpus, batch_size, gpu_memory_gb, patch_dropout, mfu)
+    if grad_reduction not in GRAD_REDUCTIONS:
+        raise ConfigError(f"--grad-reduction must be one of {', '.join(GRAD_REDUCTIONS)}, got {grad_reduction!r}")
+    if grad_reduction == "auto" and zero >= 2 and device != "cpu":
+        given.pop("grad_reduction")
+        return _choose_reduction([make_plan(**given, grad_reduction=m) for m in ("sharded", "coalesced")])
+    if grad_reduction == "auto":
+        grad_reduction = "coalesced"  # ZeRO-1 (and a CPU run's plan): one reduction of the whole gradient
     if lock is not None:
         shape = load_arch(model, count_params=False, image_size=image_size)
         check_lock_config(
@@ -181,6 +204,7 @@ def make_plan(
         lock={k: v for k, v in asdict(lock).items() if v} if lock is not None else {},
     )
     plan.local_batch = batch_size // gpus
+    plan.grad_reduction = grad_reduction
     ds_name, ds_cfg = ds_config or shipped_ds_config(zero, precision)
     plan.ds_config, plan.offload = ds_name, offload_of(ds_cfg)
     if device == "cpu":
@@ -188,10 +212,65 @@ def make_plan(
     else:
         losses = _plan_memory(plan, arch, ds_cfg, tile, reserve_gb, micro_batch, ema=ema)
         _check_host(plan, gpus_per_node, host_memory_gb)
+        _check_reduction(plan)
     _plan_speed(plan, arch, keep_last_graph, ds_cfg, link or LinkModel(gpus_per_node=gpus_per_node))
     plan.command = _train_command(plan, ds_name, tile, gpus_per_node)
     _plan_notes(plan, losses, tile, gpus_per_node)
+    plan.reductions = {plan.grad_reduction: _reduction_row(plan)}
     return plan
+
+
+def _reduction_refusal(plan: Plan) -> str:
+    """Why ``dsclip train`` would refuse this plan's reduction at its K ("" where it would not)."""
+    try:
+        choose_grad_reduction(
+            plan.grad_reduction,
+            stage=plan.zero,
+            world=plan.gpus,
+            accum_freq=max(plan.accum_freq, 1),
+            precision=plan.precision,
+        )
+    except ConfigError as e:
+        return str(e)
+    return ""
+
+
+def _check_reduction(plan: Plan) -> None:
+    refused = _reduction_refusal(plan)
+    if refused and plan.fits:
+        plan.fits = False
+        plan.notes.append(f"refused by dsclip train: {refused}")
+
+
+def _reduction_row(plan: Plan) -> dict:
+    return {
+        "fits": plan.fits,
+        "samples_per_s_per_gpu": plan.samples_per_s_per_gpu,
+        "memory_gb": plan.memory_gb.get("total", 0.0),
+        "micro_batch": plan.micro_batch,
+        "accum_freq": plan.accum_freq,
+        "refused": _reduction_refusal(plan),
+    }
+
+
+def _choose_reduction(plans: list[Plan]) -> Plan:
+    """The plan of the reduction to run: the fastest of those that fit (ties: the first, sharded, which holds
+    less), else the first; it carries every reduction's row (``Plan.reductions``) and a note on the other."""
+    fitting = [p for p in plans if p.fits]
+    chosen = max(fitting, key=lambda p: p.samples_per_s_per_gpu) if fitting else plans[0]
+    chosen.reductions = {p.grad_reduction: _reduction_row(p) for p in plans}
+    for p in plans:
+        if p is chosen:
+            continue
+        row = chosen.reductions[p.grad_reduction]
+        why = row["refused"] or (
+            "does not fit" if not row["fits"] else f"{row['samples_per_s_per_gpu']:g} samples/s/GPU"
+        )
+        chosen.notes.append(
+            f"--grad-reduction {p.grad_reduction}: {row['memory_gb']:.1f} GiB, micro-batch {row['micro_batch']} x "
+            f"{row['accum_freq']}; {why}"
+        )
+    return chosen
 
 
 def _plan_memory(
@@ -199,9 +278,12 @@ def _plan_memory(
 ) -> dict[str, float]:
     """Fill the memory budget, the largest micro-batch that fits and the accumulation; returns loss bytes per mode."""
     local, loss, precision = plan.local_batch, plan.loss, plan.precision
-    states, host_states = gpu_state_bytes(arch, plan.gpus, plan.zero, precision, plan.offload, ema=ema)
+    reduction = plan.grad_reduction
+    states, host_states = gpu_state_bytes(
+        arch, plan.gpus, plan.zero, precision, plan.offload, ema=ema, grad_reduction=reduction
+    )
     unlocked, unlocked_host = gpu_state_bytes(
-        arch, plan.gpus, plan.zero, precision, plan.offload, ema=ema, locked=False
+        arch, plan.gpus, plan.zero, precision, plan.offload, ema=ema, locked=False, grad_reduction=reduction
     )
     saved = sum(unlocked.values()) + unlocked_host - sum(states.values()) - host_states
     plan.locked_saving_gb = round(saved / GiB, 3)
@@ -358,6 +440,7 @@ def _plan_comm(plan: Plan, arch: Arch, keep_last_graph: bool, ds_cfg: dict, link
         params=arch.params, trainable=arch.trainable_params, persistent=persistent, world=plan.gpus,
         zero=plan.zero, precision=plan.precision, accum_freq=plan.accum_freq, local_batch=plan.local_batch,
         embed_dim=arch.embed_dim, loss=plan.loss, keep_last_graph=keep_last_graph,
+        grad_reduction=plan.grad_reduction, zero2_reduce=zero2_reduce_kind(ds_cfg),
     )  # fmt: skip
     overlap = bool(ds_cfg.get("zero_optimization", {}).get("overlap_comm", False))
     exposed, total = exposed_seconds(traffic, link, zero=plan.zero, overlap_comm=overlap, compute_s=compute)
@@ -389,6 +472,11 @@ def train_args(plan: Plan, ds_name: str, tile: int) -> list[str]:
     ]
     if plan.grad_checkpointing:
         args.append("--grad-checkpointing")
+    train_pick = choose_grad_reduction(
+        "auto", stage=plan.zero, world=plan.gpus, accum_freq=max(plan.accum_freq, 1), precision=plan.precision
+    )
+    if plan.grad_reduction != train_pick:  # dsclip train's own choice otherwise: the command says so
+        args.append(f"--grad-reduction {plan.grad_reduction}")
     if plan.image_size:
         args.append(f"--force-image-size {plan.image_size}")
     for key, value in plan.lock.items():

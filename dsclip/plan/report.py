@@ -50,6 +50,7 @@ def _headline(p: Plan) -> list[str]:
         + (f"{p.gpus} GPUs x {p.gpu_memory_gb:g} GiB | " if p.device != "cpu" else f"{p.gpus} CPU ranks | ")
         + f"ZeRO-{p.zero}{'' if p.offload == 'none' else ' offload ' + p.offload} {p.precision} | "
         + f"global batch {p.batch_size} ({p.local_batch}/GPU) | loss {p.loss}"
+        + (f" | grads {p.grad_reduction}" if p.zero >= 2 and p.device != "cpu" else "")
         + (" | grad-checkpointing" if p.grad_checkpointing else "")
         + (f" | patch-dropout {p.patch_dropout:g}" if p.patch_dropout else "")
         + (f" | image size {p.image_size}" if p.image_size else "")

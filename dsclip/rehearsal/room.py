@@ -15,6 +15,7 @@ checkpoint, nothing left behind.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -47,6 +48,7 @@ class RehearsalSpec:
     steps: int = 3  # timed steps (after one warm-up step)
     device: str = "cpu"  # "cpu" or "cuda": where this rank runs
     seed: int = 0
+    grad_reduction: str = "auto"  # --grad-reduction (dsclip/engine/grad_reduction.py)
 
 
 @dataclass
@@ -66,6 +68,8 @@ class RehearsalResult:
     thread_s: list = field(default_factory=list)  # the main thread's own CPU time per timed step
     comm_cpu_s: list = field(default_factory=list)  # process CPU inside collective calls / waits per timed step
     comm_thread_s: list = field(default_factory=list)  # main-thread CPU inside the same intervals per timed step
+    grad_reduction: str = ""  # the reduction the step ran (sharded | coalesced | boundary)
+    grad_bytes: int = 0  # the most gradient storage held at once (probe_gradients), beside the plan's grads line
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -208,6 +212,37 @@ def _optimizer_partition(engine) -> tuple[int, int]:
     return numel, nbytes
 
 
+def probe_gradients(engine) -> list[int]:
+    """Record, in the returned one-element list, the most gradient bytes the engine holds at once
+    (dsclip.engine.accumulation.held_gradient_storages): after every backward, and across the coalesced block's
+    flush the storages alive before it and after it together (the whole ``.grad`` and the partition the flush
+    fills: what the plan's coalesced line counts). Instance attributes over the engine's methods."""
+    from dsclip.engine.accumulation import held_gradient_storages
+
+    peak = [0]
+    backward = engine.backward
+
+    def probed_backward(*args, **kwargs):
+        out = backward(*args, **kwargs)
+        peak[0] = max(peak[0], sum(held_gradient_storages(engine).values()))
+        return out
+
+    engine.backward = probed_backward
+    if hasattr(engine, "coalesce_grad_reduction"):
+        make = engine.coalesce_grad_reduction
+
+        @contextlib.contextmanager
+        def probed_block(*args, **kwargs):
+            with make(*args, **kwargs) as inner:
+                yield inner
+                before = held_gradient_storages(engine)
+            both = {**before, **held_gradient_storages(engine)}
+            peak[0] = max(peak[0], sum(both.values()))
+
+        engine.coalesce_grad_reduction = probed_block
+    return peak
+
+
 def _synthetic_batches(spec: RehearsalSpec, model_cfg: dict, tok: _Tokens, gen) -> list:
     import torch
 
@@ -245,6 +280,7 @@ def rehearse_in_world(spec: RehearsalSpec, counter) -> RehearsalResult:
         )  # fmt: skip
         step = build_step(bundle, loss_args, train)
         track_phases(bundle.engine, counter)
+        held = probe_gradients(bundle.engine)
         params = sum(getattr(p, "ds_numel", p.numel()) for p in bundle.module.parameters())
         gen = torch.Generator().manual_seed(spec.seed + int(os.environ.get("RANK", "0")))
         micro = _synthetic_batches(spec, model_cfg, tok, gen)
@@ -254,6 +290,7 @@ def rehearse_in_world(spec: RehearsalSpec, counter) -> RehearsalResult:
         raise RehearsalError(f"out of device memory while {phase}; lower --batch-size or add GPUs") from None
     peak = (torch.cuda.max_memory_allocated() if cuda else _peak_rss_bytes()) - base
     numel, nbytes = _optimizer_partition(bundle.engine)
+    reduction = step.reduction
     if hasattr(bundle.engine, "destroy"):
         bundle.engine.destroy()
     del bundle, step
@@ -278,6 +315,8 @@ def rehearse_in_world(spec: RehearsalSpec, counter) -> RehearsalResult:
         traffic=traffic,
         loss_finite=timed.finite,
         comm_s=timed.comm_s,
+        grad_reduction=reduction,
+        grad_bytes=held[0],
         cpu_s=timed.cpu_s,
         thread_s=timed.thread_s,
         comm_cpu_s=timed.comm_cpu_s,
@@ -304,6 +343,7 @@ def _run_settings(spec: RehearsalSpec, counter):
         engine_patches=spec.engine_patches,
         seed=spec.seed,
         max_steps=spec.steps + 1,
+        grad_reduction=spec.grad_reduction,
     )
     model_args = ModelArgs(model=spec.model, grad_checkpointing=spec.grad_checkpointing)
     loss_args, optim_args = LossArgs(), OptimArgs()

@@ -264,7 +264,7 @@ EXPECTED_PATCHES = {
 
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("stage", [2, 3])
-@pytest.mark.parametrize("k", [1, 2, 4])
+@pytest.mark.parametrize("k", [1, 2])  # K = 16, 256: tests/dist/test_grad_reduction.py
 def test_gradcache_equals_big_batch(world, stage, k, shared_dir):
     results = plain_run(shared_dir, world, stage, k)
     assert all(r["hooks_restored"] for r in results)

@@ -37,17 +37,21 @@ def test_refusals_name_the_fix():
     assert choose_grad_reduction("coalesced", stage=2, world=8, accum_freq=1, precision="bf16") == "coalesced"
 
 
-def _resolve(name, **train):
+def _resolve(name, world=4, **train):
     t = TrainArgs(deepspeed_config=name, batch_size=2, **train)
-    return resolve_ds_config(load_ds_json(name), t, OptimArgs(), world_size=4, device_type="cpu")
+    return resolve_ds_config(load_ds_json(name), t, OptimArgs(), world_size=world, device_type="cpu")
 
 
 def test_16bit_accumulation_is_asked_in_fp32():
-    """DeepSpeed sums partitioned gradients in data_types.grad_accum_dtype, the model's dtype unless set."""
+    """DeepSpeed sums and partitions gradients in data_types.grad_accum_dtype, the model's dtype unless set:
+    fp32 wherever a 16-bit run's gradients are sharded (any K: the step then reads the fp32 partition in place)
+    or summed (ZeRO-1, K > 1: BF16_Optimizer)."""
     assert _resolve("zero2_bf16", accum_freq=16)["data_types"]["grad_accum_dtype"] == "fp32"
     assert _resolve("zero3_bf16", accum_freq=4)["data_types"]["grad_accum_dtype"] == "fp32"
+    assert _resolve("zero2_bf16", accum_freq=1)["data_types"]["grad_accum_dtype"] == "fp32"  # sharded at world 4
     assert _resolve("zero1_bf16", accum_freq=4)["data_types"]["grad_accum_dtype"] == "fp32"  # BF16_Optimizer
-    assert "data_types" not in _resolve("zero2_bf16", accum_freq=1)  # nothing summed
+    assert "data_types" not in _resolve("zero2_bf16", world=1, accum_freq=1)  # coalesced, nothing summed
+    assert "data_types" not in _resolve("zero2_bf16", accum_freq=1, grad_reduction="coalesced")
     assert "data_types" not in _resolve("zero2_fp32", accum_freq=16)
 
 
