@@ -16,11 +16,12 @@ import json
 import os
 import shlex
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from dsclip.config_base import ConfigError
 from dsclip.engine.ds_config import PRECISIONS, PURE_PRECISIONS, load_ds_json, normalize_precision
+from dsclip.engine.grad_reduction import GRAD_REDUCTIONS
 from dsclip.losses.config import LOSS_NAMES as LOSS_MODES
 from dsclip.losses.config import TRAIN_TILE_SIZE
 from dsclip.model.lock import LockConfig
@@ -184,6 +185,13 @@ def _model_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--ema-decay", type=float, help="as in dsclip train: count the sharded EMA (4 B x trainable params / GPUs)"
+    )
+    p.add_argument(
+        "--grad-reduction",
+        choices=GRAD_REDUCTIONS,
+        default="auto",
+        help="as in dsclip train; auto: plan both under ZeRO-2/3 (sharded: an fp32 partition, K overlapped "
+        "reductions; coalesced: the whole .grad, one exposed reduction) and keep the faster that fits",
     )
 
 
@@ -419,6 +427,7 @@ def _search_and_print(a, model: str, batch: int, micro, precision: str, ds, gpu_
         gpus=a.gpus, gpu_memory_gb=memory, batch_size=batch, patch_dropout=a.force_patch_dropout, mfu=a.mfu,
         peak_tflops=peak, tile=a.loss_tile_size, gpus_per_node=a.gpus_per_node, reserve_gb=a.reserve,
         image_size=a.force_image_size, lock=_lock(a), host_memory_gb=a.host_memory, link=link_from_args(a),
+        grad_reduction=a.grad_reduction,
     )  # fmt: skip
     fixed = _fixed(a, ds, micro)
     found = search(model, fixed=fixed, precision=precision, **base)
@@ -533,14 +542,18 @@ def link_from_args(a) -> LinkModel:
 
 
 def run_measure(a, plan: Plan, ds: tuple[str, dict]) -> int:
-    from dsclip.rehearsal.report import format_report
-    from dsclip.rehearsal.room import RehearsalError, RehearsalSpec, rehearse
+    from dsclip.rehearsal.report import format_reductions, format_report
+    from dsclip.rehearsal.room import RehearsalError, RehearsalSpec, rehearse_many
 
     if a.measure_steps < 1:
         print("dsclip plan: --measure-steps must be at least 1", file=sys.stderr)
         return 2
     device = _device(a.measure_device)
     micro = plan.micro_batch or a.batch_size
+    # each reduction the plan weighed that dsclip train would run at this K (the chosen one first)
+    modes = [plan.grad_reduction] + [
+        m for m, row in plan.reductions.items() if m != plan.grad_reduction and not row["refused"]
+    ]
     spec = RehearsalSpec(
         model=plan.model,
         world=plan.gpus,
@@ -552,6 +565,7 @@ def run_measure(a, plan: Plan, ds: tuple[str, dict]) -> int:
         gpus_per_node=a.gpus_per_node,
         steps=a.measure_steps,
         device=device,
+        grad_reduction=plan.grad_reduction,
     )
     print(
         f"\nrehearsal: rank 0 of a world of {plan.gpus} under torch's fake process group on {device}, "
@@ -560,11 +574,13 @@ def run_measure(a, plan: Plan, ds: tuple[str, dict]) -> int:
     )
     sys.stdout.flush()
     try:
-        r = rehearse(spec)
+        results = rehearse_many([replace(spec, grad_reduction=m) for m in modes])
     except RehearsalError as e:
         print(f"dsclip plan --measure: {e}", file=sys.stderr)
         return 2
-    print(format_report(r, plan, link_from_args(a), device))
+    print(format_report(results[0], plan, link_from_args(a), device))
+    if len(results) > 1 or plan.reductions:
+        print(format_reductions(results, plan))
     return 0
 
 
@@ -598,6 +614,7 @@ def main_plan(argv: list[str]) -> int:
         micro_batch=micro,
         host_memory_gb=a.host_memory,
         gpus_per_node=a.gpus_per_node,
+        grad_reduction=a.grad_reduction,
     )
     if batch is None:
         batch = largest_batch(model, **common)

@@ -97,6 +97,8 @@ class Plan:
     comm_link: str = ""  # the link model's figures and their sources
     # how the gradient cache reduces the K chunk gradients (dsclip/engine/accumulation.py): sharded | coalesced
     grad_reduction: str = "coalesced"
+    grads_bytes: float = 0.0  # per GPU: the gradient line of memory_gb, unrounded (bytes)
+    comm_bytes: dict = field(default_factory=dict)  # per step, derived: "kind in phase" -> bytes (dsclip/plan/comm.py)
     # every reduction the plan weighed: mode -> {fits, samples_per_s_per_gpu, memory_gb, micro_batch, accum_freq,
     # refused (why the run would refuse it, or "")}
     reductions: dict = field(default_factory=dict)
@@ -245,6 +247,8 @@ def _check_reduction(plan: Plan) -> None:
 def _reduction_row(plan: Plan) -> dict:
     return {
         "fits": plan.fits,
+        "grads_gb": plan.grads_bytes / GiB,
+        "comm_bytes": plan.comm_bytes,
         "samples_per_s_per_gpu": plan.samples_per_s_per_gpu,
         "memory_gb": plan.memory_gb.get("total", 0.0),
         "micro_batch": plan.micro_batch,
@@ -308,6 +312,7 @@ def _plan_memory(
     plan.micro_batch, plan.accum_freq = micro, (local // micro if micro else 0)
     plan.host_inputs_gb = round(input_bytes(arch, local) / GiB, 3)
 
+    plan.grads_bytes = next((v for k, v in states.items() if k.startswith("grads")), 0.0)
     mem = {k: v / GiB for k, v in states.items() if v or plan.offload == "none"}  # offloaded: a host line below
     mem["comm_buckets"] = buckets / GiB
     if held:
@@ -442,6 +447,7 @@ def _plan_comm(plan: Plan, arch: Arch, keep_last_graph: bool, ds_cfg: dict, link
         embed_dim=arch.embed_dim, loss=plan.loss, keep_last_graph=keep_last_graph,
         grad_reduction=plan.grad_reduction, zero2_reduce=zero2_reduce_kind(ds_cfg),
     )  # fmt: skip
+    plan.comm_bytes = {f"{kind} in {phase}": b for (kind, _, phase), b in sorted(traffic.bytes.items())}
     overlap = bool(ds_cfg.get("zero_optimization", {}).get("overlap_comm", False))
     exposed, total = exposed_seconds(traffic, link, zero=plan.zero, overlap_comm=overlap, compute_s=compute)
     plan.comm_s, plan.comm_total_s = float(f"{exposed:.6g}"), float(f"{total:.6g}")
@@ -523,6 +529,7 @@ def largest_batch(
     micro_batch: int = 32,
     host_memory_gb: float = 1024.0,
     gpus_per_node: int = 8,
+    grad_reduction: str = "auto",
 ) -> int:
     """The largest global contrastive batch (a multiple of gpus × micro_batch) whose step fits in memory.
 
@@ -530,13 +537,16 @@ def largest_batch(
     buffers) grow with the batch on the GPU; model states, communication buckets and the activations of
     one micro-batch do not. On the host the step's inputs grow with the batch (all K micro-batches are
     held for pass 2) and must fit ``host_memory_gb`` per node. The
-    same accounting as :func:`make_plan` (which is called on the answer).
+    same accounting as :func:`make_plan` (which is called on the answer); ``grad_reduction="auto"`` counts the
+    gradients as the sharded reduction holds them under ZeRO-2/3 (the less of the two).
     """
+    if grad_reduction == "auto":
+        grad_reduction = "sharded" if zero >= 2 else "coalesced"
     arch = load_arch(model, patch_dropout)
     _, ds_cfg = shipped_ds_config(zero, precision)
     act = activation_bytes(arch, precision, grad_checkpointing)
     fixed = (
-        sum(gpu_state_bytes(arch, gpus, zero, precision, locked=False)[0].values())
+        sum(gpu_state_bytes(arch, gpus, zero, precision, locked=False, grad_reduction=grad_reduction)[0].values())
         + bucket_bytes(ds_cfg, precision)
         + held_weight_bytes(arch.params, gpus, zero, precision, grad_checkpointing, ds_cfg)
         + reserve_gb * GiB

@@ -68,3 +68,31 @@ def format_report(r, plan: Plan, link: LinkModel, device: str) -> str:
             f"back to back, {_ms(plan.comm_s)} exposed beside its compute {_ms(plan.compute_s)}"
         )
     return "\n".join(lines)
+
+
+def format_reductions(results: list, plan: Plan) -> str:
+    """Each gradient reduction rehearsed, beside the plan's figures for it: the gradient bytes the rank held at
+    once (dsclip.engine.accumulation.held_gradient_storages) and the bytes of each collective per step."""
+    lines = ["gradient reductions, rehearsed (the plan's figures beside each):"]
+    for r in results:
+        mode = r.spec["grad_reduction"]
+        row = plan.reductions.get(mode, {})
+        chosen = " (chosen)" if mode == plan.grad_reduction else ""
+        planned = row.get("grads_gb")
+        lines.append(
+            f"  {mode}{chosen}: gradients held {r.grad_bytes / GiB:.4f} GiB measured"
+            + (f", plan {planned:.4f} GiB" if planned is not None else "")
+            + f"; peak memory {r.peak_bytes / GiB:.3f} GiB measured ({r.peak_kind.split(' (')[0]})"
+            + (f", plan {row['memory_gb']:.3f} GiB" if "memory_gb" in row else "")
+        )
+        counted: dict[str, int] = {}
+        for kind, _, phase, _, nbytes in r.traffic:
+            counted[f"{kind} in {phase}"] = counted.get(f"{kind} in {phase}", 0) + nbytes
+        derived = row.get("comm_bytes", {})
+        for key in sorted(set(counted) | set(derived)):
+            plan_b = derived.get(key)
+            lines.append(
+                f"    {key:<27} {counted.get(key, 0) / 2**20:>10.2f} MiB counted"
+                + (f", plan {plan_b / 2**20:.2f} MiB" if plan_b is not None else ", plan: not derived (small)")
+            )
+    return "\n".join(lines)

@@ -1,9 +1,10 @@
 """The planner's communication half (dsclip.plan.comm) and its world-N MFU rows (dsclip.plan.efficiency).
 
 * The bytes the planner derives for a configuration equal what the rehearsal's collective counter counts on a
-  real engine under torch's fake world 8 (one child process: the demo model and ViT-B-32, ZeRO-1/2/3, the
-  gradient cache at K = 1 and 2), up to DeepSpeed's padding of its flat buffers to a multiple of the world;
-  what the derivation leaves out (a few scalar all-reduces and broadcasts) is under 4 KiB a step.
+  real engine under torch's fake world 8 and 64 (one child process each: the demo model and ViT-B-32,
+  ZeRO-1/2/3, the gradient cache at K = 1 and 2, both gradient reductions), up to DeepSpeed's padding of its
+  flat buffers to a multiple of the world; what the derivation leaves out (a few scalar all-reduces and
+  broadcasts) is under 4 KiB a step. The gradient bytes the rank holds are the plan's gradient line within 10 %.
 * The step the plan prints is compute + exposed communication (+ offload), inter-node once the GPUs leave a
   node, nothing at world 1; the output names the MFU row, its world size and the communication's share.
 * A row measured at the plan's world size is preferred; a CPU row is never a GPU's step time.
@@ -16,62 +17,98 @@ import math
 
 import pytest
 
+from dsclip.engine.grad_reduction import choose_grad_reduction
 from dsclip.model import create_model
 from dsclip.plan.architecture import load_arch
-from dsclip.plan.comm import LinkModel, forward_passes, persistent_numel, ring_factor, step_traffic, zero3_persistence
+from dsclip.plan.comm import (
+    LinkModel,
+    forward_passes,
+    persistent_numel,
+    ring_factor,
+    step_traffic,
+    zero2_reduce_kind,
+    zero3_persistence,
+)
 from dsclip.plan.efficiency import MeasuredMFU, plan_mfu_row
+from dsclip.plan.memory import gpu_state_bytes
 from dsclip.plan.planner import make_plan, shipped_ds_config
 from dsclip.plan.report import format_plan
 
 WORLD = 8
-# (model, micro-batch, ZeRO stage, K): one child process rehearses them all, one engine after another
-CASES = [("demo", 4, 1, 2), ("demo", 4, 3, 1), ("ViT-B-32", 1, 2, 1), ("ViT-B-32", 1, 3, 2)]
+# (model, micro-batch, ZeRO stage, K, --grad-reduction): one child process rehearses them all, one engine after
+# another; "auto" is what dsclip train picks (ZeRO-1: coalesced; ZeRO-2/3 at world 8: sharded)
+CASES = [
+    ("demo", 4, 1, 2, "auto"),
+    ("demo", 4, 3, 1, "auto"),
+    ("demo", 4, 2, 1, "coalesced"),
+    ("demo", 4, 3, 1, "coalesced"),
+    ("demo", 4, 2, 2, "sharded"),
+    ("ViT-B-32", 1, 2, 1, "auto"),
+    ("ViT-B-32", 1, 3, 2, "auto"),
+]
+# the same derivation at world 64 (a second child: one fake world per process)
+CASES_64 = [("demo", 2, 2, 2, "sharded"), ("demo", 2, 3, 2, "sharded"), ("demo", 2, 2, 1, "coalesced")]
 SMALL = 4096  # bytes per step the derivation may leave out (loss scalars, overflow flags, ZeRO-3's broadcasts)
 
 
-@pytest.fixture(scope="module")
-def counted():
+def _rehearse(cases, world):
     from dsclip.rehearsal.room import RehearsalSpec, rehearse_many
 
     specs = [
         RehearsalSpec(
             model=m,
-            world=WORLD,
+            world=world,
             batch_size=b,
             accum_freq=k,
             ds_config=shipped_ds_config(z, "bf16")[1],
             precision="bf16",
             steps=1,
+            grad_reduction=mode,
         )  # fmt: skip
-        for m, b, z, k in CASES
+        for m, b, z, k, mode in cases
     ]
     return rehearse_many(specs, timeout_s=600)
 
 
-def _derived(model: str, micro: int, zero: int, k: int):
+@pytest.fixture(scope="module")
+def counted():
+    return {WORLD: _rehearse(CASES, WORLD), 64: _rehearse(CASES_64, 64)}
+
+
+def _reduction(zero: int, k: int, mode: str, world: int) -> str:
+    return choose_grad_reduction(mode, stage=zero, world=world, accum_freq=k, precision="bf16")
+
+
+def _derived(model: str, micro: int, zero: int, k: int, mode: str, world: int = WORLD):
     arch = load_arch(model)
     ds = shipped_ds_config(zero, "bf16")[1]
     persistent = persistent_numel(arch.config_json, *zero3_persistence(ds)) if zero == 3 else 0
     traffic = step_traffic(
-        params=arch.params, trainable=arch.trainable_params, persistent=persistent, world=WORLD, zero=zero,
+        params=arch.params, trainable=arch.trainable_params, persistent=persistent, world=world, zero=zero,
         precision="bf16", accum_freq=k, local_batch=micro * k, embed_dim=arch.embed_dim, loss="infonce",
+        grad_reduction=_reduction(zero, k, mode, world), zero2_reduce=zero2_reduce_kind(ds),
     )  # fmt: skip
     return arch, traffic
 
 
-@pytest.mark.parametrize("i", range(len(CASES)), ids=[f"{m}-zero{z}-K{k}" for m, _, z, k in CASES])
-def test_derived_bytes_equal_the_rehearsals_counted_bytes(counted, i):
-    model, micro, zero, k = CASES[i]
-    r = counted[i]
+ALL = [(WORLD, c) for c in CASES] + [(64, c) for c in CASES_64]
+
+
+@pytest.mark.parametrize(("world", "case"), ALL, ids=[f"w{w}-{m}-zero{z}-K{k}-{mode}" for w, (m, _, z, k, mode) in ALL])
+def test_derived_bytes_equal_the_rehearsals_counted_bytes(counted, world, case):
+    model, micro, zero, k, mode = case
+    r = counted[world][(CASES if world == WORLD else CASES_64).index(case)]
     assert r.skipped == 0 and r.step_s
-    arch, derived = _derived(model, micro, zero, k)
+    # ZeRO-1 bf16 with K > 1 sums in fp32 through DeepSpeed's BF16_Optimizer, which reduces at the boundary
+    assert r.grad_reduction == ("boundary" if zero == 1 and k > 1 else _reduction(zero, k, mode, world))
+    arch, derived = _derived(model, micro, zero, k, mode, world)
     assert r.params == arch.params
     tensors = len(list(create_model(json.loads(arch.config_json), device="meta").parameters()))
     # ZeRO-1/2 pad each flat group, ZeRO-3 each parameter, to a multiple of the world: < WORLD elements each
-    padding = 2 * WORLD * tensors
+    padding = 2 * world * tensors
     seen: dict[tuple[str, str], list[int]] = {}
     for kind, n, phase, calls, nbytes in r.traffic:
-        assert n == WORLD
+        assert n == world
         c = seen.setdefault((kind, phase), [0, 0])
         c[0], c[1] = c[0] + calls, c[1] + nbytes
     want = {(kind, phase): b for (kind, _, phase), b in derived.bytes.items()}
@@ -84,6 +121,11 @@ def test_derived_bytes_equal_the_rehearsals_counted_bytes(counted, i):
         assert not any(key[1] == "backward" for key in seen)
         whole = arch.params - persistent_numel(arch.config_json, 100_000, 2**63 - 1)
         assert seen[("all_gather", "forward")][1] == pytest.approx(forward_passes(k) * 2 * whole, abs=padding)
+    # the gradient bytes the rank held at once against the plan's gradient line for this reduction, within 10 %
+    # (sharded: the fp32 partition, 4 B x P / N; coalesced: the whole 16-bit .grad + a partition)
+    planned = gpu_state_bytes(arch, world, zero, "bf16", grad_reduction=r.grad_reduction)[0]
+    grads = next(v for key, v in planned.items() if key.startswith("grads"))
+    assert r.grad_bytes == pytest.approx(grads, rel=0.10), (r.grad_bytes, grads)
 
 
 def test_step_traffic_arithmetic():
