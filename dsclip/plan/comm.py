@@ -142,6 +142,11 @@ def step_traffic(
         raise ValueError(f"unknown loss {loss!r}; known: {', '.join(GATHERED_LOSSES + RING_LOSSES)}")
     sharded = grad_reduction == "sharded" and zero >= 2
     reductions, phase = (max(accum_freq, 1), "backward") if sharded else (1, "boundary")
+    if zero == 1 and w == 2 and accum_freq > 1:
+        # 16-bit ZeRO-1 with K > 1 sums in fp32 through DeepSpeed's BF16_Optimizer (dsclip/engine/ds_config.py),
+        # which all-reduces inside the final backward (overlap_comm does not reach it; the shipped ZeRO-1 JSON
+        # has none)
+        phase = "backward"
     if zero in (1, 2):
         kind = zero2_reduce if zero == 2 else "all_reduce"
         for _ in range(reductions):
