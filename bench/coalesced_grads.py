@@ -78,6 +78,7 @@ def main() -> int:
             ds_config=shipped_ds_config(z, "bf16")[1],
             precision="bf16",
             steps=1,
+            grad_reduction="coalesced",  # the mode whose whole .grad this measures
         )  # fmt: skip
         for z in a.zero
     ]

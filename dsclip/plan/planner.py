@@ -182,6 +182,7 @@ def make_plan(
         return _choose_reduction([make_plan(**given, grad_reduction=m) for m in ("sharded", "coalesced")])
     if grad_reduction == "auto":
         grad_reduction = "coalesced"  # ZeRO-1 (and a CPU run's plan): one reduction of the whole gradient
+    given["grad_reduction"] = grad_reduction
     if lock is not None:
         shape = load_arch(model, count_params=False, image_size=image_size)
         check_lock_config(
@@ -219,7 +220,25 @@ def make_plan(
     plan.command = _train_command(plan, ds_name, tile, gpus_per_node)
     _plan_notes(plan, losses, tile, gpus_per_node)
     plan.reductions = {plan.grad_reduction: _reduction_row(plan)}
+    if micro_batch is None and plan.fits and device != "cpu":
+        return _fastest_split(plan, given)
     return plan
+
+
+SPLITS_TRIED = 3  # the largest micro-batches that fit, each planned: the fastest split of the rows is kept
+
+
+def _fastest_split(largest: Plan, given: dict) -> Plan:
+    """The fastest of the ``SPLITS_TRIED`` largest micro-batches that fit (ties: the larger). The largest is not
+    always the fastest: the rate model's MFU and the reductions per step depend on K, and a micro-batch at the
+    memory's edge can buy one re-forward less for a lower utilisation (ViT-H-14 on 8 x 80 GB: 128 x 3 predicted
+    1.6 % faster than 192 x 2)."""
+    local = largest.local_batch
+    smaller = [m for m in range(largest.micro_batch - 1, 0, -1) if local % m == 0][: SPLITS_TRIED - 1]
+    plans = [largest] + [make_plan(**{**given, "micro_batch": m}) for m in smaller]
+    best = max((p for p in plans if p.fits), key=lambda p: p.samples_per_s_per_gpu)
+    best.max_micro_batch = largest.max_micro_batch
+    return best
 
 
 def _reduction_refusal(plan: Plan) -> str:

@@ -620,7 +620,7 @@ def test_gpu_plan_counts_the_gradient_caches_whole_grads():
     the larger and stays; offloaded partitions leave the whole .grad on the GPU; locked parameters none."""
     from dsclip.model.lock import LockConfig
 
-    kw = dict(batch_size=4096, loss="infonce_tiled", grad_checkpointing=True)
+    kw = dict(batch_size=4096, loss="infonce_tiled", grad_checkpointing=True, grad_reduction="coalesced")
     t = A.load_arch("ViT-bigG-14").trainable_params
     for zero in (2, 3):
         p = P.make_plan("ViT-bigG-14", gpus=32, gpu_memory_gb=80, zero=zero, **kw)
@@ -628,7 +628,9 @@ def test_gpu_plan_counts_the_gradient_caches_whole_grads():
         assert p.memory_gb[M.GRADS_LINE] == pytest.approx((2 * t + 2 * t / 32) / P.GiB, abs=1e-3)
         ds = M.model_state_bytes(t, 32, zero, "bf16")["grads"]
         assert p.memory_gb[M.GRADS_LINE] - ds / P.GiB > 4.4  # the gap the issue measured (2 P (1 - 1/N) = 4.4 GiB)
-    one = P.make_plan("ViT-bigG-14", gpus=1, gpu_memory_gb=141, zero=2, micro_batch=1, batch_size=1)
+    one = P.make_plan(
+        "ViT-bigG-14", gpus=1, gpu_memory_gb=141, zero=2, micro_batch=1, batch_size=1, grad_reduction="coalesced"
+    )
     assert one.memory_gb[M.GRADS_LINE] == pytest.approx(6 * t / P.GiB, abs=1e-3)  # unchanged at world 1
     z1 = P.make_plan("ViT-bigG-14", gpus=32, gpu_memory_gb=80, zero=1, **kw)
     assert z1.memory_gb["grads"] == pytest.approx(6 * t / P.GiB, abs=1e-3)  # ZeRO-1: already whole
@@ -643,3 +645,23 @@ def test_gpu_plan_counts_the_gradient_caches_whole_grads():
         2 * (lit.params - lit.trainable_params) * (1 + 1 / 32) + (12 * (lit.params - lit.trainable_params)) / 32
     )
     assert lit.locked_saving_gb == pytest.approx(whole_saved / P.GiB, abs=2e-3)
+
+
+def test_gpu_plan_counts_the_sharded_reductions_fp32_partition():
+    """--grad-reduction sharded: each chunk reduced into an fp32 partition (4 B x trainable / N, measured by
+    tests/unit/test_plan_comm.py), K reductions inside the backwards; auto keeps the faster that fits and notes
+    the other; a 16-bit coalesced plan with K > 1 is refused as dsclip train refuses it."""
+    kw = dict(batch_size=4096, loss="infonce_tiled", grad_checkpointing=True)
+    t = A.load_arch("ViT-bigG-14").trainable_params
+    for zero in (2, 3):
+        p = P.make_plan("ViT-bigG-14", gpus=32, gpu_memory_gb=80, zero=zero, grad_reduction="sharded", **kw)
+        assert p.grad_reduction == "sharded" and M.GRADS_LINE not in p.memory_gb
+        assert p.memory_gb[M.SHARDED_GRADS_LINE] == pytest.approx(4 * t / 32 / P.GiB, abs=1e-3)
+        k = p.accum_freq
+        assert p.comm_bytes[("reduce" if zero == 2 else "reduce_scatter") + " in backward"] == k * 2 * t
+        auto = P.make_plan("ViT-bigG-14", gpus=32, gpu_memory_gb=80, zero=zero, **kw)
+        assert set(auto.reductions) == {"sharded", "coalesced"}
+        assert any(n.startswith("--grad-reduction ") for n in auto.notes)
+    refused = P.make_plan("ViT-bigG-14", gpus=8, gpu_memory_gb=40, zero=2, batch_size=32768, grad_reduction="coalesced")
+    assert refused.accum_freq > 1 and not refused.fits
+    assert any("refused by dsclip train" in n and "--grad-reduction sharded" in n for n in refused.notes)

@@ -130,7 +130,7 @@ def test_derived_bytes_equal_the_rehearsals_counted_bytes(counted, world, case):
 
 def test_step_traffic_arithmetic():
     t = step_traffic(params=1000, trainable=800, persistent=100, world=4, zero=3, precision="bf16", accum_freq=3,
-                     local_batch=6, embed_dim=16, loss="infonce")  # fmt: skip
+                     local_batch=6, embed_dim=16, loss="infonce", grad_reduction="coalesced")  # fmt: skip
     b = {(kind, phase): v for (kind, _, phase), v in t.bytes.items()}
     assert b[("reduce_scatter", "boundary")] == 2 * 800  # the trainable bf16 gradients, once a step
     assert b[("all_gather", "forward")] == (3 + 2) * 2 * 900  # K passes + K - 1 re-forwards of the gathered weights
@@ -138,9 +138,18 @@ def test_step_traffic_arithmetic():
     assert b[("all_gather", "other")] == 11 * 8 * 4 + 2 * 24 * 16 * 4  # loss metadata + image and text features
     assert b[("reduce_scatter", "other")] == 2 * 24 * 16 * 4
     z2 = step_traffic(params=1000, trainable=1000, persistent=0, world=4, zero=2, precision="fp32", accum_freq=1,
-                      local_batch=6, embed_dim=16, loss="infonce_tiled")  # fmt: skip
+                      local_batch=6, embed_dim=16, loss="infonce_tiled", grad_reduction="sharded")  # fmt: skip
     b2 = {(kind, phase): v for (kind, _, phase), v in z2.bytes.items()}
-    assert b2[("all_reduce", "boundary")] == b2[("all_gather", "step")] == 4 * 1000
+    assert b2[("reduce", "backward")] == b2[("all_gather", "step")] == 4 * 1000  # sharded K = 1: in the backward
+    co = step_traffic(params=1000, trainable=1000, persistent=0, world=4, zero=2, precision="bf16", accum_freq=3,
+                      local_batch=6, embed_dim=16, loss="infonce", grad_reduction="coalesced",
+                      zero2_reduce="all_reduce")  # fmt: skip
+    assert {k: v for k, v in co.bytes.items() if k[2] == "boundary"} == {("all_reduce", 4, "boundary"): 2 * 1000}
+    sh = step_traffic(params=1000, trainable=800, persistent=100, world=4, zero=3, precision="bf16", accum_freq=3,
+                      local_batch=6, embed_dim=16, loss="infonce", grad_reduction="sharded")  # fmt: skip
+    assert (
+        sh.bytes[("reduce_scatter", 4, "backward")] == 3 * 2 * 800 and sh.calls[("reduce_scatter", 4, "backward")] == 3
+    )
     assert b2[("all_gather", "ring")] == 3 * 24 * 16 * 4 and ("reduce_scatter", "other") not in b2
     assert not step_traffic(params=1000, trainable=1000, persistent=0, world=1, zero=2, precision="bf16",
                             accum_freq=1, local_batch=6, embed_dim=16, loss="infonce").bytes  # fmt: skip
@@ -148,7 +157,7 @@ def test_step_traffic_arithmetic():
 
 
 def _plan(gpus: int, **kw):
-    kw = dict(gpu_memory_gb=80, batch_size=256 * gpus, zero=2, loss="infonce_tiled") | kw
+    kw = dict(gpu_memory_gb=80, batch_size=256 * gpus, zero=2, loss="infonce_tiled", grad_reduction="coalesced") | kw
     return make_plan("ViT-B-32", gpus=gpus, **kw)
 
 
@@ -158,15 +167,18 @@ def test_plan_step_is_compute_plus_exposed_communication():
     for p in (node, two):
         assert p.comm_s > 0 and p.step_time_s == pytest.approx(p.compute_s + p.comm_s, rel=1e-5)
         assert p.comm_share == pytest.approx(p.comm_s / p.step_time_s, abs=1e-4)
-    # ZeRO-2: the boundary all-reduce and the step's all-gather of the bf16 weights sit on the critical path
+    # ZeRO-2 coalesced: the boundary reduction (one reduce per owner: factor 1) and the step's all-gather of the bf16
+    # weights sit on the critical path
     grads = 2 * node.params
-    intra = grads * (ring_factor("all_reduce", 8) + ring_factor("all_gather", 8)) / 460e9
+    intra = grads * (ring_factor("reduce", 8) + ring_factor("all_gather", 8)) / 460e9
     assert node.comm_s == pytest.approx(intra, rel=0.05)  # + the loss's ring, a few percent here
     # 16 GPUs leave the node: the per-GPU InfiniBand link (50 GB/s) instead of NVLink (460)
-    inter = grads * (ring_factor("all_reduce", 16) + ring_factor("all_gather", 16)) / 50e9
+    inter = grads * (ring_factor("reduce", 16) + ring_factor("all_gather", 16)) / 50e9
     assert two.comm_s == pytest.approx(inter, rel=0.05) and "inter-node" in two.comm_link
     slow = _plan(16, link=LinkModel(gpus_per_node=8, inter_gbps=25.0))
     assert slow.comm_s == pytest.approx(2 * two.comm_s, rel=0.02)
+    # sharded: the K reductions overlap the backwards, so less is exposed than coalesced's one boundary reduction
+    assert _plan(8, grad_reduction="sharded").comm_s < node.comm_s
     # ZeRO-3's forward gathers hide behind the compute: exposed is less than back to back
     z3 = _plan(16, zero=3)
     assert z3.comm_s < z3.comm_total_s

@@ -47,12 +47,11 @@ def brute_force(model, gpus, mem, batch, precision="bf16"):
 
 def big_json(tmp_path):
     """A model ZeRO-2 cannot hold on 80 GB GPUs even with the optimizer offloaded, while ZeRO-3 can: bigG's
-    layout at 6656 wide and 48 deep, 30 B parameters. ZeRO-2 keeps the 16-bit weights (2 B x P = 56 GiB) and
-    the gradient cache's whole 16-bit .grad (another 56 GiB) on every GPU; ZeRO-3 partitions the weights, so
-    only the whole .grad stays (plan.gradient_cache_grad_bytes). Not much larger: the whole .grad is on the
-    GPU under ZeRO-3 too, offloaded or not, so past ~38 B parameters nothing fits 80 GB."""
+    layout at 8320 wide and 56 deep, 46 B parameters. ZeRO-2 keeps the 16-bit weights whole on every GPU
+    (2 B x P = 86 GiB); ZeRO-3 partitions them, and with the sharded gradient reduction the gradients too
+    (4 B x P / N: plan.memory.sharded_grad_bytes)."""
     cfg = get_model_config("ViT-bigG-14")
-    cfg["vision_cfg"].update(width=6656, layers=48)  # a multiple of head_width 104
+    cfg["vision_cfg"].update(width=8320, layers=56)  # a multiple of head_width 104
     path = tmp_path / "ViT-e-big.json"
     path.write_text(json.dumps(cfg))
     return str(path)
@@ -63,7 +62,7 @@ CASES = [
     ("ViT-bigG-14", 8, 80, 32768, 2),
     ("ViT-bigG-14", 8, 40, 32768, 2),
     ("ViT-bigG-14", 8, 24, 32768, 2),
-    ("big-json", 8, 80, 4096, "zero3-offload"),  # 8 GPUs: ZeRO-3 without offload needs 116 GiB
+    ("big-json", 8, 80, 4096, "zero3-offload"),  # 8 GPUs: ZeRO-3 without offload needs ~100 GiB
     ("big-json", 32, 80, 4096, 3),
     ("ViT-bigG-14", 1, 24, 256, "offload"),
 ]
