@@ -149,7 +149,7 @@ class HangGuard:
         stuck = self.stuck(found.limit_s)
         line = hang_line(
             rank=self.rank,
-            what=f"{found.what} has run {found.elapsed_s:.0f} s, over the bound {found.bound} = {found.limit_s:.0f} s",
+            what=f"{found.what} has run {found.elapsed_s:.0f} s (bound {found.bound})",
             stuck=stuck,
             last_step=found.last_step,
             latest=self.latest(),

@@ -67,6 +67,34 @@ def test_a_phase_has_its_own_limit_and_its_time_is_not_step_time():
     assert wd.slowest_s == pytest.approx(9.0)  # the 61 s save is not among the steps
 
 
+def test_a_long_save_ends_only_when_a_peer_is_silent_for_longer_than_the_step_bound():
+    clock, wall, store = Clock(), Clock(1000.0), FakeStore()
+    me, peer = (watchdog.Liveness(store, r, 2, wall=wall) for r in (0, 1))
+    wd = _watchdog(clock, floor=60.0, liveness=me)  # peers asked every 10 s (floor / 6) once past the bound
+    with wd.phase("checkpoint save", 1800.0):
+        for _ in range(12):  # 120 s of a slow save, both ranks stamping: not a hang
+            clock.t += 10.0
+            wall.t += 10.0
+            me.beat()
+            peer.beat()
+            assert wd.frozen_peer() is None and wd.overdue() is None
+        for _ in range(7):  # the peer freezes: silent for over 60 s at the seventh check
+            clock.t += 10.0
+            wall.t += 10.0
+            me.beat()
+            found = wd.frozen_peer()
+        assert found is not None and found.what == "checkpoint save" and "with a peer silent as long" in found.bound
+        assert wd.overdue() is None  # the save's own 1800 s are far away
+        clock.t += 5.0
+        assert wd.frozen_peer() is None  # not asked again before 10 s
+        store.down = True
+        clock.t += 10.0
+        assert wd.frozen_peer() is None  # the store's first silence may be a slow moment
+        clock.t += 10.0
+        assert wd.frozen_peer().what == "checkpoint save"  # twice running: its host is frozen
+    assert wd.frozen_peer() is None  # between phases the step bound rules
+
+
 class FakeStore:
     def __init__(self):
         self.data: dict[str, bytes] = {}

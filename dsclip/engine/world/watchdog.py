@@ -9,7 +9,9 @@ thread of a waiting rank cannot be interrupted, so the bound is kept by a thread
 - :class:`StepWatchdog`: the loop reports each finished step (:meth:`~StepWatchdog.step_done`); a step
   that runs longer than :meth:`StepBound.limit` (max(floor, factor × the slowest of the last 20 steps))
   calls ``on_hang`` from the thread. Checkpoint saves and evaluations run in a :meth:`~StepWatchdog.phase`
-  with a limit of their own (they may legitimately take minutes) and do not count as step time.
+  with a limit of their own (they may legitimately take minutes) and do not count as step time; one that
+  outlives the step bound while a peer gives no sign of life for as long is a hang too (every rank takes
+  part in a save, so a frozen one holds it forever).
 - :class:`Liveness`: every poll the thread stamps this rank's wall-clock time into the job's store; a
   rank whose stamp stopped moving is frozen as a whole process (SIGSTOP, swapped out, its node gone),
   which is how a survivor of a 512-rank job names the rank it waits for. A rank whose main thread is stuck
@@ -59,7 +61,7 @@ class Overdue:
     last_step: int  # the last step that finished
     elapsed_s: float
     limit_s: float
-    bound: str  # how the limit was made ("max(180 s, 10 x slowest recent step 0.41 s)")
+    bound: str  # how the limit was made ("max(180 s, 10 x slowest recent step 0.41 s) = 180 s")
 
 
 class StepWatchdog:
@@ -82,6 +84,10 @@ class StepWatchdog:
         self.on_hang = on_hang
         self.clock = clock
         self.poll_s = poll_s if poll_s is not None else max(0.1, min(5.0, bound.floor_s / 10))
+        # how often a long phase asks the store about the other ranks (each asks for every stamp: rarer than polls)
+        self.peer_check_s = max(self.poll_s, min(30.0, bound.floor_s / 6))
+        self._peer_checked = float("-inf")
+        self._store_silent = 0  # consecutive peer checks the store did not answer
         self.liveness = liveness
         self.last_step = last_step
         self._recent: deque[float] = deque(maxlen=HISTORY)
@@ -124,9 +130,27 @@ class StepWatchdog:
                 bound = f"{limit:g} s for a {what}"
             else:
                 what, limit = f"step {self.last_step + 1}", self.bound.limit(self._recent)
-                bound = self.bound.describe(self._recent)
+                bound = f"{self.bound.describe(self._recent)} = {limit:.0f} s"
             if limit > 0 and elapsed > limit:
                 return Overdue(what, self.last_step, elapsed, limit, bound)
+        return None
+
+    def frozen_peer(self, now: float | None = None) -> Overdue | None:
+        """In a phase that has outlived the step bound: the phase, if a peer has given no sign of life for
+        longer than that bound (or the store, twice running, no answer at all); asked every ``peer_check_s``."""
+        now = self.clock() if now is None else now
+        with self._lock:
+            if self.liveness is None or self._phase is None:
+                return None
+            what, elapsed, limit = self._phase[0], now - self._since, self.bound.limit(self._recent)
+            bound = f"{self.bound.describe(self._recent)} = {limit:.0f} s, with a peer silent as long"
+        if elapsed <= limit or now - self._peer_checked < self.peer_check_s:
+            return None
+        self._peer_checked = now
+        silent = self.liveness.silent(limit)
+        self._store_silent = self._store_silent + 1 if silent is None else 0
+        if silent or self._store_silent >= 2:
+            return Overdue(what, self.last_step, elapsed, limit, bound)
         return None
 
     def start(self) -> None:
@@ -145,7 +169,7 @@ class StepWatchdog:
         while not self._stop.wait(self.poll_s):
             if self.liveness is not None:
                 self.liveness.beat()
-            found = self.overdue()
+            found = self.overdue() or self.frozen_peer()
             if found is not None and not self._stop.is_set():
                 self.on_hang(found)  # ends the process (dsclip.train.hang); returning ends the watch
                 return
