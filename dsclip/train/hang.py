@@ -4,7 +4,8 @@
 the long timeout (compilation, loader start, the resumed checkpoint's first use); after them it
 
 - shortens every process group's timeout to ``--collective-timeout`` (at least ``--step-timeout-factor`` ×
-  the slowest of those steps, since an NCCL collective's clock starts when the host enqueues it),
+  the slowest of those steps, since an NCCL collective's clock starts when the host enqueues it; never
+  longer than the long timeout),
 - starts the step watchdog (dsclip.engine.world.watchdog): a step longer than max(``--step-timeout``,
   ``--step-timeout-factor`` × the slowest of the last 20 steps) is a hang,
 - and gives checkpoint saves and evaluations (:meth:`HangGuard.slow`) the long timeout back.
@@ -90,7 +91,8 @@ class HangGuard:
         t, slowest = self.train, max(self._warmup, default=0.0)
         parts = []
         if t.collective_timeout > 0:
-            seconds = max(t.collective_timeout, t.step_timeout_factor * slowest)
+            # never longer than the process group's own (DSCLIP_DIST_TIMEOUT=10 stays 10 s)
+            seconds = min(self.long.total_seconds(), max(t.collective_timeout, t.step_timeout_factor * slowest))
             self.short = timedelta(seconds=seconds)
             process_group.set_collective_timeout(self.short)
             parts.append(f"collective timeout {seconds:g} s")

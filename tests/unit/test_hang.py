@@ -281,3 +281,12 @@ def test_collective_timeouts_are_recognised_and_other_errors_are_not():
     assert "WorkNCCL(SeqNum=9" in process_group.collective_timed_out(nccl)
     assert process_group.collective_timed_out(RuntimeError("Connection closed by peer")) is None
     assert process_group.collective_timed_out(ValueError("Timed out waiting")) is None
+
+
+def test_the_collective_timeout_never_exceeds_the_process_group_s_own(guard_world, monkeypatch):
+    make, timeouts = guard_world
+    monkeypatch.setattr(process_group, "long_timeout", lambda: timedelta(seconds=10))  # DSCLIP_DIST_TIMEOUT=10
+    guard, _ = make(TrainArgs(collective_timeout=300, step_timeout=0))
+    guard.step_done(5)
+    guard.step_done(6)
+    assert timeouts == [10.0] and guard.watchdog is None  # --step-timeout 0: no watchdog
