@@ -108,7 +108,8 @@ class TrainArgs:
         "Hang watchdog, seconds: from the third step on, a step (data wait included) that runs longer than "
         "max(this, --step-timeout-factor × the slowest of the last 20 steps) ends the job with one line per rank "
         "naming the stuck rank, the last step and --resume latest (exit code 2; latest untouched). Checkpoint "
-        "saves and evaluations get the process group's long timeout instead. 0: no watchdog.",
+        "saves and evaluations get the process group's long timeout instead, unless a rank gives no sign of life "
+        "for longer than this bound (docs/clusters.md, When a rank hangs). 0: no watchdog.",
     )
     step_timeout_factor: float = opt(
         10.0, "Hang watchdog: a step may take this many times the slowest of the last 20 steps (>= 1)."

@@ -226,7 +226,7 @@ def save_checkpoint(run: Run, step: int, *, epoch_end: bool | None = None, epoch
     if epoch_end is not None and (ckpt.last_saved_step == step or not ckpt.due(step, epoch_end=epoch_end, epoch=epoch)):
         return False
     t0 = time.perf_counter()
-    with slow(run, "checkpoint save"):  # the long collective timeout: a save may take minutes
+    with slow(run, f"save of checkpoint {tag_for_step(step)}"):  # the long collective timeout: saves take minutes
         if epoch_end is None:
             ckpt.save(run.engine, step, run.client_state(step))
         else:
