@@ -142,7 +142,9 @@ class HangGuard:
             self.watchdog = None
         if self.short is not None:
             self.short = None
-            process_group.set_collective_timeout(self.long)
+            # after a lost peer the groups may be broken: that error, not this one, is the run's
+            with contextlib.suppress(RuntimeError):
+                process_group.set_collective_timeout(self.long)
 
     # --- the end of a hung rank -------------------------------------------------------------------------
 

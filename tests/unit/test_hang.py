@@ -1,12 +1,13 @@
 """The hang bounds without a world (issue 58): the watchdog's arithmetic on a fake clock, the ranks' signs of
 life in a fake store, who is named stuck, the line and the resume command, the flags' checks, torch's
 flight-recorder variables, and the guard's arming and ending with the process group's calls replaced.
-No thread is started and nothing sleeps (the real thing: tests/e2e/test_hang.py, tests/dist/test_hang.py)."""
+No watchdog thread is started and nothing sleeps (the real thing: tests/e2e/test_hang.py, tests/dist/test_hang.py)."""
 
 from __future__ import annotations
 
 import json
 import math
+import threading
 from datetime import timedelta
 
 import pytest
@@ -99,6 +100,8 @@ class FakeStore:
     def __init__(self):
         self.data: dict[str, bytes] = {}
         self.down = False
+        self.frozen = threading.Event()
+        self.frozen.set()
 
     def set(self, key, value):
         self._up()
@@ -115,6 +118,14 @@ class FakeStore:
     def _up(self):
         if self.down:
             raise RuntimeError("wait timeout after 5000ms")
+        self.frozen.wait()  # a frozen host: no answer, whatever the store's timeout
+
+
+@pytest.fixture
+def frozen_store():
+    store = FakeStore()
+    yield store
+    store.frozen.set()  # lets a blocked asker thread finish
 
 
 def test_a_rank_whose_stamp_stopped_is_silent_and_a_store_that_does_not_answer_says_none():
@@ -133,6 +144,13 @@ def test_a_rank_whose_stamp_stopped_is_silent_and_a_store_that_does_not_answer_s
     store.down = False
     ranks[0].beat()
     assert float(store.data["dsclip/alive/0"]) == 1030.0
+
+
+def test_a_store_whose_host_is_frozen_is_no_answer_not_a_wait(frozen_store):
+    me = watchdog.Liveness(frozen_store, 0, 2, wall=Clock(1000.0))
+    me.beat()
+    frozen_store.frozen.clear()
+    assert me.silent(10.0, answer_s=0.01) is None
 
 
 def test_who_is_named_stuck():

@@ -193,21 +193,31 @@ class Liveness:
         if self._broken:
             return
         try:
+            # TCPStore's set sends and reads no reply: it returns at once even when the store's host is frozen
             self.store.set(f"{self.PREFIX}{self.rank}", f"{self.wall():.3f}")
-        except Exception:  # the store's host is gone or frozen: silent() says so when it matters
+        except Exception:  # the store's host is gone: silent() says so when it matters
             self._broken = True
 
-    def silent(self, older_than_s: float) -> dict[int, float | None] | None:
+    def silent(self, older_than_s: float, *, answer_s: float = 10.0) -> dict[int, float | None] | None:
         """The other ranks whose last stamp is older than ``older_than_s``: rank → its age in seconds (None: it
-        never stamped); None when the store does not answer (the process that hosts it is then the likely
-        frozen one)."""
+        never stamped); None when the store gives no answer within ``answer_s`` (the process that hosts it is
+        then the likely frozen one)."""
         keys = [f"{self.PREFIX}{r}" for r in range(self.world_size)]
-        try:
+        answer: dict = {}
+
+        def ask():
             present = [k for k in keys if self.store.check([k])]  # get() of a missing key waits out the timeout
-            stamps = dict(zip(present, self.store.multi_get(present))) if present else {}
-        except Exception:
+            answer["stamps"] = dict(zip(present, self.store.multi_get(present))) if present else {}
+
+        # A store whose host is frozen (SIGSTOP) never answers check() or get(), whatever the store's timeout
+        # (measured, torch 2.14): ask from a thread of its own and give up on it. It stays blocked, a daemon,
+        # in a process that is about to exit.
+        asker = threading.Thread(target=_quietly, args=(ask,), name="dsclip-liveness", daemon=True)
+        asker.start()
+        asker.join(answer_s)
+        if "stamps" not in answer:
             return None
-        now, silent = self.wall(), {}
+        now, silent, stamps = self.wall(), {}, answer["stamps"]
         for r, key in enumerate(keys):
             if r == self.rank:
                 continue
@@ -215,6 +225,13 @@ class Liveness:
             if age is None or age > older_than_s:
                 silent[r] = age
         return silent
+
+
+def _quietly(fn) -> None:
+    try:
+        fn()
+    except Exception:  # no answer is an answer (see Liveness.silent)
+        pass
 
 
 def side_store(timeout_s: float = 5.0):
