@@ -192,7 +192,8 @@ class HangGuard:
         error = f"dsclip train: error: {line}"
         sys.stderr.write(error + "\n")
         sys.stderr.flush()
-        log.error(line)
+        if log.hasHandlers():  # into RUN/out.log; without a handler logging's last resort would print it again
+            log.error(line)
         if self.rank == 0:
             try:
                 runlog.write_exit_status(

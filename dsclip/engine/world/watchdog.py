@@ -198,7 +198,7 @@ class Liveness:
         except Exception:  # the store's host is gone: silent() says so when it matters
             self._broken = True
 
-    def silent(self, older_than_s: float, *, answer_s: float = 10.0) -> dict[int, float | None] | None:
+    def silent(self, older_than_s: float, *, answer_s: float = 5.0) -> dict[int, float | None] | None:
         """The other ranks whose last stamp is older than ``older_than_s``: rank → its age in seconds (None: it
         never stamped); None when the store gives no answer within ``answer_s`` (the process that hosts it is
         then the likely frozen one)."""
