@@ -25,6 +25,7 @@ import logging
 import os
 import shlex
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -64,6 +65,9 @@ class HangGuard:
         self.argv = command_args() if argv is None else argv
         self.long = process_group.long_timeout()
         self.short: timedelta | None = None  # the collective timeout in force between saves, once armed
+        self.in_force = self.long  # the collective timeout of the moment, and what it is for (None: a step)
+        self.during: str | None = None
+        self._ending = threading.Lock()  # the watchdog's thread and the main thread may both find the hang
         self.last_step = start_step
         self._warmup: list[float] = []
         self._since = clock()
@@ -93,7 +97,7 @@ class HangGuard:
         if t.collective_timeout > 0:
             # never longer than the process group's own (DSCLIP_DIST_TIMEOUT=10 stays 10 s)
             seconds = min(self.long.total_seconds(), max(t.collective_timeout, t.step_timeout_factor * slowest))
-            self.short = timedelta(seconds=seconds)
+            self.short = self.in_force = timedelta(seconds=seconds)
             process_group.set_collective_timeout(self.short)
             parts.append(f"collective timeout {seconds:g} s")
         if t.step_timeout > 0:
@@ -129,9 +133,11 @@ class HangGuard:
             return
         if self.short is not None:
             process_group.set_collective_timeout(self.long)
+        self.in_force, self.during = self.long, what
         phase = self.watchdog.phase(what, self.long.total_seconds()) if self.watchdog else contextlib.nullcontext()
         with phase:
             yield
+        self.in_force, self.during = self.short or self.long, None
         if self.short is not None:
             process_group.set_collective_timeout(self.short)
 
@@ -140,6 +146,7 @@ class HangGuard:
         if self.watchdog is not None:
             self.watchdog.stop()
             self.watchdog = None
+        self.in_force, self.during = self.long, None
         if self.short is not None:
             self.short = None
             # after a lost peer the groups may be broken: that error, not this one, is the run's
@@ -164,10 +171,11 @@ class HangGuard:
     def collective_timed_out(self, why: str) -> None:
         """A collective of the main thread gave up after the process group's timeout (gloo raises it there;
         NCCL's own watchdog aborts the process instead, after dumping the flight recorder)."""
-        timeout = (self.short or self.long).total_seconds()
+        timeout = self.in_force.total_seconds()
+        of = f"the {self.during}" if self.during else f"step {self.last_step + 1}"
         line = hang_line(
             rank=self.rank,
-            what=f"a collective of step {self.last_step + 1} waited out the {timeout:g} s collective timeout ({why})",
+            what=f"a collective of {of} waited out the {timeout:g} s collective timeout ({why})",
             stuck=self.stuck(timeout),
             last_step=self.last_step,
             latest=self.latest(),
@@ -189,6 +197,8 @@ class HangGuard:
         from dsclip.launch import supervise
         from dsclip.train import runlog
 
+        if not self._ending.acquire(blocking=False):
+            threading.Event().wait()  # the other finder says it and ends the process
         error = f"dsclip train: error: {line}"
         sys.stderr.write(error + "\n")
         sys.stderr.flush()

@@ -308,3 +308,20 @@ def test_the_collective_timeout_never_exceeds_the_process_group_s_own(guard_worl
     guard.step_done(5)
     guard.step_done(6)
     assert timeouts == [10.0] and guard.watchdog is None  # --step-timeout 0: no watchdog
+
+
+def test_a_collective_that_times_out_in_a_save_names_the_save_and_the_long_timeout(guard_world, monkeypatch, capsys):
+    make, _ = guard_world
+    guard, _ = make(TrainArgs(step_timeout=0, collective_timeout=20))
+    guard.step_done(5)
+    guard.step_done(6)
+
+    def exit_(code):
+        raise SystemExit(code)
+
+    monkeypatch.setattr(hang.os, "_exit", exit_)
+    with pytest.raises(SystemExit), guard.slow("save of checkpoint step_000000006"):
+        guard.collective_timed_out("Timed out waiting 1800000ms for recv operation to complete")
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "a collective of the save of checkpoint step_000000006 waited out the 1800 s collective timeout" in line
+    assert "stuck: rank 1;" in line  # no watchdog, so no signs of life: the other of 2 ranks
