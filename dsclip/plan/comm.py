@@ -13,7 +13,7 @@ parameters, ``N`` the global rows, ``D`` the embedding width):
 * the loss: a metadata all-gather (11 int64 per rank, dsclip.losses.common); the global InfoNCE losses
   gather image and text features (fp32, 2·N·D·4 bytes) in one all-gather and reduce-scatter their
   gradient back (same size). The tiled and SigLIP losses pass text blocks around a ring point to point
-  (the counter does not see those): the text features forward, again in the backward with their gradient
+  (the counter counts those as "send" and "recv"): the text features forward, again in the backward with their gradient
   accumulators, about three all-gathers of N·D·4 bytes (counted as such).
 * ZeRO-1/2: the gradient cache reduces the K backwards' gradients once, an all-reduce of w·T at the
   boundary (dsclip/train/gradcache.py); after the optimizer step every rank all-gathers the updated
@@ -190,7 +190,7 @@ class Traffic:
 def ring_factor(kind: str, n: int) -> float:
     """Bytes each rank moves over its slowest link per byte of the collective's buffer (nccl-tests' busbw
     factor): all-reduce 2(n-1)/n, all-gather / reduce-scatter (n-1)/n, broadcast / reduce 1, none at n = 1."""
-    if n <= 1 or kind == "barrier":
+    if n <= 1 or kind in ("barrier", "recv"):  # a receive is its peer's send: its time is counted there
         return 0.0
     if kind == "all_reduce":
         return 2.0 * (n - 1) / n

@@ -1,0 +1,70 @@
+"""One job description (dsclip.plan.job) for ``dsclip plan``, ``--measure``, ``--deepspeed-config auto`` and the
+rehearsal: what one of them is told, the others see. Each of the bugs the five hand-translated shapes had is
+held here: a shipped JSON name the rehearsal could not find, a rehearsal of the default loss instead of the
+plan's, and ``auto``'s own precision table and forgotten EMA."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from dsclip.cli import plan as C
+from dsclip.config import parse_run_config
+from dsclip.engine.ds_config import load_ds_json
+from dsclip.plan.job import Job
+from dsclip.rehearsal import room
+
+DEMO = ["--model", "demo", "--gpus", "2", "--batch-size", "4", "--measure", "--measure-device", "cpu"]
+
+
+@pytest.fixture
+def rehearsed(monkeypatch):
+    """The spec ``--measure`` hands the rehearsal (which is not run: the plan's side is what is checked)."""
+    seen = []
+
+    def rehearse(spec, timeout_s=1800.0):
+        seen.append(spec)
+        raise room.RehearsalError("stopped by the test")
+
+    monkeypatch.setattr(room, "rehearse", rehearse)
+    return seen
+
+
+def test_measure_finds_a_shipped_json_by_name_as_plan_and_train_do(rehearsed, capsys):
+    """``--deepspeed-config zero3_bf16 --measure`` stopped with "DeepSpeed config not found: .../zero3_bf16"
+    while the plan (and dsclip train) took the name: the rehearsal now runs the JSON the plan ran."""
+    assert C.main_plan([*DEMO, "--deepspeed-config", "zero3_bf16"]) == 2
+    assert capsys.readouterr().err.strip().endswith("dsclip plan --measure: stopped by the test")
+    (spec,) = rehearsed
+    assert spec.ds_config == load_ds_json("zero3_bf16")
+
+
+def test_measure_rehearses_the_loss_the_plan_chose(rehearsed, capsys):
+    """The rehearsal trained the default loss (LossArgs()), whatever the plan chose."""
+    assert C.main_plan([*DEMO, "--loss", "infonce_tiled"]) == 2
+    chosen = re.search(r"^dsclip plan: .* \| loss (\w+)", capsys.readouterr().out, re.M).group(1)  # the headline
+    (spec,) = rehearsed
+    assert spec.loss == chosen == "infonce_tiled"
+    # and the child builds that loss: the run sections it trains with select it
+    sections = spec.job().sections(deepspeed_config="x.json")
+    assert sections["loss"].name == "infonce_tiled" and sections["loss"].loss_tile_size == spec.loss_tile_size
+
+
+def _auto_cfg(*flags):
+    argv = ["--config", "ViT-bigG-14", "--deepspeed-config", "auto", "--batch-size", "8", "--accum-freq", "4"]
+    return parse_run_config([*argv, *flags, "--name", "x"])
+
+
+def test_a_job_from_the_run_config_is_the_job_the_plan_plans():
+    """from_sections and sections are inverses on what a run sets, and the job fixes the run's training."""
+    cfg = _auto_cfg("--precision", "amp_bfloat16", "--deepspeed-config", "zero3_bf16", "--grad-checkpointing")
+    job = Job.from_sections(model=cfg.model, train=cfg.train, loss=cfg.loss, lock=cfg.lock, ema=cfg.ema, world=8)
+    assert (job.gpus, job.batch_size, job.micro_batch, job.accum_freq) == (8, 8 * 4 * 8, 8, 4)
+    assert job.precision == "bf16" and job.ds_config == ("zero3_bf16", load_ds_json("zero3_bf16"))
+    assert job.fixed() == {"ds_config": job.ds_config, "loss": cfg.loss.name, "grad_checkpointing": True,
+                           "micro_batch": 8}  # fmt: skip
+    s = job.sections()
+    assert (s["train"].batch_size, s["train"].accum_freq, s["train"].deepspeed_config) == (8, 4, "zero3_bf16")
+    assert s["model"].grad_checkpointing and s["loss"].name == cfg.loss.name
+    assert Job.from_dict(job.to_dict()) == job  # what the rehearsal's child reads back
