@@ -11,9 +11,11 @@ import pytest
 
 from dsclip.cli import plan as C
 from dsclip.config import parse_run_config
-from dsclip.engine.ds_config import load_ds_json
-from dsclip.plan.job import Job
+from dsclip.engine.ds_config import load_ds_json, run_precision
+from dsclip.model import get_model_config
+from dsclip.plan.job import Cluster, Job, plan_job
 from dsclip.rehearsal import room
+from dsclip.train import auto_ds
 
 DEMO = ["--model", "demo", "--gpus", "2", "--batch-size", "4", "--measure", "--measure-device", "cpu"]
 
@@ -54,6 +56,35 @@ def test_measure_rehearses_the_loss_the_plan_chose(rehearsed, capsys):
 def _auto_cfg(*flags):
     argv = ["--config", "ViT-bigG-14", "--deepspeed-config", "auto", "--batch-size", "8", "--accum-freq", "4"]
     return parse_run_config([*argv, *flags, "--name", "x"])
+
+
+def test_auto_maps_every_precision_spelling_train_takes():
+    """auto's own table knew amp and amp_bf16 only: amp_bfloat16 planned "precision amp_bfloat16", for which
+    nothing shipped exists."""
+    bigg = get_model_config("ViT-bigG-14")
+    for spelling, want in (("amp_bfloat16", "bf16"), ("amp_bf16", "bf16"), ("bf16", "bf16"), ("amp", "fp16")):
+        name, why = auto_ds.choose(_auto_cfg("--precision", spelling), bigg, 8, 80.0)
+        assert name.endswith(want) and why.startswith("the fastest of"), (spelling, name, why)
+        assert run_precision(spelling) == want
+
+
+def test_auto_counts_the_ema_the_run_keeps():
+    """``--ema-decay`` never reached auto's plan: the sharded fp32 EMA (4 B x params / world) was not counted."""
+    bigg = get_model_config("ViT-bigG-14")
+    cfg, ema = _auto_cfg("--precision", "bf16"), _auto_cfg("--precision", "bf16", "--ema-decay", "0.999")
+    job = Job.from_sections(model=ema.model, train=ema.train, loss=ema.loss, lock=ema.lock, ema=ema.ema, world=1)
+    assert job.ema_decay == 0.999
+    planned = plan_job(job, Cluster(gpu_memory_gb=80.0)).chosen.memory_gb
+    assert planned["ema"] == pytest.approx(4 * planned_params(job) / 2**30, rel=1e-3)
+    _, without = auto_ds.choose(cfg, bigg, 1, 80.0)
+    _, with_ema = auto_ds.choose(ema, bigg, 1, 80.0)
+    assert without != with_ema  # the chosen configuration's memory (or the choice itself) moves with the EMA
+
+
+def planned_params(job: Job) -> int:
+    from dsclip.plan.architecture import load_arch
+
+    return load_arch(job.model).trainable_params
 
 
 def test_a_job_from_the_run_config_is_the_job_the_plan_plans():
