@@ -111,11 +111,18 @@ def step_traffic(
     """One rank's collectives per step, as (kind, group size, phase) -> calls and bytes (the counter's
     convention: the collective's whole buffer). Nothing at world 1."""
     t = Traffic()
-    n = world
-    if n <= 1:
+    if world <= 1:
         return t
     w = 2 if precision in ("bf16", "fp16") else 4
-    rows = local_batch * n
+    loss_traffic(t, world, local_batch * world, embed_dim, loss)
+    gradient_traffic(t, world, w, trainable, zero)
+    passes = forward_passes(accum_freq, keep_last_graph)
+    parameter_traffic(t, world, w, params=params, trainable=trainable, persistent=persistent, zero=zero, passes=passes)
+    return t
+
+
+def loss_traffic(t: Traffic, n: int, rows: int, embed_dim: int, loss: str) -> None:
+    """The loss's: its metadata, then the gathered features and their gradients, or the ring's blocks."""
     t.add("all_gather", n, LOSS_META_INT64 * 8 * n, "other")
     if loss in GATHERED_LOSSES:
         t.add("all_gather", n, 2 * rows * embed_dim * 4, "other")
@@ -124,17 +131,31 @@ def step_traffic(
         t.add("all_gather", n, 3 * rows * embed_dim * 4, "ring")
     else:
         raise ValueError(f"unknown loss {loss!r}; known: {', '.join(GATHERED_LOSSES + RING_LOSSES)}")
+
+
+def gradient_traffic(t: Traffic, n: int, w: int, trainable: int, zero: int) -> None:
+    """The gradients' reduction: the gradient cache reduces the K backwards' gradients once, at the step
+    boundary (dsclip/train/gradcache.py): an all-reduce of the whole gradient under ZeRO-1/2, a
+    reduce-scatter into the partitions under ZeRO-3."""
     if zero in (1, 2):
         t.add("all_reduce", n, w * trainable, "boundary")
-        t.add("all_gather", n, w * trainable, "step")
     elif zero == 3:
         t.add("reduce_scatter", n, w * trainable, "boundary")
-        for _ in range(forward_passes(accum_freq, keep_last_graph)):
-            t.add("all_gather", n, w * (params - persistent), "forward")
-        t.add("all_gather", n, w * persistent, "step")
     else:
         raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {zero}")
-    return t
+
+
+def parameter_traffic(
+    t: Traffic, n: int, w: int, *, params: int, trainable: int, persistent: int, zero: int, passes: int
+) -> None:
+    """The parameters' gathers: ZeRO-1/2 all-gather the updated 16-bit trainable parameters after the step;
+    ZeRO-3 gathers the partitioned ones in each of ``passes`` forwards, then the persistent ones after the step."""
+    if zero in (1, 2):
+        t.add("all_gather", n, w * trainable, "step")
+        return
+    for _ in range(passes):
+        t.add("all_gather", n, w * (params - persistent), "forward")
+    t.add("all_gather", n, w * persistent, "step")
 
 
 def hideable_compute_s(compute_s: float, zero: int) -> float:
