@@ -55,6 +55,8 @@ class RehearsalSpec:
     seed: int = 0
     loss: str = "infonce"  # the loss the step trains with (dsclip.losses.config.LOSS_NAMES)
     loss_tile_size: int = TRAIN_TILE_SIZE
+    patch_dropout: float = 0.0  # --force-patch-dropout (0: the architecture's own)
+    image_size: int | None = None  # --force-image-size
 
     @classmethod
     def from_job(cls, job: Job, **rehearsal) -> RehearsalSpec:
@@ -64,7 +66,8 @@ class RehearsalSpec:
         return cls(
             model=job.model, world=job.gpus, batch_size=job.micro_batch, accum_freq=job.accum_freq or 1,
             ds_config=job.ds_config[1], precision=job.precision, grad_checkpointing=bool(job.grad_checkpointing),
-            loss=job.loss or "infonce", loss_tile_size=job.tile, **rehearsal,
+            loss=job.loss or "infonce", loss_tile_size=job.tile, patch_dropout=job.patch_dropout,
+            image_size=job.image_size, **rehearsal,
         )  # fmt: skip
 
     def job(self) -> Job:
@@ -73,6 +76,7 @@ class RehearsalSpec:
             model=self.model, gpus=self.world, batch_size=self.batch_size * self.accum_freq * self.world,
             micro_batch=self.batch_size, precision=self.precision, ds_config=("rehearsal", self.ds_config),
             loss=self.loss, tile=self.loss_tile_size, grad_checkpointing=self.grad_checkpointing,
+            patch_dropout=self.patch_dropout, image_size=self.image_size,
         )  # fmt: skip
 
 
@@ -326,6 +330,8 @@ def _run_settings(spec: RehearsalSpec, counter):
     )
     train, model_args, loss_args, optim_args = sections["train"], sections["model"], sections["loss"], OptimArgs()
     model_cfg = get_model_config(spec.model)
+    if spec.image_size:  # as the planner's architecture (dsclip.plan.architecture.load_arch) and train's
+        model_cfg.setdefault("vision_cfg", {})["image_size"] = int(spec.image_size)
     counter.recording = False
     try:
         ds_config = build_ds_config(train, optim_args, spec.world)

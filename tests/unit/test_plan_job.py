@@ -44,13 +44,15 @@ def test_measure_finds_a_shipped_json_by_name_as_plan_and_train_do(rehearsed, ca
 
 def test_measure_rehearses_the_loss_the_plan_chose(rehearsed, capsys):
     """The rehearsal trained the default loss (LossArgs()), whatever the plan chose."""
-    assert C.main_plan([*DEMO, "--loss", "infonce_tiled"]) == 2
+    argv = [*DEMO, "--loss", "infonce_tiled", "--loss-tile-size", "64", "--force-patch-dropout", "0.5"]
+    assert C.main_plan(argv) == 2
     chosen = re.search(r"^dsclip plan: .* \| loss (\w+)", capsys.readouterr().out, re.M).group(1)  # the headline
     (spec,) = rehearsed
     assert spec.loss == chosen == "infonce_tiled"
-    # and the child builds that loss: the run sections it trains with select it
+    # and the child builds that loss (and the planned patch dropout): the run sections it trains with
     sections = spec.job().sections(deepspeed_config="x.json")
-    assert sections["loss"].name == "infonce_tiled" and sections["loss"].loss_tile_size == spec.loss_tile_size
+    assert sections["loss"].name == "infonce_tiled" and sections["loss"].loss_tile_size == 64
+    assert sections["model"].force_patch_dropout == spec.patch_dropout == 0.5
 
 
 def _auto_cfg(*flags):
