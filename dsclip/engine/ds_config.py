@@ -259,6 +259,19 @@ def normalize_precision(p: str) -> str:
     return p  # fp32 | auto
 
 
+def run_precision(precision: str, ds_json: dict | None = None) -> str:
+    """The precision (bf16, fp16, fp32) a run of ``--precision`` trains in, as the engine decides it
+    (``_fill_precision``): OpenCLIP's spellings mapped (amp = fp16, amp_bf16 / amp_bfloat16 = bf16); ``auto``
+    takes the DeepSpeed JSON's (fp32 where it enables neither). Without a JSON (not chosen yet: ``dsclip plan``
+    searching, ``--deepspeed-config auto``) ``auto`` stays ``auto`` for the caller to decide. What ``dsclip
+    plan`` and ``--deepspeed-config auto`` plan with: one mapping, the one train uses."""
+    p = normalize_precision(precision)
+    if p != "auto" or ds_json is None:
+        return p
+    on = [k for k in ("bf16", "fp16") if ds_json.get(k, {}).get("enabled") is True]
+    return on[0] if on else "fp32"
+
+
 # Shipped inside the package (package data), so an installed dsclip has them from any directory.
 
 

@@ -13,7 +13,7 @@ parameters, ``N`` the global rows, ``D`` the embedding width):
 * the loss: a metadata all-gather (11 int64 per rank, dsclip.losses.common); the global InfoNCE losses
   gather image and text features (fp32, 2·N·D·4 bytes) in one all-gather and reduce-scatter their
   gradient back (same size). The tiled and SigLIP losses pass text blocks around a ring point to point
-  (the counter does not see those): the text features forward, again in the backward with their gradient
+  (the counter counts those as "send" and "recv"): the text features forward, again in the backward with their gradient
   accumulators, about three all-gathers of N·D·4 bytes (counted as such).
 * ZeRO-1/2: the gradient cache reduces the K backwards' gradients once, an all-reduce of w·T at the
   boundary (dsclip/train/gradcache.py); after the optimizer step every rank all-gathers the updated
@@ -111,11 +111,18 @@ def step_traffic(
     """One rank's collectives per step, as (kind, group size, phase) -> calls and bytes (the counter's
     convention: the collective's whole buffer). Nothing at world 1."""
     t = Traffic()
-    n = world
-    if n <= 1:
+    if world <= 1:
         return t
     w = 2 if precision in ("bf16", "fp16") else 4
-    rows = local_batch * n
+    loss_traffic(t, world, local_batch * world, embed_dim, loss)
+    gradient_traffic(t, world, w, trainable, zero)
+    passes = forward_passes(accum_freq, keep_last_graph)
+    parameter_traffic(t, world, w, params=params, trainable=trainable, persistent=persistent, zero=zero, passes=passes)
+    return t
+
+
+def loss_traffic(t: Traffic, n: int, rows: int, embed_dim: int, loss: str) -> None:
+    """The loss's: its metadata, then the gathered features and their gradients, or the ring's blocks."""
     t.add("all_gather", n, LOSS_META_INT64 * 8 * n, "other")
     if loss in GATHERED_LOSSES:
         t.add("all_gather", n, 2 * rows * embed_dim * 4, "other")
@@ -124,17 +131,31 @@ def step_traffic(
         t.add("all_gather", n, 3 * rows * embed_dim * 4, "ring")
     else:
         raise ValueError(f"unknown loss {loss!r}; known: {', '.join(GATHERED_LOSSES + RING_LOSSES)}")
+
+
+def gradient_traffic(t: Traffic, n: int, w: int, trainable: int, zero: int) -> None:
+    """The gradients' reduction: the gradient cache reduces the K backwards' gradients once, at the step
+    boundary (dsclip/train/gradcache.py): an all-reduce of the whole gradient under ZeRO-1/2, a
+    reduce-scatter into the partitions under ZeRO-3."""
     if zero in (1, 2):
         t.add("all_reduce", n, w * trainable, "boundary")
-        t.add("all_gather", n, w * trainable, "step")
     elif zero == 3:
         t.add("reduce_scatter", n, w * trainable, "boundary")
-        for _ in range(forward_passes(accum_freq, keep_last_graph)):
-            t.add("all_gather", n, w * (params - persistent), "forward")
-        t.add("all_gather", n, w * persistent, "step")
     else:
         raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {zero}")
-    return t
+
+
+def parameter_traffic(
+    t: Traffic, n: int, w: int, *, params: int, trainable: int, persistent: int, zero: int, passes: int
+) -> None:
+    """The parameters' gathers: ZeRO-1/2 all-gather the updated 16-bit trainable parameters after the step;
+    ZeRO-3 gathers the partitioned ones in each of ``passes`` forwards, then the persistent ones after the step."""
+    if zero in (1, 2):
+        t.add("all_gather", n, w * trainable, "step")
+        return
+    for _ in range(passes):
+        t.add("all_gather", n, w * (params - persistent), "forward")
+    t.add("all_gather", n, w * persistent, "step")
 
 
 def hideable_compute_s(compute_s: float, zero: int) -> float:
@@ -190,7 +211,7 @@ class Traffic:
 def ring_factor(kind: str, n: int) -> float:
     """Bytes each rank moves over its slowest link per byte of the collective's buffer (nccl-tests' busbw
     factor): all-reduce 2(n-1)/n, all-gather / reduce-scatter (n-1)/n, broadcast / reduce 1, none at n = 1."""
-    if n <= 1 or kind == "barrier":
+    if n <= 1 or kind in ("barrier", "recv"):  # a receive is its peer's send: its time is counted there
         return 0.0
     if kind == "all_reduce":
         return 2.0 * (n - 1) / n

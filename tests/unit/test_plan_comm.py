@@ -26,6 +26,7 @@ from dsclip.plan.report import format_plan
 WORLD = 8
 # (model, micro-batch, ZeRO stage, K): one child process rehearses them all, one engine after another
 CASES = [("demo", 4, 1, 2), ("demo", 4, 3, 1), ("ViT-B-32", 1, 2, 1), ("ViT-B-32", 1, 3, 2)]
+RING = ("demo", 4, 2, 2)  # rehearsed with the tiled loss, in the same child (after CASES)
 SMALL = 4096  # bytes per step the derivation may leave out (loss scalars, overflow flags, ZeRO-3's broadcasts)
 
 
@@ -45,7 +46,10 @@ def counted():
         )  # fmt: skip
         for m, b, z, k in CASES
     ]
-    return rehearse_many(specs, timeout_s=600)
+    m, b, z, k = RING
+    ring = RehearsalSpec(model=m, world=WORLD, batch_size=b, accum_freq=k, ds_config=shipped_ds_config(z, "bf16")[1],
+                         loss="infonce_tiled", steps=1)  # fmt: skip
+    return rehearse_many([*specs, ring], timeout_s=600)
 
 
 def _derived(model: str, micro: int, zero: int, k: int):
@@ -84,6 +88,26 @@ def test_derived_bytes_equal_the_rehearsals_counted_bytes(counted, i):
         assert not any(key[1] == "backward" for key in seen)
         whole = arch.params - persistent_numel(arch.config_json, 100_000, 2**63 - 1)
         assert seen[("all_gather", "forward")][1] == pytest.approx(forward_passes(k) * 2 * whole, abs=padding)
+
+
+def test_a_rehearsed_ring_loss_step_is_finite_and_counted(counted):
+    """The tiled loss passes its blocks point to point, whose receives the fake group never fills: without the
+    counter's stand-in data the step was not finite (DeepSpeed skipped it, nothing was timed). Its sends are
+    counted, and the planner's derived ring bytes (three all-gathers' worth) are what they cost on a link."""
+    r = counted[len(CASES)]
+    assert r.spec["loss"] == "infonce_tiled"
+    assert r.loss_finite and r.skipped == 0 and r.step_s
+    sent = sum(nbytes for kind, _, _, _, nbytes in r.traffic if kind == "send")
+    received = sum(nbytes for kind, _, _, _, nbytes in r.traffic if kind == "recv")
+    assert sent == received > 0
+    model, micro, zero, k = RING
+    arch = load_arch(model)
+    ring = step_traffic(params=arch.params, trainable=arch.trainable_params, persistent=0, world=WORLD, zero=zero,
+                        precision="bf16", accum_freq=k, local_batch=micro * k, embed_dim=arch.embed_dim,
+                        loss="infonce_tiled").bytes[("all_gather", WORLD, "ring")]  # fmt: skip
+    link = LinkModel()
+    derived_s, counted_s = link.seconds("all_gather", WORLD, ring), link.seconds("send", WORLD, sent)
+    assert counted_s == pytest.approx(derived_s, rel=0.15)
 
 
 def test_step_traffic_arithmetic():
