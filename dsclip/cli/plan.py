@@ -12,6 +12,7 @@ the launcher asked for (``--launcher hostfile|sbatch``) with placeholders for th
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shlex
@@ -20,14 +21,15 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from dsclip.config_base import ConfigError
-from dsclip.engine.ds_config import PRECISIONS, PURE_PRECISIONS, load_ds_json, normalize_precision
+from dsclip.engine.ds_config import PRECISIONS, PURE_PRECISIONS, load_ds_json, run_precision
 from dsclip.engine.grad_reduction import GRAD_REDUCTIONS
 from dsclip.losses.config import LOSS_NAMES as LOSS_MODES
 from dsclip.losses.config import TRAIN_TILE_SIZE
 from dsclip.model.lock import LockConfig
 from dsclip.plan.comm import INTER_NODE_GBPS, INTRA_NODE_GBPS, LinkModel
 from dsclip.plan.efficiency import DEFAULT_GPU, GPUS, gpu_spec
-from dsclip.plan.planner import ROOT, Plan, largest_batch, make_plan, shipped_ds_config, train_args
+from dsclip.plan.job import Cluster, Job, default_ds_config, plan_configuration, plan_job
+from dsclip.plan.planner import ROOT, Plan, largest_batch, train_args
 from dsclip.plan.report import describe, format_plan, format_search
 
 DEFAULT_MAX_BATCH_MICRO = 32  # --max-batch keeps room for this micro-batch when --batch-size is not given
@@ -229,13 +231,11 @@ def clean_path(path: str) -> str:
     return q.as_posix()
 
 
-def _ds_config(a, parser) -> tuple[int, str, tuple[str, dict]]:
-    """(zero stage, precision, (printed name, JSON)) from --deepspeed-config / --zero / --precision."""
-    precision = normalize_precision(a.precision)
+def _ds_config(a, parser) -> tuple[str, tuple[str, dict] | None]:
+    """(precision, (printed name, JSON) or None when not given) from --deepspeed-config / --zero / --precision."""
     if a.deepspeed_config is None:
-        zero = a.zero or 2  # the search replaces it where nothing fixed it (main_plan)
-        precision = "fp32" if precision == "auto" else precision  # the shipped zeroN.json says auto: fp32
-        return zero, precision, shipped_ds_config(zero, precision)
+        precision = run_precision(a.precision)
+        return ("fp32" if precision == "auto" else precision), None  # the shipped zeroN.json says auto: fp32
     try:
         cfg = load_ds_json(a.deepspeed_config)
     except ConfigError as e:
@@ -245,10 +245,7 @@ def _ds_config(a, parser) -> tuple[int, str, tuple[str, dict]]:
         parser.error(f"--deepspeed-config {a.deepspeed_config}: zero_optimization.stage is {stage!r}; plan needs 1-3")
     if a.zero is not None and a.zero != stage:
         parser.error(f"--zero {a.zero} but --deepspeed-config {a.deepspeed_config} has stage {stage}: keep one")
-    if precision == "auto":  # as dsclip train: the JSON's, fp32 if it says auto too
-        on = {k for k in ("bf16", "fp16") if cfg.get(k, {}).get("enabled") is True}
-        precision = next(iter(on), "fp32")
-    return stage, precision, (clean_path(a.deepspeed_config), cfg)
+    return run_precision(a.precision, cfg), (clean_path(a.deepspeed_config), cfg)  # auto: as dsclip train
 
 
 def _global_batch(a, parser) -> tuple[int | None, int | None]:
@@ -382,23 +379,40 @@ def _gpu(a, parser) -> tuple[float, float, str]:
     return memory, peak, note
 
 
-def _fixed(a, ds, micro) -> dict:
-    """What the user's flags fix, for the search: values, and under "flags" the flag that fixed each."""
-    fixed, flags = {}, {}
-    if a.deepspeed_config is not None:
-        fixed["ds_config"] = ds
-        flags["zero"] = flags["offload"] = f"--deepspeed-config {ds[0]}"
-    elif a.zero is not None:
-        fixed["zero"], flags["zero"] = a.zero, f"--zero {a.zero}"
-    if a.loss is not None:
-        fixed["loss"], flags["loss"] = a.loss, f"--loss {a.loss}"
-    if a.grad_checkpointing is not None:
-        fixed["grad_checkpointing"] = a.grad_checkpointing
-        flags["grad_checkpointing"] = "--grad-checkpointing" if a.grad_checkpointing else "--no-grad-checkpointing"
-    if micro is not None:
-        fixed["micro_batch"], flags["micro_batch"] = micro, f"--batch-size {micro}"
-    fixed["flags"] = flags
-    return fixed
+def _flags(a, job: Job) -> dict[str, str]:
+    """The flag that fixed each setting the job fixes (the search prints them)."""
+    flags = {}
+    if job.ds_config is not None:
+        flags["zero"] = flags["offload"] = f"--deepspeed-config {job.ds_config[0]}"
+    elif job.zero is not None:
+        flags["zero"] = f"--zero {job.zero}"
+    if job.loss is not None:
+        flags["loss"] = f"--loss {job.loss}"
+    if job.grad_checkpointing is not None:
+        flags["grad_checkpointing"] = "--grad-checkpointing" if job.grad_checkpointing else "--no-grad-checkpointing"
+    if job.micro_batch is not None:
+        flags["micro_batch"] = f"--batch-size {job.micro_batch}"
+    return flags
+
+
+def _job(a, parser) -> Job:
+    """The job the command line describes (dsclip train's flags); what it leaves open, the search chooses."""
+    precision, ds = _ds_config(a, parser)
+    batch, micro = _global_batch(a, parser)
+    return Job(
+        model=clean_path(a.model) if a.model.endswith(".json") else a.model, gpus=a.gpus, batch_size=batch,
+        micro_batch=micro, precision=precision, zero=a.zero, ds_config=ds, loss=a.loss, tile=a.loss_tile_size,
+        grad_checkpointing=a.grad_checkpointing, patch_dropout=a.force_patch_dropout, image_size=a.force_image_size,
+        lock=_lock(a), ema_decay=a.ema_decay, grad_reduction=a.grad_reduction,
+    )  # fmt: skip
+
+
+def _cluster(a, memory: float, peak: float) -> Cluster:
+    return Cluster(
+        gpu_memory_gb=memory, peak_tflops=peak, gpus_per_node=a.gpus_per_node, host_memory_gb=a.host_memory,
+        reserve_gb=a.reserve, link=link_from_args(a), gpu=a.gpu or "", mfu=a.mfu, device=a.device,
+        baseline_gb=a.baseline_gb,
+    )  # fmt: skip
 
 
 def _lock(a) -> LockConfig:
@@ -418,19 +432,14 @@ def _with_command(plan: Plan, a) -> Plan:
     return plan
 
 
-def _search_and_print(a, model: str, batch: int, micro, precision: str, ds, gpu_note: str, memory, peak) -> int:
+def _search_and_print(a, job: Job, cluster: Cluster, gpu_note: str) -> int:
     """Plan by search (dsclip.plan.search): the chosen plan, the runners-up, and where the user's fixed
     settings do not fit, the cheapest change that does (or, when nothing fits, the smallest one)."""
-    from dsclip.plan.search import cheapest_change, search, smallest_fit
+    from dsclip.plan.search import cheapest_change, smallest_fit
 
-    base = dict(
-        gpus=a.gpus, gpu_memory_gb=memory, batch_size=batch, patch_dropout=a.force_patch_dropout, mfu=a.mfu,
-        peak_tflops=peak, tile=a.loss_tile_size, gpus_per_node=a.gpus_per_node, reserve_gb=a.reserve,
-        image_size=a.force_image_size, lock=_lock(a), host_memory_gb=a.host_memory, link=link_from_args(a),
-        grad_reduction=a.grad_reduction,
-    )  # fmt: skip
-    fixed = _fixed(a, ds, micro)
-    found = search(model, fixed=fixed, precision=precision, **base)
+    model, precision, micro, base = job.model, job.precision, job.micro_batch, job.plan_keywords(cluster)
+    found = plan_job(job, cluster, flags=_flags(a, job))
+    fixed = job.fixed()
     plan = _with_command(found.chosen, a)
     if gpu_note:
         plan.notes.append(gpu_note)
@@ -476,16 +485,18 @@ def _search_and_print(a, model: str, batch: int, micro, precision: str, ds, gpu_
     if moved:
         print(f"dsclip plan: {BATCH_SIZE_MOVED}", file=sys.stderr)
     if a.measure and plan.fits:  # rank 0 of the chosen plan, rehearsed under a fake world (run_measure)
-        return run_measure(a, plan, _chosen_ds_config(plan))
+        return run_measure(a, plan, job.chosen(plan, _chosen_ds_config(plan, job)))
     if a.measure:
         print("dsclip plan --measure: nothing rehearsed, the plan does not fit", file=sys.stderr)
     return 0 if plan.fits else 1
 
 
-def _chosen_ds_config(plan: Plan) -> tuple[str, dict]:
-    """(name as printed, JSON) of the DeepSpeed config the search chose: a shipped file under the checkout."""
-    path = Path(plan.ds_config)
-    return plan.ds_config, load_ds_json(str(path if path.is_absolute() else ROOT / path))
+def _chosen_ds_config(plan: Plan, job: Job) -> tuple[str, dict]:
+    """(name as printed, JSON) of the DeepSpeed config the plan runs: the job's own where it fixed one, else the
+    shipped one the search chose, found as dsclip train finds it (load_ds_json: a path, else a shipped name)."""
+    if job.ds_config is not None and job.ds_config[0] == plan.ds_config:
+        return job.ds_config
+    return plan.ds_config, load_ds_json(plan.ds_config)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -541,7 +552,8 @@ def link_from_args(a) -> LinkModel:
     return link
 
 
-def run_measure(a, plan: Plan, ds: tuple[str, dict]) -> int:
+def run_measure(a, plan: Plan, job: Job) -> int:
+    """Rehearse rank 0 of ``job`` (the plan's, every setting chosen: Job.chosen) and print it beside ``plan``."""
     from dsclip.rehearsal.report import format_reductions, format_report
     from dsclip.rehearsal.room import RehearsalError, RehearsalSpec, rehearse_many
 
@@ -549,28 +561,18 @@ def run_measure(a, plan: Plan, ds: tuple[str, dict]) -> int:
         print("dsclip plan: --measure-steps must be at least 1", file=sys.stderr)
         return 2
     device = _device(a.measure_device)
-    micro = plan.micro_batch or a.batch_size
+    try:
+        spec = RehearsalSpec.from_job(job, gpus_per_node=a.gpus_per_node, steps=a.measure_steps, device=device)
+    except RehearsalError as e:
+        print(f"dsclip plan --measure: {e}", file=sys.stderr)
+        return 2
     # each reduction the plan weighed that dsclip train would run at this K (the chosen one first)
-    modes = [plan.grad_reduction] + [
-        m for m, row in plan.reductions.items() if m != plan.grad_reduction and not row["refused"]
-    ]
-    spec = RehearsalSpec(
-        model=plan.model,
-        world=plan.gpus,
-        batch_size=micro,
-        accum_freq=max(1, plan.accum_freq),
-        ds_config=ds[1],
-        precision=plan.precision,
-        grad_checkpointing=plan.grad_checkpointing,
-        gpus_per_node=a.gpus_per_node,
-        steps=a.measure_steps,
-        device=device,
-        grad_reduction=plan.grad_reduction,
-    )
+    others = [m for m, row in plan.reductions.items() if m != plan.grad_reduction and not row["refused"]]
+    modes = [plan.grad_reduction, *others]
     print(
         f"\nrehearsal: rank 0 of a world of {plan.gpus} under torch's fake process group on {device}, "
         f"micro-batch {spec.batch_size} x accum {spec.accum_freq}, ZeRO-{plan.zero} {plan.precision}, "
-        f"{a.measure_steps} timed steps after 1 warm-up ..."
+        f"loss {spec.loss}, {a.measure_steps} timed steps after 1 warm-up ..."
     )
     sys.stdout.flush()
     try:
@@ -592,58 +594,36 @@ def main_plan(argv: list[str]) -> int:
     if a.device == "cpu" and a.launcher == "sbatch":
         parser.error("--launcher sbatch starts GPU ranks; a --device cpu plan prints a one-machine deepspeed command")
     memory, peak, gpu_note = _gpu(a, parser)
-    zero, precision, ds = _ds_config(a, parser)
-    batch, micro = _global_batch(a, parser)
-    model = clean_path(a.model) if a.model.endswith(".json") else a.model
-    if batch is not None and a.device != "cpu":
-        return _search_and_print(a, model, batch, micro, precision, ds, gpu_note, memory, peak)
+    job, cluster = _job(a, parser), _cluster(a, memory, peak)
+    if job.batch_size is not None and a.device != "cpu":
+        return _search_and_print(a, job, cluster, gpu_note)
     # --max-batch and --device cpu plan one configuration: the flags', with the old defaults where not given
-    loss = a.loss or "infonce"
-    ckpt = bool(a.grad_checkpointing)
-    # what the largest-batch search and the plan are both computed for
-    common = dict(
-        gpus=a.gpus,
-        gpu_memory_gb=memory,
-        zero=zero,
-        precision=precision,
-        grad_checkpointing=ckpt,
-        patch_dropout=a.force_patch_dropout,
-        loss=loss,
-        tile=a.loss_tile_size,
-        reserve_gb=a.reserve,
-        micro_batch=micro,
-        host_memory_gb=a.host_memory,
-        gpus_per_node=a.gpus_per_node,
-        grad_reduction=a.grad_reduction,
-    )
-    if batch is None:
-        batch = largest_batch(model, **common)
+    job = dataclasses.replace(job, loss=job.loss or "infonce", grad_checkpointing=bool(job.grad_checkpointing))
+    if job.batch_size is None:
+        _, ds = default_ds_config(job)
+        zero = int(ds.get("zero_optimization", {}).get("stage", job.zero or 2))
+        batch = largest_batch(
+            job.model, gpus=job.gpus, gpu_memory_gb=cluster.gpu_memory_gb, zero=zero, precision=job.precision,
+            grad_checkpointing=job.grad_checkpointing, patch_dropout=job.patch_dropout, loss=job.loss, tile=job.tile,
+            reserve_gb=cluster.reserve_gb, micro_batch=job.micro_batch, host_memory_gb=cluster.host_memory_gb,
+            gpus_per_node=cluster.gpus_per_node, grad_reduction=job.grad_reduction,
+        )  # fmt: skip
         if not a.json:
             print(
-                f"largest contrastive batch: {batch} ({batch // a.gpus} per GPU, micro-batch {micro}, "
-                f"loss {loss}, ZeRO-{zero} {precision}" + (", grad-checkpointing" if ckpt else "") + ")\n"
+                f"largest contrastive batch: {batch} ({batch // a.gpus} per GPU, micro-batch {job.micro_batch}, "
+                f"loss {job.loss}, ZeRO-{zero} {job.precision}"
+                + (", grad-checkpointing" if job.grad_checkpointing else "")
+                + ")\n"
             )
         if batch == 0:
-            print(f"not even one micro-batch of {micro} per GPU fits; lower --batch-size or add GPUs")
+            print(f"not even one micro-batch of {job.micro_batch} per GPU fits; lower --batch-size or add GPUs")
             return 1
-    plan = make_plan(
-        model,
-        **common,
-        batch_size=batch,
-        mfu=a.mfu,
-        peak_tflops=peak,
-        device=a.device,
-        baseline_gb=a.baseline_gb,
-        image_size=a.force_image_size,
-        lock=_lock(a),
-        ds_config=ds,
-        ema=a.ema_decay is not None,
-        link=link_from_args(a),
-    )
+        job = dataclasses.replace(job, batch_size=batch)
+    plan = plan_configuration(job, cluster)
     _with_command(plan, a)
     if gpu_note:
         plan.notes.append(gpu_note)
     print(json.dumps(asdict(plan), indent=2) if a.json else format_plan(plan))
     if a.measure:  # rank 0 of this plan, rehearsed under a fake world (run_measure)
-        return run_measure(a, plan, ds) or (0 if plan.fits else 1)
+        return run_measure(a, plan, job.chosen(plan, default_ds_config(job))) or (0 if plan.fits else 1)
     return 0 if plan.fits else 1

@@ -113,6 +113,23 @@ class TrainArgs:
         "torch.distributed init_method (OpenCLIP's flag), e.g. tcp://HOST:PORT or file:///shared/path; "
         "default env:// (MASTER_ADDR/MASTER_PORT from the launcher).",
     )
+    step_timeout: float = opt(
+        180.0,
+        "Hang watchdog, seconds: from the third step on, a step (data wait included) that runs longer than "
+        "max(this, --step-timeout-factor × the slowest of the last 20 steps) ends the job with one line per rank "
+        "naming the stuck rank, the last step and --resume latest (exit code 2; latest untouched). Checkpoint "
+        "saves and evaluations get the process group's long timeout instead, unless a rank gives no sign of life "
+        "for longer than this bound (docs/clusters.md, When a rank hangs). 0: no watchdog.",
+    )
+    step_timeout_factor: float = opt(
+        10.0, "Hang watchdog: a step may take this many times the slowest of the last 20 steps (>= 1)."
+    )
+    collective_timeout: float = opt(
+        300.0,
+        "Seconds a collective may wait for its peers from the third step on (torch.distributed.set_timeout on "
+        "every process group; at least --step-timeout-factor × the slowest of the first 2 steps); the long default "
+        "(30 min, DSCLIP_DIST_TIMEOUT) comes back around checkpoint saves and evaluations. 0: keep the long one.",
+    )
 
     def check(self) -> None:
         for key, v in (("batch_size", self.batch_size), ("accum_freq", self.accum_freq), ("epochs", self.epochs)):
@@ -120,6 +137,14 @@ class TrainArgs:
                 raise ConfigError(f"'{key}' must be >= 1, got {v}")
         if self.max_steps is not None and self.max_steps < 1:
             raise ConfigError(f"'max_steps' must be >= 1, got {self.max_steps}")
+        for key, v in (("step_timeout", self.step_timeout), ("collective_timeout", self.collective_timeout)):
+            if not v >= 0:  # NaN too
+                raise ConfigError(f"'{key}' must be >= 0 seconds (0: off), got {v}")
+        if not self.step_timeout_factor >= 1:
+            raise ConfigError(
+                f"'step_timeout_factor' must be >= 1 (a step may take that many times the slowest recent one), "
+                f"got {self.step_timeout_factor}"
+            )
         if self.device is not None and ":" in self.device:
             raise ConfigError(
                 f"--device {self.device}: give the device type only (e.g. --device cuda); each rank uses the "
@@ -242,6 +267,19 @@ def normalize_precision(p: str) -> str:
     if p in ("fp16", "amp", "pure_fp16"):
         return "fp16"
     return p  # fp32 | auto
+
+
+def run_precision(precision: str, ds_json: dict | None = None) -> str:
+    """The precision (bf16, fp16, fp32) a run of ``--precision`` trains in, as the engine decides it
+    (``_fill_precision``): OpenCLIP's spellings mapped (amp = fp16, amp_bf16 / amp_bfloat16 = bf16); ``auto``
+    takes the DeepSpeed JSON's (fp32 where it enables neither). Without a JSON (not chosen yet: ``dsclip plan``
+    searching, ``--deepspeed-config auto``) ``auto`` stays ``auto`` for the caller to decide. What ``dsclip
+    plan`` and ``--deepspeed-config auto`` plan with: one mapping, the one train uses."""
+    p = normalize_precision(precision)
+    if p != "auto" or ds_json is None:
+        return p
+    on = [k for k in ("bf16", "fp16") if ds_json.get(k, {}).get("enabled") is True]
+    return on[0] if on else "fp32"
 
 
 # Shipped inside the package (package data), so an installed dsclip has them from any directory.

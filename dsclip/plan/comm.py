@@ -13,7 +13,7 @@ parameters, ``N`` the global rows, ``D`` the embedding width):
 * the loss: a metadata all-gather (11 int64 per rank, dsclip.losses.common); the global InfoNCE losses
   gather image and text features (fp32, 2·N·D·4 bytes) in one all-gather and reduce-scatter their
   gradient back (same size). The tiled and SigLIP losses pass text blocks around a ring point to point
-  (the counter does not see those): the text features forward, again in the backward with their gradient
+  (the counter counts those as "send" and "recv"): the text features forward, again in the backward with their gradient
   accumulators, about three all-gathers of N·D·4 bytes (counted as such).
 * ZeRO-1/2: the gradient cache reduces the K backwards' gradients once, an all-reduce of w·T at the
   boundary (dsclip/train/gradcache.py); after the optimizer step every rank all-gathers the updated
@@ -127,11 +127,20 @@ def step_traffic(
     to each partition's owner (``"reduce"``, the shipped JSONs: reduce-scatter's (n-1)/n of the traffic, not
     all-reduce's 2(n-1)/n); ZeRO-3 reduce-scatters."""
     t = Traffic()
-    n = world
-    if n <= 1:
+    if world <= 1:
         return t
     w = 2 if precision in ("bf16", "fp16") else 4
-    rows = local_batch * n
+    loss_traffic(t, world, local_batch * world, embed_dim, loss)
+    gradient_traffic(
+        t, world, w, trainable, zero, accum_freq=accum_freq, grad_reduction=grad_reduction, zero2_reduce=zero2_reduce
+    )
+    passes = forward_passes(accum_freq, keep_last_graph)
+    parameter_traffic(t, world, w, params=params, trainable=trainable, persistent=persistent, zero=zero, passes=passes)
+    return t
+
+
+def loss_traffic(t: Traffic, n: int, rows: int, embed_dim: int, loss: str) -> None:
+    """The loss's: its metadata, then the gathered features and their gradients, or the ring's blocks."""
     t.add("all_gather", n, LOSS_META_INT64 * 8 * n, "other")
     if loss in GATHERED_LOSSES:
         t.add("all_gather", n, 2 * rows * embed_dim * 4, "other")
@@ -140,6 +149,15 @@ def step_traffic(
         t.add("all_gather", n, 3 * rows * embed_dim * 4, "ring")
     else:
         raise ValueError(f"unknown loss {loss!r}; known: {', '.join(GATHERED_LOSSES + RING_LOSSES)}")
+
+
+def gradient_traffic(
+    t: Traffic, n: int, w: int, trainable: int, zero: int, *, accum_freq: int, grad_reduction: str, zero2_reduce: str
+) -> None:
+    """The gradients' reduction (``grad_reduction``, dsclip/engine/accumulation.py): "coalesced" reduces the K
+    backwards' summed gradient once, at the step boundary; "sharded" (ZeRO-2/3) reduces each chunk's inside its
+    backward, K reductions. ZeRO-1 all-reduces; ZeRO-2 reduces each bucket with ``zero2_reduce``; ZeRO-3
+    reduce-scatters into the partitions."""
     sharded = grad_reduction == "sharded" and zero >= 2
     reductions, phase = (max(accum_freq, 1), "backward") if sharded else (1, "boundary")
     if zero == 1 and w == 2 and accum_freq > 1:
@@ -147,20 +165,25 @@ def step_traffic(
         # which all-reduces inside the final backward (overlap_comm does not reach it; the shipped ZeRO-1 JSON
         # has none)
         phase = "backward"
-    if zero in (1, 2):
-        kind = zero2_reduce if zero == 2 else "all_reduce"
+    if zero in (1, 2, 3):
+        kind = {1: "all_reduce", 2: zero2_reduce, 3: "reduce_scatter"}[zero]
         for _ in range(reductions):
             t.add(kind, n, w * trainable, phase)
-        t.add("all_gather", n, w * trainable, "step")
-    elif zero == 3:
-        for _ in range(reductions):
-            t.add("reduce_scatter", n, w * trainable, phase)
-        for _ in range(forward_passes(accum_freq, keep_last_graph)):
-            t.add("all_gather", n, w * (params - persistent), "forward")
-        t.add("all_gather", n, w * persistent, "step")
     else:
         raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {zero}")
-    return t
+
+
+def parameter_traffic(
+    t: Traffic, n: int, w: int, *, params: int, trainable: int, persistent: int, zero: int, passes: int
+) -> None:
+    """The parameters' gathers: ZeRO-1/2 all-gather the updated 16-bit trainable parameters after the step;
+    ZeRO-3 gathers the partitioned ones in each of ``passes`` forwards, then the persistent ones after the step."""
+    if zero in (1, 2):
+        t.add("all_gather", n, w * trainable, "step")
+        return
+    for _ in range(passes):
+        t.add("all_gather", n, w * (params - persistent), "forward")
+    t.add("all_gather", n, w * persistent, "step")
 
 
 def hideable_compute_s(compute_s: float, zero: int) -> float:
@@ -216,7 +239,7 @@ class Traffic:
 def ring_factor(kind: str, n: int) -> float:
     """Bytes each rank moves over its slowest link per byte of the collective's buffer (nccl-tests' busbw
     factor): all-reduce 2(n-1)/n, all-gather / reduce-scatter (n-1)/n, broadcast / reduce 1, none at n = 1."""
-    if n <= 1 or kind == "barrier":
+    if n <= 1 or kind in ("barrier", "recv"):  # a receive is its peer's send: its time is counted there
         return 0.0
     if kind == "all_reduce":
         return 2.0 * (n - 1) / n

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dsclip.plan.comm import Traffic
 
 # torch is imported where used: the rehearsal's parent (`dsclip plan --measure`) loads this module light
-KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all", "barrier")
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all", "barrier", "send", "recv")
 
 
 def _nbytes(t) -> int:
@@ -64,6 +64,9 @@ _SIZES: dict[str, tuple[str, Callable]] = {
     "all_to_all_single": ("all_to_all", lambda a, k: _nbytes(_arg(a, k, 1, "input"))),
     "all_to_all": ("all_to_all", lambda a, k: _nbytes(_arg(a, k, 1, "input_tensor_list"))),
     "barrier": ("barrier", lambda a, k: 0),
+    # the ring losses' point-to-point exchange (dsclip.losses.distributed.Ring): counted per op, as "send" and
+    # "recv" (:func:`_p2p_ops`), not as one kind
+    "batch_isend_irecv": ("p2p", lambda a, k: 0),
     # object collectives pickle into tensors and call the ones above; counted once, as what they call
     "all_gather_object": ("all_gather", lambda a, k: 0),
     "broadcast_object_list": ("broadcast", lambda a, k: 0),
@@ -153,8 +156,11 @@ class CollectiveCounter:
                 return fn(*args, **kwargs)
             depth = getattr(self._depth, "n", 0)
             if depth == 0 and self.recording:
-                group = kwargs.get("group")
-                self.traffic.add(kind, dist.get_world_size(group), size(args, kwargs), self.phase)
+                if kind == "p2p":
+                    for op_kind, op in _p2p_ops(args, kwargs):
+                        self.traffic.add(op_kind, dist.get_world_size(op.group), _nbytes(op.tensor), self.phase)
+                else:
+                    self.traffic.add(kind, dist.get_world_size(kwargs.get("group")), size(args, kwargs), self.phase)
             self._depth.n = depth + 1
             t0 = clocks()
             try:
@@ -263,6 +269,27 @@ def _fill(name: str, args, kwargs) -> None:
         _fill_outputs(name, args, kwargs)
 
 
+def _p2p_ops(args, kwargs) -> list[tuple[str, object]]:
+    """("send" | "recv", P2POp) of each op of a ``batch_isend_irecv`` call. By the op's function name: torch
+    checks ``op.op is isend`` itself, so the counter never wraps isend / irecv."""
+    ops = _arg(args, kwargs, 0, "p2p_op_list") or []
+    return [("send" if getattr(op.op, "__name__", "") == "isend" else "recv", op) for op in ops]
+
+
+def _fill_received(args, kwargs) -> None:
+    """The fake group's p2p receives land nowhere, so their buffers hold whatever ``torch.empty`` left (a ring
+    loss on them is not finite): each receive gets a copy of what this rank sends in the same call (the ring's
+    blocks are the same size on every rank, so the peer would have sent alike), zeros where no send matches."""
+    ops = _p2p_ops(args, kwargs)
+    sends = [op.tensor for kind, op in ops if kind == "send"]
+    for i, recv in enumerate(op.tensor for kind, op in ops if kind == "recv"):
+        send = sends[i] if i < len(sends) else None
+        if send is not None and send.numel() == recv.numel() and send.dtype == recv.dtype:
+            recv.copy_(send.reshape(recv.shape))
+        else:
+            recv.zero_()
+
+
 def _fill_outputs(name: str, args, kwargs) -> None:
     import torch.distributed as dist
 
@@ -286,4 +313,6 @@ def _fill_outputs(name: str, args, kwargs) -> None:
         out, inputs = _arg(args, kwargs, 0, "output"), _arg(args, kwargs, 1, "input_list")
         if inputs[dist.get_rank()].data_ptr() != out.data_ptr():
             out.copy_(inputs[dist.get_rank()])
+    elif name == "batch_isend_irecv":
+        _fill_received(args, kwargs)
     # all_reduce, broadcast, reduce: the tensor already holds finite data of the right shape

@@ -25,6 +25,9 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from dsclip.losses.config import TRAIN_TILE_SIZE
+from dsclip.plan.job import Job
+
 _done: list[str] = []  # rehearsals this process has run (CPU peaks are per process)
 RESULT_TAG = "DSCLIP_REHEARSAL "  # the child's result line on stdout
 ERROR_TAG = "dsclip plan --measure: "  # the child's one-line error on stderr
@@ -36,6 +39,9 @@ class RehearsalError(RuntimeError):
 
 @dataclass
 class RehearsalSpec:
+    """Rank 0 of a job, as the child process reads it (JSON): the job's chosen configuration (``from_job``,
+    and back with ``job``) and the rehearsal's own settings (node size, patches, steps, device, seed)."""
+
     model: str
     world: int
     batch_size: int  # micro-batch per rank
@@ -49,6 +55,31 @@ class RehearsalSpec:
     device: str = "cpu"  # "cpu" or "cuda": where this rank runs
     seed: int = 0
     grad_reduction: str = "auto"  # --grad-reduction (dsclip/engine/grad_reduction.py)
+    loss: str = "infonce"  # the loss the step trains with (dsclip.losses.config.LOSS_NAMES)
+    loss_tile_size: int = TRAIN_TILE_SIZE
+    patch_dropout: float = 0.0  # --force-patch-dropout (0: the architecture's own)
+    image_size: int | None = None  # --force-image-size
+
+    @classmethod
+    def from_job(cls, job: Job, **rehearsal) -> RehearsalSpec:
+        """Rank 0 of ``job``, every setting chosen (dsclip.plan.job.Job.chosen); ``rehearsal``: the other fields."""
+        if job.micro_batch is None or job.ds_config is None:
+            raise RehearsalError("nothing to rehearse: the job's micro-batch and DeepSpeed JSON are not chosen")
+        return cls(
+            model=job.model, world=job.gpus, batch_size=job.micro_batch, accum_freq=job.accum_freq or 1,
+            ds_config=job.ds_config[1], precision=job.precision, grad_checkpointing=bool(job.grad_checkpointing),
+            loss=job.loss or "infonce", loss_tile_size=job.tile, patch_dropout=job.patch_dropout,
+            image_size=job.image_size, grad_reduction=job.grad_reduction, **rehearsal,
+        )  # fmt: skip
+
+    def job(self) -> Job:
+        """The job this rank belongs to (its DeepSpeed JSON named as the rehearsal writes it)."""
+        return Job(
+            model=self.model, gpus=self.world, batch_size=self.batch_size * self.accum_freq * self.world,
+            micro_batch=self.batch_size, precision=self.precision, ds_config=("rehearsal", self.ds_config),
+            loss=self.loss, tile=self.loss_tile_size, grad_checkpointing=self.grad_checkpointing,
+            patch_dropout=self.patch_dropout, image_size=self.image_size, grad_reduction=self.grad_reduction,
+        )  # fmt: skip
 
 
 @dataclass
@@ -325,29 +356,21 @@ def rehearse_in_world(spec: RehearsalSpec, counter) -> RehearsalResult:
 
 
 def _run_settings(spec: RehearsalSpec, counter):
-    """The run config sections ``dsclip train`` would build for ``spec``, and its resolved DeepSpeed dict."""
-    from dsclip.engine.ds_config import TrainArgs
+    """The run config sections ``dsclip train`` would build for ``spec``'s job (its loss included), and its
+    resolved DeepSpeed dict."""
     from dsclip.engine.optim import OptimArgs
-    from dsclip.losses import LossArgs
-    from dsclip.model import ModelArgs
     from dsclip.model.factory import get_model_config
     from dsclip.train.build import build_ds_config
 
     ds_path = Path(tempfile.mkdtemp(prefix="dsclip-rehearsal-ds-")) / "ds_config.json"
     ds_path.write_text(json.dumps(spec.ds_config))
-    train = TrainArgs(
-        batch_size=spec.batch_size,
-        accum_freq=spec.accum_freq,
-        precision=spec.precision,
-        deepspeed_config=str(ds_path),
-        engine_patches=spec.engine_patches,
-        seed=spec.seed,
-        max_steps=spec.steps + 1,
-        grad_reduction=spec.grad_reduction,
+    sections = spec.job().sections(
+        deepspeed_config=str(ds_path), engine_patches=spec.engine_patches, seed=spec.seed, max_steps=spec.steps + 1
     )
-    model_args = ModelArgs(model=spec.model, grad_checkpointing=spec.grad_checkpointing)
-    loss_args, optim_args = LossArgs(), OptimArgs()
+    train, model_args, loss_args, optim_args = sections["train"], sections["model"], sections["loss"], OptimArgs()
     model_cfg = get_model_config(spec.model)
+    if spec.image_size:  # as the planner's architecture (dsclip.plan.architecture.load_arch) and train's
+        model_cfg.setdefault("vision_cfg", {})["image_size"] = int(spec.image_size)
     counter.recording = False
     try:
         ds_config = build_ds_config(train, optim_args, spec.world)

@@ -57,26 +57,22 @@ def kept_from_resume(cfg: RunConfig) -> str | None:
 
 
 def choose(cfg: RunConfig, model_cfg: dict, world_size: int, memory_gb: float) -> tuple[str, str]:
-    """(shipped JSON name, why) for this run on ``world_size`` devices of ``memory_gb`` GiB."""
+    """(shipped JSON name, why) for this run on ``world_size`` devices of ``memory_gb`` GiB: the run config's
+    own job (dsclip.plan.job.Job.from_sections: its precision, micro-batch, loss, checkpointing, locking and
+    EMA), the stage and offload open."""
+    from dsclip.plan.job import Cluster, Job, plan_job
     from dsclip.plan.report import describe
-    from dsclip.plan.search import search
 
-    t, m = cfg.train, cfg.model
-    precision = {"amp": "fp16", "amp_bf16": "bf16"}.get(t.precision, t.precision)
-    if precision == "auto":  # nothing to take it from: bf16 where a GPU runs it, fp32 on CPU
+    # model_cfg is the architecture as this run builds it (--force-image-size etc. applied by finetune.prepare)
+    job = Job.from_sections(
+        model=cfg.model, train=cfg.train, loss=cfg.loss, lock=cfg.lock, ema=cfg.ema, world=world_size,
+        model_cfg=model_cfg,
+    )  # fmt: skip
+    if job.precision == "auto":  # nothing to take it from: bf16 where a GPU runs it, fp32 on CPU
         import torch
 
-        precision = "bf16" if torch.cuda.is_available() else "fp32"
-    lock = cfg.lock if any(v for v in vars(cfg.lock).values()) else None
-    fixed = {"loss": cfg.loss_name, "grad_checkpointing": bool(m.grad_checkpointing), "micro_batch": t.batch_size}
-    # model_cfg is the architecture as this run builds it (--force-image-size etc. applied by finetune.prepare)
-    dropout = m.force_patch_dropout
-    if dropout is None:
-        dropout = model_cfg["vision_cfg"].get("patch_dropout")
-    found = search(
-        model_cfg, fixed=fixed, precision=precision, gpus=world_size, gpu_memory_gb=memory_gb,
-        batch_size=t.batch_size * t.accum_freq * world_size, patch_dropout=dropout or 0.0, lock=lock,
-    )  # fmt: skip
+        job.precision = "bf16" if torch.cuda.is_available() else "fp32"
+    found = plan_job(job, Cluster(gpu_memory_gb=memory_gb))
     p = found.chosen
     name = Path(p.ds_config).stem
     if not p.fits:

@@ -7,8 +7,10 @@ root (the builders it calls live in dsclip.train.build).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +26,7 @@ from dsclip.data import TrainData
 from dsclip.dist import barrier, from_rank0
 from dsclip.engine.build import build_engine, device_type
 from dsclip.engine.optim import PARAM_ORDER
-from dsclip.engine.world import cores, process_group, stop
+from dsclip.engine.world import cores, process_group, stop, watchdog
 from dsclip.train import auto_ds, ema_step, finetune, runlog, wandb_sink
 from dsclip.train.build import (
     StepPlan,
@@ -45,6 +47,7 @@ from dsclip.train.build import (
 from dsclip.train.divergence import DivergenceGuard, HealthRule, loaded_scale, resumed_problem
 from dsclip.train.evaluation import TrainingEvaluator
 from dsclip.train.gradcache import GradCacheStep
+from dsclip.train.hang import HangGuard
 from dsclip.train.metrics import MetricsLogger, console, data_counters
 from dsclip.train.progress import summary_line
 from dsclip.train.teacher import plan_teacher
@@ -81,6 +84,7 @@ class Run:
     guard: DivergenceGuard = field(default_factory=lambda: DivergenceGuard(0))
     last_loss: float = float("nan")  # of the last optimizer step (recorded with a checkpoint)
     step: int = 0  # the last optimizer step done (what a lost rank's line names)
+    hang: HangGuard | None = None  # the hang bounds of fit() (dsclip.train.hang)
 
     def client_state(self, step: int) -> dict:
         """What a checkpoint records besides DeepSpeed's state: the data position and batch geometry, the
@@ -218,11 +222,15 @@ def latest_tag(run: Run) -> str | None:
 def save_checkpoint(run: Run, step: int, *, epoch_end: bool | None = None, epoch: int = 0) -> bool:
     """Save at ``step`` (``epoch_end`` given: only if the checkpointer's cadence says so); rank 0 prints
     where and how long it took, and that time is left out of the training throughput (collective)."""
-    t0 = time.perf_counter()
-    if epoch_end is None:
-        run.checkpointer.save(run.engine, step, run.client_state(step))
-    elif not run.checkpointer.maybe_save(run.engine, step, run.client_state(step), epoch_end=epoch_end, epoch=epoch):
+    ckpt = run.checkpointer
+    if epoch_end is not None and (ckpt.last_saved_step == step or not ckpt.due(step, epoch_end=epoch_end, epoch=epoch)):
         return False
+    t0 = time.perf_counter()
+    with slow(run, f"save of checkpoint {tag_for_step(step)}"):  # the long collective timeout: saves take minutes
+        if epoch_end is None:
+            ckpt.save(run.engine, step, run.client_state(step))
+        else:
+            ckpt.maybe_save(run.engine, step, run.client_state(step), epoch_end=epoch_end, epoch=epoch)
     seconds = time.perf_counter() - t0
     run.metrics.exclude(seconds)
     run.metrics.write_line(f"checkpoint saved: {checkpoint_path(run, step)} (step {step}, {seconds:.1f} s)")
@@ -250,8 +258,30 @@ def final_summary(run: Run, step: int, wall_s: float, *, preempted: bool) -> str
     )
 
 
+def slow(run: Run, what: str):
+    """The long timeouts for a save or an evaluation while the hang bounds are armed (dsclip.train.hang)."""
+    return run.hang.slow(what) if run.hang is not None else contextlib.nullcontext()
+
+
 def fit(run: Run) -> tuple[int, str | None]:
-    """Optimizer steps from ``run.start_step`` to ``run.plan.total_steps`` (or a stop signal)."""
+    """Optimizer steps from ``run.start_step`` to ``run.plan.total_steps`` (or a stop signal), under the hang
+    bounds from the third step on: a rank that stops answering ends the job with one line per rank."""
+    cfg = run.cfg
+    run.hang = HangGuard(
+        cfg.train, rank=run.rank, world_size=run.world_size, run_dir=cfg.run_dir, name=cfg.log.name,
+        latest=lambda: latest_tag(run), start_step=run.start_step,
+    )  # fmt: skip
+    try:
+        return _steps(run)
+    except RuntimeError as e:
+        if why := process_group.collective_timed_out(e):
+            run.hang.collective_timed_out(why)  # one line, exit 2: never returns
+        raise
+    finally:
+        run.hang.close()
+
+
+def _steps(run: Run) -> tuple[int, str | None]:
     cfg, engine, k = run.cfg, run.engine, run.cfg.train.accum_freq
     step, preempted = run.start_step, False
     run.step = step
@@ -281,13 +311,15 @@ def fit(run: Run) -> tuple[int, str | None]:
                 extra={**data_counters(run.data.stats()), **result.terms},  # + contrastive/distill_loss
             )
             run.last_loss = result.loss
+            run.hang.step_done(step)
             if run.guard.observe(step, result):
                 run.checkpointer.certify(step - 1)  # the weights this step trained on were good
             if run.guard.diverged:  # before any save: nothing from the diverged state reaches the disk
                 raise stop_diverged(run, step)
             save_if_good(run, step, epoch_end=epoch_end, epoch=epoch)
             if epoch_end:
-                run.evaluator.epoch_end(engine, step, epoch)
+                with slow(run, "evaluation"):
+                    run.evaluator.epoch_end(engine, step, epoch)
             # the stop flags were summed over all ranks inside the step: every rank stops at the same step
             preempted = stop.stop_reason(result.flags)
             if step >= run.plan.total_steps or epoch_end or preempted:
@@ -360,6 +392,10 @@ def build_run(cfg: RunConfig) -> Run:
 
 def _start(cfg: RunConfig):
     """The world and the settled run config (name, checks, run lock, logs, fine-tuning, `auto`), before any data."""
+    # torch reads its flight-recorder variables when the process group is created: set the unset ones first
+    backend = cfg.train.dist_backend or os.environ.get("DSCLIP_DIST_BACKEND")
+    nccl = (backend or ("nccl" if torch.cuda.is_available() else "gloo")) == "nccl"
+    watchdog.flight_recorder_env(cfg.log.logs, cfg.log.name, make_dir=nccl)
     info = process_group.init_distributed(backend=cfg.train.dist_backend, init_method=cfg.train.dist_url)
     stop.install_preemption_handler()
     cfg = settle_run_name(cfg)  # the clock's default, decided on rank 0 (collective)

@@ -49,6 +49,8 @@ def test_estimate_exposes_what_compute_cannot_hide():
 
 
 def test_counter_counts_and_fills_under_the_fake_group():
+    """Each collective counted once with its whole buffer; under the fake group the rank's own data lands where
+    its peers' would, in gathers, reduce-scatters and point-to-point receives alike."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
@@ -63,18 +65,26 @@ def test_counter_counts_and_fills_under_the_fake_group():
             rs_in, rs_out = torch.arange(8.0), torch.full((2,), float("nan"))
             dist.reduce_scatter_tensor(rs_out, rs_in)
             dist.all_reduce(torch.ones(3, dtype=torch.bfloat16))
+            # the ring losses' exchange (dsclip.losses.distributed.Ring): the fake group never fills a receive
+            send, recv = torch.arange(3.0), torch.full((3,), float("nan"))
+            ops = [dist.P2POp(dist.isend, send, 2), dist.P2POp(dist.irecv, recv, 0)]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
             c.phase = "step"
             dist.barrier()
         assert dist.all_gather_into_tensor is original  # uninstalled on exit
         assert torch.equal(out, torch.tensor([0.0, 1, 0, 1, 0, 1, 0, 1]))  # own shard where peers' land
         assert torch.equal(rs_out, torch.tensor([2.0, 3.0]))  # rank 1's own chunk
+        assert torch.equal(recv, send)  # what it sends stands in for what its left neighbour would
         assert c.traffic.bytes == {
             ("all_gather", 4, "other"): 32,  # the gathered output, fp32
             ("reduce_scatter", 4, "other"): 32,  # the input
             ("all_reduce", 4, "other"): 6,  # 3 bf16
+            ("send", 4, "other"): 12,  # each op of the batch: 3 fp32 out, 3 in
+            ("recv", 4, "other"): 12,
             ("barrier", 4, "step"): 0,
         }
-        assert sum(c.traffic.calls.values()) == 4
+        assert sum(c.traffic.calls.values()) == 6
     finally:
         dist.destroy_process_group()
 

@@ -44,3 +44,22 @@ def test_bench_and_the_package_import_nothing_from_tests():
         if name == "tests" or name.startswith("tests.")
     ]
     assert not offenders, offenders
+
+
+# The planner (dsclip/plan/) is below the trainer: it computes from shapes and JSON, never builds an engine.
+PLAN_FORBIDDEN = ("deepspeed", "dsclip.train", "dsclip.cli", "dsclip.rehearsal", "dsclip.checkpoint")
+PURE_ENGINE = ("dsclip.engine.ds_config", "dsclip.engine.ema_config", "dsclip.engine.optim_config")  # no torch
+
+
+def test_the_planner_imports_no_trainer_engine_build_deepspeed_or_cli():
+    """Every import of every module of dsclip/plan (lazy ones too: the AST, not an import): no DeepSpeed,
+    trainer, CLI, rehearsal or checkpoint module, and of dsclip.engine only its pure config modules."""
+    files = sorted((PKG / "plan").rglob("*.py"))
+    assert len(files) >= 9, files  # the package is there (a moved planner would pass vacuously)
+    offenders = [
+        f"{path.relative_to(PKG.parent)} imports {name}"
+        for path in files
+        for name in imports(path)
+        if name.startswith(PLAN_FORBIDDEN) or (name.split(".")[:2] == ["dsclip", "engine"] and name not in PURE_ENGINE)
+    ]
+    assert not offenders, offenders

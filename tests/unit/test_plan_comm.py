@@ -48,10 +48,11 @@ CASES = [
 ]
 # the same derivation at world 64 (a second child: one fake world per process)
 CASES_64 = [("demo", 2, 2, 2, "sharded"), ("demo", 2, 3, 2, "sharded"), ("demo", 2, 2, 1, "coalesced")]
+RING = ("demo", 4, 2, 2)  # rehearsed with the tiled loss, in the world-8 child (after CASES)
 SMALL = 4096  # bytes per step the derivation may leave out (loss scalars, overflow flags, ZeRO-3's broadcasts)
 
 
-def _rehearse(cases, world):
+def _rehearse(cases, world, ring: bool = False):
     from dsclip.rehearsal.room import RehearsalSpec, rehearse_many
 
     specs = [
@@ -67,12 +68,16 @@ def _rehearse(cases, world):
         )  # fmt: skip
         for m, b, z, k, mode in cases
     ]
+    if ring:
+        m, b, z, k = RING
+        specs.append(RehearsalSpec(model=m, world=world, batch_size=b, accum_freq=k, loss="infonce_tiled", steps=1,
+                                   ds_config=shipped_ds_config(z, "bf16")[1]))  # fmt: skip
     return rehearse_many(specs, timeout_s=600)
 
 
 @pytest.fixture(scope="module")
 def counted():
-    return {WORLD: _rehearse(CASES, WORLD), 64: _rehearse(CASES_64, 64)}
+    return {WORLD: _rehearse(CASES, WORLD, ring=True), 64: _rehearse(CASES_64, 64)}
 
 
 def _reduction(zero: int, k: int, mode: str, world: int) -> str:
@@ -126,6 +131,26 @@ def test_derived_bytes_equal_the_rehearsals_counted_bytes(counted, world, case):
     planned = gpu_state_bytes(arch, world, zero, "bf16", grad_reduction=r.grad_reduction)[0]
     grads = next(v for key, v in planned.items() if key.startswith("grads"))
     assert r.grad_bytes == pytest.approx(grads, rel=0.10), (r.grad_bytes, grads)
+
+
+def test_a_rehearsed_ring_loss_step_is_finite_and_counted(counted):
+    """The tiled loss passes its blocks point to point, whose receives the fake group never fills: without the
+    counter's stand-in data the step was not finite (DeepSpeed skipped it, nothing was timed). Its sends are
+    counted, and the planner's derived ring bytes (three all-gathers' worth) are what they cost on a link."""
+    r = counted[WORLD][len(CASES)]
+    assert r.spec["loss"] == "infonce_tiled"
+    assert r.loss_finite and r.skipped == 0 and r.step_s
+    sent = sum(nbytes for kind, _, _, _, nbytes in r.traffic if kind == "send")
+    received = sum(nbytes for kind, _, _, _, nbytes in r.traffic if kind == "recv")
+    assert sent == received > 0
+    model, micro, zero, k = RING
+    arch = load_arch(model)
+    ring = step_traffic(params=arch.params, trainable=arch.trainable_params, persistent=0, world=WORLD, zero=zero,
+                        precision="bf16", accum_freq=k, local_batch=micro * k, embed_dim=arch.embed_dim,
+                        loss="infonce_tiled").bytes[("all_gather", WORLD, "ring")]  # fmt: skip
+    link = LinkModel()
+    derived_s, counted_s = link.seconds("all_gather", WORLD, ring), link.seconds("send", WORLD, sent)
+    assert counted_s == pytest.approx(derived_s, rel=0.15)
 
 
 def test_step_traffic_arithmetic():

@@ -12,6 +12,8 @@ on this package fails at once (no such attribute).
 ``process_group``  :func:`~.process_group.init_distributed` / :func:`~.process_group.shutdown`, the
                    timeout, the exit hook and barrier, recognising a lost peer
 ``stop``           SIGUSR1 / SIGTERM stop requests, the flags every rank sums, the exit codes
+``watchdog``       a hung rank: the step-time watchdog thread, the ranks' signs of life in the store, torch's
+                   flight-recorder variables (the policy: dsclip.train.hang)
 
-``discovery`` and ``devices`` import no torch; ``cores``, ``process_group`` and ``stop`` do.
+``discovery``, ``devices`` and ``watchdog`` import no torch at import; ``cores``, ``process_group`` and ``stop`` do.
 """

@@ -8,7 +8,10 @@ at once (gloo: "Connection closed by peer"; :func:`peer_lost` recognises it), th
 the launchers propagate it (``deepspeed`` kills the node's other ranks and exits with the rank's code;
 ``srun --kill-on-bad-exit=1`` ends the step). A rank that *hangs* is bounded by the process-group
 timeout: ``DSCLIP_DIST_TIMEOUT`` (seconds), ``DEEPSPEED_TIMEOUT`` (minutes, DeepSpeed's convention),
-the ``timeout_s`` argument, or 30 minutes — first one set wins.
+the ``timeout_s`` argument, or 30 minutes — first one set wins. That long timeout is for the start-up
+and the first steps (compilation, the first checkpoint load); from the third step on the loop shortens it
+(:func:`set_collective_timeout`, ``--collective-timeout``) and puts it back around checkpoint saves and
+evaluations (dsclip.train.hang), and :func:`collective_timed_out` recognises a wait that ran out.
 """
 
 from __future__ import annotations
@@ -69,7 +72,7 @@ def resolve_timeout(timeout_s: float | None = None, env=None) -> timedelta:
     return timedelta(seconds=DEFAULT_TIMEOUT_S if timeout_s is None else float(timeout_s))
 
 
-_state = {"info": None, "binding": None, "failed": False, "atexit": False, "prev_excepthook": None}
+_state = {"info": None, "binding": None, "timeout": None, "failed": False, "atexit": False, "prev_excepthook": None}
 
 
 def _excepthook(tp, value, tb):
@@ -123,7 +126,7 @@ def init_distributed(
         )
     release_shm_workspace()
     threads = cores.share_cores(info)
-    _state["info"] = info
+    _state["info"], _state["timeout"] = info, timeout
     if os.environ.get("DSCLIP_LOG_WORLD", "1") != "0":
         # one line per rank: the first thing to look at when a launch misbehaves
         _line(
@@ -151,6 +154,42 @@ def device_rank() -> int | None:
 def world_info() -> WorldInfo | None:
     """The WorldInfo of :func:`init_distributed`, or None before it."""
     return _state["info"]
+
+
+def long_timeout() -> timedelta:
+    """The timeout the process group was created with (:func:`resolve_timeout` before :func:`init_distributed`)."""
+    return _state["timeout"] or resolve_timeout()
+
+
+def set_collective_timeout(timeout: timedelta) -> int:
+    """``timeout`` for every collective issued from now on, in every process group this rank belongs to (the
+    default one and those DeepSpeed made for ZeRO); returns how many groups. Work already issued keeps the
+    timeout it had. gloo and NCCL honour it (``torch.distributed.set_timeout``)."""
+    if not initialized():
+        return 0
+    # private, read-only: the registry of this process's groups (torch has no public list of them)
+    groups = list(dist.distributed_c10d._world.pg_map)
+    for group in groups:
+        dist.set_timeout(timeout, group)
+    return len(groups)
+
+
+# what gloo and NCCL raise when a collective waited out its timeout (a peer that hangs rather than dies):
+# gloo names no peer, NCCL the operation and its sequence number
+TIMED_OUT = (
+    "Timed out waiting",  # gloo: "... Timed out waiting 300000ms for recv operation to complete"
+    "Application timeout caused pair closure",  # gloo: the next collective after a timed-out one
+    "collective operation timeout",  # NCCL: "Watchdog caught collective operation timeout: WorkNCCL(...)"
+)
+
+
+def collective_timed_out(exc: BaseException) -> str | None:
+    """The first line of ``exc`` when it says that a collective waited out its timeout (else None)."""
+    text = str(exc)
+    if isinstance(exc, RuntimeError) and any(m in text for m in TIMED_OUT):
+        line = text.strip().splitlines()[0]
+        return re.sub(r"^\[[^\]]*\]\s*", "", line)  # gloo's source path
+    return None
 
 
 def shutdown(barrier: bool = True) -> None:
