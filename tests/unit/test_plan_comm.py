@@ -123,11 +123,14 @@ def test_derived_bytes_equal_the_rehearsals_counted_bytes(counted, world, case):
     left_out = sum(b for key, (_, b) in seen.items() if key not in want)
     assert left_out < SMALL, {key: v for key, v in seen.items() if key not in want}
     if zero == 3:  # one gather of the partitioned weights per forward pass, none in the backward
-        assert not any(key[1] == "backward" for key in seen)
+        assert not any(key == ("all_gather", "backward") for key in seen)
         whole = arch.params - persistent_numel(arch.config_json, 100_000, 2**63 - 1)
         assert seen[("all_gather", "forward")][1] == pytest.approx(forward_passes(k) * 2 * whole, abs=padding)
     # the gradient bytes the rank held at once against the plan's gradient line for this reduction, within 10 %
-    # (sharded: the fp32 partition, 4 B x P / N; coalesced: the whole 16-bit .grad + a partition)
+    # (sharded: the fp32 partition, 4 B x P / N; coalesced: the whole 16-bit .grad + a partition). ZeRO-2/3: ZeRO-1's
+    # line is DeepSpeed's own accounting, and its BF16_Optimizer's buffers are not what the probe reads
+    if zero < 2:
+        return
     planned = gpu_state_bytes(arch, world, zero, "bf16", grad_reduction=r.grad_reduction)[0]
     grads = next(v for key, v in planned.items() if key.startswith("grads"))
     assert r.grad_bytes == pytest.approx(grads, rel=0.10), (r.grad_bytes, grads)

@@ -25,11 +25,11 @@ def rehearsed(monkeypatch):
     """The spec ``--measure`` hands the rehearsal (which is not run: the plan's side is what is checked)."""
     seen = []
 
-    def rehearse(spec, timeout_s=1800.0):
-        seen.append(spec)
+    def rehearse_many(specs, timeout_s=1800.0):  # one spec per gradient reduction the plan weighed
+        seen.extend(specs)
         raise room.RehearsalError("stopped by the test")
 
-    monkeypatch.setattr(room, "rehearse", rehearse)
+    monkeypatch.setattr(room, "rehearse_many", rehearse_many)
     return seen
 
 
@@ -38,7 +38,7 @@ def test_measure_finds_a_shipped_json_by_name_as_plan_and_train_do(rehearsed, ca
     while the plan (and dsclip train) took the name: the rehearsal now runs the JSON the plan ran."""
     assert C.main_plan([*DEMO, "--deepspeed-config", "zero3_bf16"]) == 2
     assert capsys.readouterr().err.strip().endswith("dsclip plan --measure: stopped by the test")
-    (spec,) = rehearsed
+    spec = rehearsed[0]
     assert spec.ds_config == load_ds_json("zero3_bf16")
 
 
@@ -47,7 +47,7 @@ def test_measure_rehearses_the_loss_the_plan_chose(rehearsed, capsys):
     argv = [*DEMO, "--loss", "infonce_tiled", "--loss-tile-size", "64", "--force-patch-dropout", "0.5"]
     assert C.main_plan(argv) == 2
     chosen = re.search(r"^dsclip plan: .* \| loss (\w+)", capsys.readouterr().out, re.M).group(1)  # the headline
-    (spec,) = rehearsed
+    spec = rehearsed[0]
     assert spec.loss == chosen == "infonce_tiled"
     # and the child builds that loss (and the planned patch dropout): the run sections it trains with
     sections = spec.job().sections(deepspeed_config="x.json")
