@@ -24,6 +24,8 @@
 #      fake process group (issue #49): ViT-B-32 (512), ViT-L-14 (128), ViT-H-14 (64, checkpointing), bf16, ZeRO-2
 #      with the default patches and with none, ZeRO-1, ZeRO-3; measured memory and step time beside dsclip plan's;
 #      first ViT-bigG-14 ZeRO-2 at world 32 with checkpointing, its peak memory against the plan's.
+#   7. world_reductions (~7 min, not in the default set; issue 57, pending: no device lent to that task): the two
+#      gradient reductions (--grad-reduction sharded / coalesced) at world 8 and 64, ZeRO-2 and ZeRO-3.
 #   5. bigg (~6 min, not in the default set either): bench/gpu_plan_check.py, ViT-bigG-14 under ZeRO-3 with
 #      --grad-checkpointing (issue #29): the largest micro-batch that fits (probes at dsclip plan's answer and
 #      one 15 % step from it), its peak memory, step time and MFU against the plan's. Measured 2026-12-04
@@ -101,5 +103,14 @@ stage bigg 360 "$PY" bench/gpu_plan_check.py --model ViT-bigG-14 --zero 3 --grad
 stage world 470 "$PY" bench/gpu_world.py --memory-check 32:ViT-bigG-14=64:ckpt:zero2 --memory-timeout 100 \
   --worlds 8 64 --models ViT-B-32=512,ViT-L-14=128,ViT-H-14=64:ckpt \
   --configs zero2,zero2_none,zero1,zero3 --steps 3 --timeout 60 --json-out "$OUT/world.json"
+# both gradient reductions at world 8 and 64 (issue 57): first ZeRO-2/3 sharded at K = 4 (four reductions a step,
+# each inside its chunk's backward), then sharded against coalesced (the whole .grad, one reduction at the
+# boundary) side by side at K = 1 (dsclip train refuses bf16 coalesced with K > 1); step time, exposed
+# communication, peak memory and the gradient bytes beside the plan's. Not in the default set; one call:
+# STAGES="world_reductions" bash bench/gpu_h200.sh (4 children x <= 100 s).
+stage world_reductions 430 bash -c '"$0" bench/gpu_world.py --worlds 8 64 --models ViT-B-32=128,ViT-L-14=32 \
+  --configs zero2,zero3 --accum-freq 4 --steps 3 --timeout 100 --json-out "$1/world_sharded.json" && \
+  "$0" bench/gpu_world.py --worlds 8 64 --models ViT-B-32=512,ViT-L-14=128 --configs zero2,zero2_coalesced,zero3,zero3_coalesced \
+  --accum-freq 1 --steps 3 --timeout 100 --json-out "$1/world_reductions.json"' "$PY" "$OUT"
 rm -rf "$OUT/runs"  # checkpoints stay on the machine; the logs above hold the numbers
 echo "results: $OUT/summary.txt"

@@ -44,8 +44,22 @@ from dsclip.plan.comm import (  # noqa: E402
 from dsclip.plan.planner import make_plan, shipped_ds_config  # noqa: E402
 from dsclip.rehearsal.room import RehearsalError, RehearsalSpec, rehearse_many  # noqa: E402
 
-# config name -> (ZeRO stage, engine patches)
-CONFIGS = {"zero2": (2, "all"), "zero2_none": (2, "none"), "zero1": (1, "all"), "zero3": (3, "all")}
+# config name -> (ZeRO stage, engine patches); the *_coalesced ones run --grad-reduction coalesced, the others auto
+# (ZeRO-2/3 at world > 1: sharded), issue 57
+CONFIGS = {
+    "zero2": (2, "all"),
+    "zero2_none": (2, "none"),
+    "zero1": (1, "all"),
+    "zero3": (3, "all"),
+    "zero2_coalesced": (2, "all"),
+    "zero3_coalesced": (3, "all"),
+}
+
+
+def reduction_of(config: str) -> str:
+    return "coalesced" if config.endswith("_coalesced") else "auto"
+
+
 GiB = 2**30
 
 
@@ -72,6 +86,7 @@ def row(world: int, model: str, config: str, r, link: LinkModel, k: int) -> tupl
     plan = make_plan(
         model, gpus=world, gpu_memory_gb=141.0, batch_size=spec["batch_size"] * k * world, zero=zero,
         precision="bf16", grad_checkpointing=spec["grad_checkpointing"], micro_batch=spec["batch_size"],
+        grad_reduction=r.grad_reduction if r.grad_reduction in ("sharded", "coalesced") else "auto",
     )  # fmt: skip
     samples = spec["batch_size"] * k / (step + est.exposed_s)
     line = (
@@ -87,6 +102,9 @@ def row(world: int, model: str, config: str, r, link: LinkModel, k: int) -> tupl
         "config": config,
         "result": asdict(r),
         "exposed_comm_s": est.exposed_s,
+        "grad_reduction": r.grad_reduction,
+        "grad_bytes_measured": r.grad_bytes,
+        "grad_bytes_plan": plan.grads_bytes,
         "table_row": table,
     }
 
@@ -208,6 +226,7 @@ def main() -> int:
                         engine_patches=patches,
                         steps=a.steps,
                         device=a.device,
+                        grad_reduction=reduction_of(config),
                     )  # fmt: skip
                 )
             try:

@@ -32,7 +32,7 @@ KS = (1, 16, 256)
 CASES = [
     (2, "fp32", "sharded", KS),
     (2, "fp32", "coalesced", (16,)),
-    (3, "fp32", "sharded", KS),
+    (3, "fp32", "sharded", KS[:2]),  # K = 256 in fp32: ZeRO-2's (the same path; ZeRO-3's is the slowest case)
     (2, "bf16", "auto", KS),
     (3, "bf16", "auto", KS),
 ]
