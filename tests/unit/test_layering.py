@@ -48,7 +48,12 @@ def test_bench_and_the_package_import_nothing_from_tests():
 
 # The planner (dsclip/plan/) is below the trainer: it computes from shapes and JSON, never builds an engine.
 PLAN_FORBIDDEN = ("deepspeed", "dsclip.train", "dsclip.cli", "dsclip.rehearsal", "dsclip.checkpoint")
-PURE_ENGINE = ("dsclip.engine.ds_config", "dsclip.engine.ema_config", "dsclip.engine.optim_config")  # no torch
+PURE_ENGINE = (  # no torch, no deepspeed
+    "dsclip.engine.ds_config",
+    "dsclip.engine.ema_config",
+    "dsclip.engine.optim_config",
+    "dsclip.engine.grad_reduction",  # the rule which gradient reduction a job gets, shared with the run
+)
 
 
 def test_the_planner_imports_no_trainer_engine_build_deepspeed_or_cli():
