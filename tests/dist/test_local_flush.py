@@ -46,7 +46,10 @@ def _run(rank, world, stage, mode, precision="fp32"):
     from dsclip.losses import build_loss
     from dsclip.train.gradcache import GradCacheStep
 
-    cfg = make_cfg(stage, K)
+    # 16-bit with K > 1 sums in fp32 through DeepSpeed's sharded path (dsclip/engine/grad_reduction.py), which the
+    # coalesced flush this patch replaces never runs: the 16-bit cases flush one micro-batch (K = 1), fp32 K = 3
+    k = K if precision == "fp32" else 1
+    cfg = make_cfg(stage, k)
     cfg.optim.grad_clip_norm = 0.05  # clipping rescales the flat buffer in place: covered too
     cfg.train.engine_patches = MODES[mode]
     device_type = "cpu"
@@ -66,7 +69,7 @@ def _run(rank, world, stage, mode, precision="fp32"):
         ds["fp16"]["initial_scale_power"] = 4  # a loss scale this model's gradients do not overflow at
     bundle = build_engine(ds, cfg.train, cfg.optim, make_model, total_steps=10, steps_per_epoch=10)
     engine = bundle.engine
-    step = GradCacheStep(engine, build_loss("infonce"), accum_freq=K, compute_dtype=autocast_dtype(bundle))
+    step = GradCacheStep(engine, build_loss("infonce"), accum_freq=k, compute_dtype=autocast_dtype(bundle))
     named = list(engine.module.named_parameters())
     out = {
         "active": list(bundle.patches.active),
@@ -82,10 +85,10 @@ def _run(rank, world, stage, mode, precision="fp32"):
         "exp_avg_sq": [],
     }
     for s in range(STEPS):
-        images, tokens = make_batches(world, K, seed=100 + s)
+        images, tokens = make_batches(world, k, seed=100 + s)
         torch.manual_seed(7 + s)
         engine.train()
-        step(rank_chunks(images, tokens, rank, world, K), optimizer_step=False)
+        step(rank_chunks(images, tokens, rank, world, k), optimizer_step=False)
         out["grads"].append({n: safe_get_full_grad(p).clone() for n, p in named})
         if precision != "fp32" and s == 1 and rank == 0:
             # one non-finite gradient element on one rank: every rank must skip this step, as DeepSpeed's does
