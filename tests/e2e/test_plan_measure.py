@@ -30,7 +30,7 @@ def test_measure_world8_beside_the_plan(tmp_path, monkeypatch, capsys):
     assert float(m.group(3)) == pytest.approx(8.0, rel=1e-3)
     assert float(m.group(1)) == pytest.approx(float(m.group(4)), rel=0.01)
     assert re.search(r"step time\s+measured\s+[\d.]+ ms host wall time", out)
-    assert "all_gather in step" in out and "all_reduce in boundary" in out  # ZeRO-2's traffic, by phase
+    assert "all_gather in step" in out and "reduce in backward" in out  # ZeRO-2's traffic, by phase
     assert "nccl-tests" in out  # the link figures come with their source
     # the plan's own step: compute + the exposed communication it derives (dsclip/plan/comm.py), beside the counted
     assert re.search(r"step = compute [\d.]+ s \+ exposed communication [\d.]+ s \(communication [\d.]+% of", out)
