@@ -77,10 +77,11 @@ def test_plan_reports_trainable_parameters_and_saving():
     m = create_model("ViT-B-32", device="meta")
     assert lit.params == full.params == sum(p.numel() for p in m.parameters())
     assert lit.trainable_params == full.params - sum(p.numel() for p in m.visual.parameters())
-    # bf16 ZeRO-2 on 8 GPUs: per locked parameter the gradient cache's whole 16-bit .grad (2 B) and the 16-bit
-    # partition built at the boundary (2 B / 8), and the optimizer's 4+8 B / 8, are not allocated
+    # bf16 ZeRO-2 on 8 GPUs, sharded reduction (the planner's choice at K = 1): per locked parameter the fp32
+    # gradient partition (4 B / 8) and the optimizer's 4+8 B / 8 are not allocated
+    assert full.grad_reduction == lit.grad_reduction == "sharded"
     locked = full.params - lit.trainable_params
-    assert lit.locked_saving_gb == pytest.approx(locked * (2 + (2 + 12) / 8) / 2**30, abs=1e-3)
+    assert lit.locked_saving_gb == pytest.approx(locked * (4 + 12) / 8 / 2**30, abs=1e-3)
     assert "--lock-image" in lit.command and "trainable" in R.format_plan(lit)
     sized = P.make_plan("ViT-B-32", gpus=8, gpu_memory_gb=80, batch_size=1024, image_size=320)
     assert sized.params == full.params + (100 - 49) * 768 and "--force-image-size 320" in sized.command

@@ -99,6 +99,7 @@ def _derived(model: str, micro: int, zero: int, k: int, mode: str, world: int = 
 ALL = [(WORLD, c) for c in CASES] + [(64, c) for c in CASES_64]
 
 
+@pytest.mark.xdist_group("plan_comm_rehearsal")  # one worker builds the fixture's two children, not each worker
 @pytest.mark.parametrize(("world", "case"), ALL, ids=[f"w{w}-{m}-zero{z}-K{k}-{mode}" for w, (m, _, z, k, mode) in ALL])
 def test_derived_bytes_equal_the_rehearsals_counted_bytes(counted, world, case):
     model, micro, zero, k, mode = case
@@ -136,6 +137,7 @@ def test_derived_bytes_equal_the_rehearsals_counted_bytes(counted, world, case):
     assert r.grad_bytes == pytest.approx(grads, rel=0.10), (r.grad_bytes, grads)
 
 
+@pytest.mark.xdist_group("plan_comm_rehearsal")  # one worker builds the fixture's two children, not each worker
 def test_a_rehearsed_ring_loss_step_is_finite_and_counted(counted):
     """The tiled loss passes its blocks point to point, whose receives the fake group never fills: without the
     counter's stand-in data the step was not finite (DeepSpeed skipped it, nothing was timed). Its sends are

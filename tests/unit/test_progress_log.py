@@ -136,6 +136,7 @@ def test_training_ends_with_save_then_evaluation_then_summary(monkeypatch, capsy
         metrics=_Metrics(events), data=SimpleNamespace(close=lambda: None),
         plan=SimpleNamespace(steps_per_epoch=10, samples_per_step=8), client_state=lambda step: {"step": step},
         guard=DivergenceGuard(20),  # no step was bad: the end-of-run save goes ahead
+        hang=None,  # fit() is replaced: no hang bounds were armed
     )  # fmt: skip
     monkeypatch.setattr(loop, "build_run", lambda c: run)
     monkeypatch.setattr(loop, "fit", lambda r: (7, preempted))  # stopped at step 7 of a 10-step epoch
