@@ -7,8 +7,9 @@ measurements):
   partitioned plus the gathered layers in flight): identical to DeepSpeed's own
   ``estimate_zero2/3_model_states_mem_needs`` (tests/unit/test_plan.py) and to the tensors a real
   engine allocates (tests/dist/test_scale_plan.py). Under ZeRO-2/3 the plan then counts the gradients as
-  dsclip's step holds them (``gradient_cache_grad_bytes``): the gradient cache's one coalesced reduction
-  leaves the WHOLE 16-bit gradient in ``.grad`` on every rank until the step boundary, ~2P, not 6P/N.
+  dsclip's step holds them (``gpu_state_bytes``), per ``--grad-reduction``: ``sharded`` reduces each chunk
+  into one fp32 partition, 4P/N (``sharded_grad_bytes``); ``coalesced`` leaves the WHOLE 16-bit gradient
+  in ``.grad`` on every rank until the step boundary's one reduction, ~2P (``gradient_cache_grad_bytes``).
 * activations (``activation_bytes``): the tensors autograd saves, listed per transformer block
   (pre-norm timm ``Block`` with fused SDPA: 8·T·W + 2·T·H elements plus fp32 norm statistics and the
   attention log-sum-exp) plus the stem/head of each tower; checked against the bytes autograd
