@@ -111,11 +111,13 @@ def sharded_grad_bytes(trainable_params: int, world: int) -> float:
 def gradient_cache_grad_bytes(
     step_partitions: float, trainable_params: int, world: int, zero: int, precision: str, offloaded: bool
 ) -> float:
-    """Per-GPU bytes of gradients under dsclip's step, which DeepSpeed's ZeRO-2/3 accounting undercounts.
+    """Per-GPU bytes of gradients under ``--grad-reduction coalesced``, which DeepSpeed's ZeRO-2/3 accounting
+    undercounts.
 
-    dsclip runs every step's K backwards (K = 1 too) inside DeepSpeed's ``coalesce_grad_reduction``
-    (dsclip/train/gradcache.py), so each rank accumulates the WHOLE gradient in ``param.grad`` (16-bit:
-    2 B x trainable params, 4 B in fp32; measured 2.000 B/param at world 8 under ZeRO-2 and ZeRO-3 alike,
+    The coalesced reduction runs every step's K backwards (K = 1 too) inside DeepSpeed's
+    ``coalesce_grad_reduction`` (dsclip/engine/accumulation.py), so each rank accumulates the WHOLE gradient
+    in ``param.grad`` (16-bit: 2 B x trainable params, 4 B in fp32; measured 2.000 B/param at world 8 under
+    ZeRO-2 and ZeRO-3 alike,
     bench/results/coalesced-grads_cpu2_2026-12-06.md) until the step boundary's one reduction. Only then
     does DeepSpeed keep the partitions ``step_partitions`` (``model_state_bytes``'s "grads": the 16-bit
     partition, and in the step the fp32 copy made from it after ``.grad`` is freed). Not double counted:
