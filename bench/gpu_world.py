@@ -144,8 +144,7 @@ def memory_row(world: int, model: str, config: str, r) -> tuple[str, dict]:
         model, gpus=world, gpu_memory_gb=141.0, batch_size=spec["batch_size"] * spec["accum_freq"] * world,
         zero=zero, precision="bf16", grad_checkpointing=spec["grad_checkpointing"], micro_batch=spec["batch_size"],
     )  # fmt: skip
-    reserve = plan.memory_gb.get("reserve (CUDA context, allocator)", 0.0)
-    planned = plan.memory_gb["total"] - reserve
+    planned = plan.tensor_bytes / GiB  # the total less its reserve, unrounded
     measured = r.peak_bytes / GiB
     full_grads = 2 * r.params / GiB  # the coalesced block's param.grad, bf16
     parts = ", ".join(f"{k} {v:.2f}" for k, v in plan.memory_gb.items() if k not in ("total",))

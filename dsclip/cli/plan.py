@@ -572,7 +572,8 @@ def run_measure(a, plan: Plan, job: Job) -> int:
     print(
         f"\nrehearsal: rank 0 of a world of {plan.gpus} under torch's fake process group on {device}, "
         f"micro-batch {spec.batch_size} x accum {spec.accum_freq}, ZeRO-{plan.zero} {plan.precision}, "
-        f"loss {spec.loss}, {a.measure_steps} timed steps after 1 warm-up ..."
+        f"loss {spec.loss}, {a.measure_steps} timed steps after 1 warm-up"
+        + (" and 1 memory step (its tensors counted) ..." if device == "cpu" else " ...")
     )
     sys.stdout.flush()
     try:

@@ -98,6 +98,9 @@ class Plan:
     # how the gradient cache reduces the K chunk gradients (dsclip/engine/accumulation.py): sharded | coalesced
     grad_reduction: str = "coalesced"
     grads_bytes: float = 0.0  # per GPU: the gradient line of memory_gb, unrounded (bytes)
+    # per GPU: memory_gb's total less the reserve, unrounded: the tensors alive at the step's peak, what
+    # max_memory_allocated (and a CPU rehearsal's LiveTensorBytes) measures
+    tensor_bytes: float = 0.0
     comm_bytes: dict = field(default_factory=dict)  # per step, derived: "kind in phase" -> bytes (dsclip/plan/comm.py)
     # every reduction the plan weighed: mode -> {fits, samples_per_s_per_gpu, memory_gb, micro_batch, accum_freq,
     # refused (why the run would refuse it, or "")}
@@ -270,6 +273,7 @@ def _reduction_row(plan: Plan) -> dict:
         "comm_bytes": plan.comm_bytes,
         "samples_per_s_per_gpu": plan.samples_per_s_per_gpu,
         "memory_gb": plan.memory_gb.get("total", 0.0),
+        "tensor_bytes": plan.tensor_bytes,
         "micro_batch": plan.micro_batch,
         "accum_freq": plan.accum_freq,
         "refused": _reduction_refusal(plan),
@@ -311,22 +315,29 @@ def _plan_memory(
     saved = sum(unlocked.values()) + unlocked_host - sum(states.values()) - host_states
     plan.locked_saving_gb = round(saved / GiB, 3)
     plan.host_offload_gb = round(host_states / GiB, 3)
-    buckets = bucket_bytes(ds_cfg, precision)
     held = held_weight_bytes(arch.params, plan.gpus, plan.zero, precision, plan.grad_checkpointing, ds_cfg)
     cache = embedding_cache_bytes(local, arch.embed_dim)
     losses = {m: loss_bytes(m, local, plan.batch_size, arch.embed_dim, tile) for m in LOSS_MODES}
     act = activation_bytes(arch, precision, plan.grad_checkpointing)
-    fixed = sum(states.values()) + buckets + held + cache + losses[loss] + reserve_gb * GiB
-    budget = plan.gpu_memory_gb * GiB - fixed
-    # per sample of micro-batch: one chunk's graph at its backward peak, whatever K (held_activation_bytes)
-    max_micro = int(budget // held_activation_bytes(act, 1)) if budget > 0 else 0
-    plan.max_micro_batch = max_micro
+    fixed = sum(states.values()) + held + cache + losses[loss] + reserve_gb * GiB
+
+    def largest_micro(buckets: float) -> int:  # per sample: one chunk's graph at its backward peak, whatever K
+        budget = plan.gpu_memory_gb * GiB - fixed - buckets
+        return int(budget // held_activation_bytes(act, 1)) if budget > 0 else 0
+
+    # the buckets can depend on K (ZeRO-1 bf16 sums K > 1 in BF16_Optimizer, which has its own): K = 1's and K > 1's
+    one_chunk, chunks = (bucket_bytes(ds_cfg, precision, k, arch.trainable_params, arch.params) for k in (1, 2))
+    fits_one, max_chunks = largest_micro(one_chunk) >= local, largest_micro(chunks)
+    plan.max_micro_batch = max(max_chunks, local) if fits_one else min(max_chunks, max(local - 1, 1))
     if micro_batch:  # the run's own micro-batch (it must divide this rank's rows)
         if local % micro_batch:
             raise ConfigError(f"--micro-batch {micro_batch} must divide the {local} rows per GPU")
-        micro = micro_batch if micro_batch <= max_micro else 0
+        fit = fits_one if micro_batch == local else micro_batch <= max_chunks
+        micro = micro_batch if fit else 0
     else:  # the largest divisor of `local` that fits
-        micro = max((m for m in range(1, local + 1) if local % m == 0 and m <= max_micro), default=0)
+        smaller = (m for m in range(1, local) if local % m == 0 and m <= max_chunks)
+        micro = local if fits_one else max(smaller, default=0)
+    buckets = one_chunk if micro == local else chunks
     plan.fits = micro >= 1
     plan.micro_batch, plan.accum_freq = micro, (local // micro if micro else 0)
     plan.host_inputs_gb = round(input_bytes(arch, local) / GiB, 3)
@@ -339,6 +350,7 @@ def _plan_memory(
     mem["embedding_cache"] = cache / GiB
     mem[f"loss ({loss})"] = losses[loss] / GiB
     mem["activations"] = held_activation_bytes(act, max(micro, 1)) / GiB
+    plan.tensor_bytes = sum(mem.values()) * GiB
     mem["reserve (CUDA context, allocator)"] = reserve_gb
     mem["total"] = sum(mem.values())
     if host_states:
@@ -566,7 +578,7 @@ def largest_batch(
     act = activation_bytes(arch, precision, grad_checkpointing)
     fixed = (
         sum(gpu_state_bytes(arch, gpus, zero, precision, locked=False, grad_reduction=grad_reduction)[0].values())
-        + bucket_bytes(ds_cfg, precision)
+        + max(bucket_bytes(ds_cfg, precision, k, arch.params, arch.params) for k in (1, 2))  # K = 1's or K > 1's
         + held_weight_bytes(arch.params, gpus, zero, precision, grad_checkpointing, ds_cfg)
         + reserve_gb * GiB
         + held_activation_bytes(act, micro_batch)

@@ -18,6 +18,15 @@ def _ms(s: float) -> str:
     return f"{s * 1e3:9.3f} ms"
 
 
+def _peak_vs_plan(r, tensor_bytes: float) -> str:
+    """The plan's tensors at the step's peak (memory_gb's total less the reserve: what max_memory_allocated and
+    the CPU's LiveTensorBytes count) and the measured peak's ratio to it."""
+    if not tensor_bytes:
+        return "not planned"
+    ratio = r.peak_bytes / tensor_bytes
+    return f"{tensor_bytes / GiB:.3f} GiB of tensors (its total less the reserve), measured/plan {ratio:.3f}"
+
+
 def format_report(r, plan: Plan, link: LinkModel, device: str) -> str:
     spec = r.spec
     lines = ["  losses are meaningless here: collectives move no data (each rank's own shard stands in for its peers')"]
@@ -27,12 +36,8 @@ def format_report(r, plan: Plan, link: LinkModel, device: str) -> str:
         lines.append("  no step was applied: no step time to report")
         return "\n".join(lines)
     step = sorted(r.step_s)[len(r.step_s) // 2]
-    pred = plan.memory_gb.get("total")
-    lines.append(
-        f"  peak memory  measured {r.peak_bytes / GiB:.3f} GiB ({r.peak_kind})"
-        + (f"; plan {pred:.3f} GiB" if pred is not None else "")
-        + ("" if device == "cuda" else " (the plan's figure is a GPU's; a CPU run's bytes differ by design)")
-    )
+    planned = _peak_vs_plan(r, plan.tensor_bytes)
+    lines.append(f"  peak memory  measured {r.peak_bytes / GiB:.3f} GiB ({r.peak_kind}); plan {planned}")
     states = model_state_bytes(r.params, plan.gpus, plan.zero, plan.precision)
     lines.append(
         f"  optimizer partition  measured {r.optimizer_bytes / GiB:.4f} GiB ({r.optimizer_numel} fp32 elements "
@@ -82,8 +87,8 @@ def format_reductions(results: list, plan: Plan) -> str:
         lines.append(
             f"  {mode}{chosen}: gradients held {r.grad_bytes / GiB:.4f} GiB measured"
             + (f", plan {planned:.4f} GiB" if planned is not None else "")
-            + f"; peak memory {r.peak_bytes / GiB:.3f} GiB measured ({r.peak_kind.split(' (')[0]})"
-            + (f", plan {row['memory_gb']:.3f} GiB" if "memory_gb" in row else "")
+            + f"; peak memory {r.peak_bytes / GiB:.3f} GiB measured, plan "
+            + _peak_vs_plan(r, row.get("tensor_bytes", 0.0))
         )
         counted: dict[str, int] = {}
         for kind, _, phase, _, nbytes in r.traffic:

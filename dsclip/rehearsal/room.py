@@ -28,7 +28,8 @@ from pathlib import Path
 from dsclip.losses.config import TRAIN_TILE_SIZE
 from dsclip.plan.job import Job
 
-_done: list[str] = []  # rehearsals this process has run (CPU peaks are per process)
+CPU_PEAK_KIND = "CPU tensor storage alive at once in a steady step, model states included (LiveTensorBytes)"
+
 RESULT_TAG = "DSCLIP_REHEARSAL "  # the child's result line on stdout
 ERROR_TAG = "dsclip plan --measure: "  # the child's one-line error on stderr
 
@@ -51,7 +52,7 @@ class RehearsalSpec:
     grad_checkpointing: bool = False
     gpus_per_node: int = 8
     engine_patches: str = "all"
-    steps: int = 3  # timed steps (after one warm-up step)
+    steps: int = 3  # timed steps (after one warm-up step, and on CPU one memory step: _timed_steps)
     device: str = "cpu"  # "cpu" or "cuda": where this rank runs
     seed: int = 0
     grad_reduction: str = "auto"  # --grad-reduction (dsclip/engine/grad_reduction.py)
@@ -213,17 +214,6 @@ class _Tokens:
         self.eos_id, self.pad_id = self.vocab_size - 1, 0
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _peak_rss_bytes() -> int:
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
-
-
 def _optimizer_partition(engine) -> tuple[int, int]:
     """(fp32 master elements, master + Adam state bytes) this rank holds. ZeRO-1/2: the inner torch
     optimizer's parameters are ZeRO's flat fp32 partitions; ZeRO-3 lends each sub-group's partition
@@ -295,31 +285,37 @@ def rehearse_in_world(spec: RehearsalSpec, counter) -> RehearsalResult:
 
     from dsclip.engine.build import build_engine
     from dsclip.rehearsal.counter import track_phases
+    from dsclip.rehearsal.live_bytes import LiveTensorBytes
     from dsclip.train.build import build_step, model_factory
 
     train, model_args, loss_args, optim_args, model_cfg, tok, ds_config = _run_settings(spec, counter)
     cuda = spec.device == "cuda"
+    gen = torch.Generator().manual_seed(spec.seed + int(os.environ.get("RANK", "0")))
+    micro = _synthetic_batches(spec, model_cfg, tok, gen)  # made before the count: a GPU rank's are on the host
+    # CPU: the storages alive at once (the CPU's max_memory_allocated), counted over the build and the untimed steps
+    live = None if cuda else LiveTensorBytes("cpu")
+    tracked = live if live is not None else contextlib.nullcontext()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated() if cuda else _rss_bytes()
+    base = torch.cuda.memory_allocated() if cuda else 0
     phase = "building the engine (model states)"
     try:
-        bundle = build_engine(
-            ds_config, train, optim_args,
-            model_factory(model_args, loss_args, model_cfg, tok, seed=spec.seed),
-            grad_checkpointing=spec.grad_checkpointing, total_steps=spec.steps + 1, steps_per_epoch=spec.steps + 1,
-        )  # fmt: skip
-        step = build_step(bundle, loss_args, train)
+        with tracked:
+            bundle = build_engine(
+                ds_config, train, optim_args,
+                model_factory(model_args, loss_args, model_cfg, tok, seed=spec.seed),
+                grad_checkpointing=spec.grad_checkpointing, total_steps=spec.steps + 2,
+                steps_per_epoch=spec.steps + 2,
+            )  # fmt: skip
+            step = build_step(bundle, loss_args, train)
         track_phases(bundle.engine, counter)
         held = probe_gradients(bundle.engine)
         params = sum(getattr(p, "ds_numel", p.numel()) for p in bundle.module.parameters())
-        gen = torch.Generator().manual_seed(spec.seed + int(os.environ.get("RANK", "0")))
-        micro = _synthetic_batches(spec, model_cfg, tok, gen)
         phase = f"a step of {spec.accum_freq} micro-batch(es) of {spec.batch_size} (activations, loss)"
-        timed = _timed_steps(spec, step, micro, counter, cuda)
+        timed = _timed_steps(spec, step, micro, counter, cuda, live)
     except torch.OutOfMemoryError:
         raise RehearsalError(f"out of device memory while {phase}; lower --batch-size or add GPUs") from None
-    peak = (torch.cuda.max_memory_allocated() if cuda else _peak_rss_bytes()) - base
+    peak = torch.cuda.max_memory_allocated() - base if cuda else live.peak
     numel, nbytes = _optimizer_partition(bundle.engine)
     reduction = step.reduction
     if hasattr(bundle.engine, "destroy"):
@@ -328,10 +324,6 @@ def rehearse_in_world(spec: RehearsalSpec, counter) -> RehearsalResult:
     gc.collect()  # the next rehearsal in this process measures its own memory, not this engine's
     if cuda:
         torch.cuda.empty_cache()
-    _done.append(spec.model)
-    cpu_kind = "CPU peak resident set (ru_maxrss) minus the resident set before the build"
-    if len(_done) > 1:  # ru_maxrss is the process's peak: a later rehearsal shows only growth above the earlier
-        cpu_kind += " (not the first rehearsal of its process: growth above the earlier peaks only)"
     per_step = timed.traffic.scaled(max(1, len(timed.step_s)))
     traffic = [[*key, per_step.calls[key], per_step.bytes[key]] for key in sorted(per_step.calls)]
     return RehearsalResult(
@@ -340,7 +332,7 @@ def rehearse_in_world(spec: RehearsalSpec, counter) -> RehearsalResult:
         step_s=timed.step_s,
         skipped=timed.skipped,
         peak_bytes=int(max(0, peak)),
-        peak_kind="CUDA max_memory_allocated over the build and steps" if cuda else cpu_kind,
+        peak_kind="CUDA max_memory_allocated over the build and steps" if cuda else CPU_PEAK_KIND,
         optimizer_numel=int(numel),
         optimizer_bytes=int(nbytes),
         traffic=traffic,
@@ -365,7 +357,7 @@ def _run_settings(spec: RehearsalSpec, counter):
     ds_path = Path(tempfile.mkdtemp(prefix="dsclip-rehearsal-ds-")) / "ds_config.json"
     ds_path.write_text(json.dumps(spec.ds_config))
     sections = spec.job().sections(
-        deepspeed_config=str(ds_path), engine_patches=spec.engine_patches, seed=spec.seed, max_steps=spec.steps + 1
+        deepspeed_config=str(ds_path), engine_patches=spec.engine_patches, seed=spec.seed, max_steps=spec.steps + 2
     )
     train, model_args, loss_args, optim_args = sections["train"], sections["model"], sections["loss"], OptimArgs()
     model_cfg = get_model_config(spec.model)
@@ -393,20 +385,29 @@ class _Timings:
     traffic: object = None
 
 
-def _timed_steps(spec: RehearsalSpec, step, micro, counter, cuda: bool) -> _Timings:
+def _timed_steps(spec: RehearsalSpec, step, micro, counter, cuda: bool, live=None) -> _Timings:
     """One warm-up step (ZeRO-3 traces its prefetch order), then ``spec.steps`` timed ones; a step DeepSpeed
-    skipped (overflow / non-finite) is counted and never timed: a real run would not time it either."""
+    skipped (overflow / non-finite) is counted and never timed: a real run would not time it either.
+
+    ``live`` (a CPU rank's LiveTensorBytes): one more untimed step, the memory step, counted from its start. The
+    optimizer makes its Adam states in the first step (torch's lazy state, and ZeRO's inner optimizer is torch's),
+    so only the second step's peak is a steady step's; the timed steps after it run without the count's dispatch."""
     import torch
 
     from dsclip.plan.comm import Traffic
     from dsclip.rehearsal.counter import clocks
 
+    untimed = 1 if live is None else 2
     out = _Timings(traffic=Traffic())
-    for i in range(spec.steps + 1):
+    for i in range(spec.steps + untimed):
         counter.reset()
-        counter.recording = i > 0
+        counter.recording = i >= untimed
+        counting = live is not None and i < untimed
+        if counting and i == untimed - 1:
+            live.reset_peak()  # the steady step's peak: the states alive before it and what the step adds
         t0, c0, h0 = clocks()
-        res = step(micro)
+        with live if counting else contextlib.nullcontext():
+            res = step(micro)
         if cuda:
             torch.cuda.synchronize()
         t1, c1, h1 = clocks()
@@ -415,7 +416,7 @@ def _timed_steps(spec: RehearsalSpec, step, micro, counter, cuda: bool) -> _Timi
         if not res.applied:
             out.skipped += 1
             continue
-        if i > 0:
+        if i >= untimed:
             out.step_s.append(t1 - t0)
             out.cpu_s.append(c1 - c0)
             out.thread_s.append(h1 - h0)

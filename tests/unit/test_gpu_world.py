@@ -28,6 +28,8 @@ def test_memory_check_spec_parses_and_refuses_in_one_line():
 def test_memory_row_sets_the_plan_less_its_reserve_beside_the_measured_peak():
     plan = make_plan("demo", gpus=32, gpu_memory_gb=141.0, batch_size=4 * 32, zero=2, micro_batch=4)
     planned = plan.memory_gb["total"] - plan.memory_gb["reserve (CUDA context, allocator)"]
+    assert plan.tensor_bytes / GiB == pytest.approx(planned, abs=2e-3)  # the same, unrounded
+    planned = plan.tensor_bytes / GiB
     spec = {"batch_size": 4, "accum_freq": 1, "grad_checkpointing": False}
     r = RehearsalResult(spec=spec, params=plan.params, step_s=[0.1], skipped=0, peak_bytes=int(planned * GiB / 1.25),
                         peak_kind="CUDA max_memory_allocated", optimizer_numel=0, optimizer_bytes=0, traffic=[],

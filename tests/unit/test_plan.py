@@ -665,3 +665,26 @@ def test_gpu_plan_counts_the_sharded_reductions_fp32_partition():
     refused = P.make_plan("ViT-bigG-14", gpus=8, gpu_memory_gb=40, zero=2, batch_size=32768, grad_reduction="coalesced")
     assert refused.accum_freq > 1 and not refused.fits
     assert any("refused by dsclip train" in n and "--grad-reduction sharded" in n for n in refused.notes)
+
+
+def test_bucket_bytes_are_the_buffers_deepspeed_allocates():
+    """DeepSpeed 0.19's reduction buffers, per branch (the rehearsal's peak checks the sum at world 8 and 64:
+    tests/unit/test_plan_comm.py): ZeRO-1/2 one reduce bucket per dtype, two with overlap_comm (default off
+    below ZeRO-3), none for the all-gather; ZeRO-3 one, plus its gathers' flat buffers up to the prefetch; ZeRO-1 bf16 with
+    K > 1 (BF16_Optimizer) the engine's flat fp32 copy of at most 5e8 gradient elements; fp16 there fp32 buckets."""
+    from dsclip.plan.memory import bucket_bytes
+
+    z2 = {"zero_optimization": {"stage": 2, "overlap_comm": True, "reduce_bucket_size": 100}}
+    z2["zero_optimization"]["allgather_bucket_size"] = 7
+    assert bucket_bytes(z2, "bf16") == 2 * 2 * 100 and bucket_bytes(z2, "fp32") == 4 * 2 * 100
+    assert bucket_bytes({"zero_optimization": {"stage": 2, "reduce_bucket_size": 100}}, "bf16") == 2 * 100
+    z3 = {"zero_optimization": {"stage": 3, "reduce_bucket_size": 100, "stage3_prefetch_bucket_size": 9}}
+    assert bucket_bytes(z3, "bf16", params=5) == 2 * (100 + 5)  # + the gathers in flight: the prefetch bucket's
+    assert bucket_bytes(z3, "bf16", params=50) == 2 * (100 + 9)
+    z1 = {"zero_optimization": {"stage": 1}}
+    assert bucket_bytes(z1, "bf16", accum_freq=1) == 2 * 5e8  # DeepSpeed's default bucket
+    assert bucket_bytes(z1, "bf16", accum_freq=2, trainable_params=1000) == 4 * 1000
+    assert bucket_bytes(z1, "bf16", accum_freq=2, trainable_params=10**10) == 4 * 5e8
+    assert bucket_bytes(z1, "fp16", accum_freq=2) == 4 * 5e8
+    assert bucket_bytes({"zero_optimization": {"stage": 2, "contiguous_gradients": False}}, "bf16") == 0
+    assert bucket_bytes({}, "bf16") == 0

@@ -30,6 +30,7 @@ from dsclip.plan.comm import (
     zero3_persistence,
 )
 from dsclip.plan.efficiency import MeasuredMFU, plan_mfu_row
+from dsclip.plan.job import Cluster, plan_configuration
 from dsclip.plan.memory import gpu_state_bytes
 from dsclip.plan.planner import make_plan, shipped_ds_config
 from dsclip.plan.report import format_plan
@@ -127,6 +128,10 @@ def test_derived_bytes_equal_the_rehearsals_counted_bytes(counted, world, case):
         assert not any(key == ("all_gather", "backward") for key in seen)
         whole = arch.params - persistent_numel(arch.config_json, 100_000, 2**63 - 1)
         assert seen[("all_gather", "forward")][1] == pytest.approx(forward_passes(k) * 2 * whole, abs=padding)
+    # the whole peak: the tensors the rank held at once in its warm-up step against the plan's for this reduction
+    # (its total less the reserve), within 10 %: model states, buckets, held weights, activations, loss together
+    assert r.peak_kind.startswith("CPU tensor storage alive at once")
+    assert r.peak_bytes == pytest.approx(_planned_peak(r), rel=0.10), (r.peak_bytes, _planned_peak(r))
     # the gradient bytes the rank held at once against the plan's gradient line for this reduction, within 10 %
     # (sharded: the fp32 partition, 4 B x P / N; coalesced: the whole 16-bit .grad + a partition). ZeRO-2/3: ZeRO-1's
     # line is DeepSpeed's own accounting, and its BF16_Optimizer's buffers are not what the probe reads
@@ -137,6 +142,14 @@ def test_derived_bytes_equal_the_rehearsals_counted_bytes(counted, world, case):
     assert r.grad_bytes == pytest.approx(grads, rel=0.10), (r.grad_bytes, grads)
 
 
+def _planned_peak(r) -> float:
+    """The plan's tensor bytes at the step's peak for the rehearsed job and the reduction it ran."""
+    from dsclip.rehearsal.room import RehearsalSpec
+
+    plan = plan_configuration(RehearsalSpec(**r.spec).job(), Cluster(gpu_memory_gb=80))
+    return plan.reductions.get(r.grad_reduction, {}).get("tensor_bytes", plan.tensor_bytes)
+
+
 @pytest.mark.xdist_group("plan_comm_rehearsal")  # one worker builds the fixture's two children, not each worker
 def test_a_rehearsed_ring_loss_step_is_finite_and_counted(counted):
     """The tiled loss passes its blocks point to point, whose receives the fake group never fills: without the
@@ -145,6 +158,7 @@ def test_a_rehearsed_ring_loss_step_is_finite_and_counted(counted):
     r = counted[WORLD][len(CASES)]
     assert r.spec["loss"] == "infonce_tiled"
     assert r.loss_finite and r.skipped == 0 and r.step_s
+    assert r.peak_bytes == pytest.approx(_planned_peak(r), rel=0.10)  # the ring's buffers in the plan's peak
     sent = sum(nbytes for kind, _, _, _, nbytes in r.traffic if kind == "send")
     received = sum(nbytes for kind, _, _, _, nbytes in r.traffic if kind == "recv")
     assert sent == received > 0
