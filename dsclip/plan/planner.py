@@ -319,7 +319,9 @@ def _plan_memory(
     cache = embedding_cache_bytes(local, arch.embed_dim)
     losses = {m: loss_bytes(m, local, plan.batch_size, arch.embed_dim, tile) for m in LOSS_MODES}
     act = activation_bytes(arch, precision, plan.grad_checkpointing)
-    fixed = sum(states.values()) + held + cache + losses[loss] + reserve_gb * GiB
+    # ZeRO-3 with torch's linear holds every gathered weight to its backward: the layers in flight are among them
+    within_held = min(states.get("gathered_layers", 0.0), held)
+    fixed = sum(states.values()) + held - within_held + cache + losses[loss] + reserve_gb * GiB
 
     def largest_micro(buckets: float) -> int:  # per sample: one chunk's graph at its backward peak, whatever K
         budget = plan.gpu_memory_gb * GiB - fixed - buckets
@@ -327,7 +329,18 @@ def _plan_memory(
 
     # the buckets can depend on K (ZeRO-1 bf16 sums K > 1 in BF16_Optimizer, which has its own): K = 1's and K > 1's
     one_chunk, chunks = (bucket_bytes(ds_cfg, precision, k, arch.trainable_params, arch.params) for k in (1, 2))
-    fits_one, max_chunks = largest_micro(one_chunk) >= local, largest_micro(chunks)
+    grads = next((v for k, v in states.items() if k.startswith("grads")), 0.0)
+
+    def not_together(micro: int) -> float:
+        """Coalesced at K = 1 (ZeRO-2/3): the whole ``.grad`` builds up in the one backward as the activations and
+        the held weights are released, so the peak is the larger of the two, not their sum (K > 1 re-forwards
+        its chunks beside the gradient summed so far)."""
+        if plan.zero < 2 or reduction != "coalesced":
+            return 0.0
+        return min(grads, held + held_activation_bytes(act, micro))
+
+    k1_need = fixed + one_chunk + held_activation_bytes(act, local) - not_together(local)
+    fits_one, max_chunks = k1_need <= plan.gpu_memory_gb * GiB, largest_micro(chunks)
     plan.max_micro_batch = max(max_chunks, local) if fits_one else min(max_chunks, max(local - 1, 1))
     if micro_batch:  # the run's own micro-batch (it must divide this rank's rows)
         if local % micro_batch:
@@ -342,14 +355,18 @@ def _plan_memory(
     plan.micro_batch, plan.accum_freq = micro, (local // micro if micro else 0)
     plan.host_inputs_gb = round(input_bytes(arch, local) / GiB, 3)
 
-    plan.grads_bytes = next((v for k, v in states.items() if k.startswith("grads")), 0.0)
+    plan.grads_bytes = grads
     mem = {k: v / GiB for k, v in states.items() if v or plan.offload == "none"}  # offloaded: a host line below
     mem["comm_buckets"] = buckets / GiB
     if held:
         mem["held_weights (torch's linear)"] = held / GiB
+    if within_held:
+        mem["gathered layers, within held weights"] = -within_held / GiB
     mem["embedding_cache"] = cache / GiB
     mem[f"loss ({loss})"] = losses[loss] / GiB
     mem["activations"] = held_activation_bytes(act, max(micro, 1)) / GiB
+    if micro == local and not_together(local):
+        mem["grads/activations not at once (K = 1)"] = -not_together(local) / GiB
     plan.tensor_bytes = sum(mem.values()) * GiB
     mem["reserve (CUDA context, allocator)"] = reserve_gb
     mem["total"] = sum(mem.values())
@@ -576,10 +593,13 @@ def largest_batch(
     arch = load_arch(model, patch_dropout)
     _, ds_cfg = shipped_ds_config(zero, precision)
     act = activation_bytes(arch, precision, grad_checkpointing)
+    states = gpu_state_bytes(arch, gpus, zero, precision, locked=False, grad_reduction=grad_reduction)[0]
+    held = held_weight_bytes(arch.params, gpus, zero, precision, grad_checkpointing, ds_cfg)
     fixed = (
-        sum(gpu_state_bytes(arch, gpus, zero, precision, locked=False, grad_reduction=grad_reduction)[0].values())
+        sum(states.values())
         + max(bucket_bytes(ds_cfg, precision, k, arch.params, arch.params) for k in (1, 2))  # K = 1's or K > 1's
-        + held_weight_bytes(arch.params, gpus, zero, precision, grad_checkpointing, ds_cfg)
+        + held
+        - min(states.get("gathered_layers", 0.0), held)  # the layers in flight are among the held weights
         + reserve_gb * GiB
         + held_activation_bytes(act, micro_batch)
     )

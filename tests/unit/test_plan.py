@@ -237,8 +237,9 @@ def test_one_micro_batch_plan_does_not_depend_on_the_rows_asked_for():
     """Pass 2 holds one chunk's graph at a time (the kept one is back-propagated first), so the largest
     micro-batch is budget / peak per sample whether K is 1 or more: a rank's rows fit as one micro-batch up
     to that limit, whatever rows were asked for (an older rule counted a second, kept graph for K > 1 and
-    said 'does not fit' for rows between the two limits)."""
-    kw = dict(gpus=1, gpu_memory_gb=139.8, zero=3, grad_checkpointing=True, loss="infonce")
+    said 'does not fit' for rows between the two limits). Sharded: the coalesced reduction's K = 1 plan has a
+    saving of its own (its whole .grad is not alive beside the activations: test_coalesced_k1_peak_...)."""
+    kw = dict(gpus=1, gpu_memory_gb=139.8, zero=3, grad_checkpointing=True, loss="infonce", grad_reduction="sharded")
 
     def at(rows):
         return P.make_plan("ViT-bigG-14", batch_size=rows, micro_batch=rows, **kw)
@@ -670,8 +671,9 @@ def test_gpu_plan_counts_the_sharded_reductions_fp32_partition():
 def test_bucket_bytes_are_the_buffers_deepspeed_allocates():
     """DeepSpeed 0.19's reduction buffers, per branch (the rehearsal's peak checks the sum at world 8 and 64:
     tests/unit/test_plan_comm.py): ZeRO-1/2 one reduce bucket per dtype, two with overlap_comm (default off
-    below ZeRO-3), none for the all-gather; ZeRO-3 one, plus its gathers' flat buffers up to the prefetch; ZeRO-1 bf16 with
-    K > 1 (BF16_Optimizer) the engine's flat fp32 copy of at most 5e8 gradient elements; fp16 there fp32 buckets."""
+    below ZeRO-3), none for the all-gather; ZeRO-3 one, plus its gathers' flat buffers up to the prefetch; ZeRO-1
+    bf16 with K > 1 (BF16_Optimizer) the engine's flat fp32 copy of at most 5e8 gradient elements; fp16 there fp32
+    buckets."""
     from dsclip.plan.memory import bucket_bytes
 
     z2 = {"zero_optimization": {"stage": 2, "overlap_comm": True, "reduce_bucket_size": 100}}
@@ -688,3 +690,23 @@ def test_bucket_bytes_are_the_buffers_deepspeed_allocates():
     assert bucket_bytes(z1, "fp16", accum_freq=2) == 4 * 5e8
     assert bucket_bytes({"zero_optimization": {"stage": 2, "contiguous_gradients": False}}, "bf16") == 0
     assert bucket_bytes({}, "bf16") == 0
+
+
+def test_coalesced_k1_peak_is_the_larger_of_its_whole_grad_and_its_activations():
+    """Coalesced at K = 1 (ZeRO-2/3), the whole .grad builds up in the one backward as the activations and held
+    weights are released: the plan counts the larger, not the sum (measured on ViT-B-32 at world 8 under the
+    fake group: tests/unit/test_plan_comm.py). At K > 1 the chunks re-forward beside the summed gradient: both.
+    ZeRO-3 with torch's linear: the gathered layers in flight are among the held weights, counted once."""
+    kw = dict(gpus=8, gpu_memory_gb=80, zero=3, loss="infonce_tiled", grad_reduction="coalesced", precision="fp32")
+    one = P.make_plan("ViT-B-32", batch_size=8 * 4, micro_batch=4, **kw)
+    two = P.make_plan("ViT-B-32", batch_size=8 * 8, micro_batch=4, **kw)
+    m1, m2 = one.memory_gb, two.memory_gb
+    grads = next(v for k, v in m1.items() if k.startswith("grads"))
+    others = m1["held_weights (torch's linear)"] + m1["activations"]
+    assert m1["grads/activations not at once (K = 1)"] == pytest.approx(-min(grads, others), abs=2e-3)
+    assert "grads/activations not at once (K = 1)" not in m2
+    for m in (m1, m2):
+        assert m["gathered layers, within held weights"] == -m["gathered_layers"]
+    assert one.tensor_bytes < two.tensor_bytes - 0.9 * min(grads, others) * 2**30
+    sharded = P.make_plan("ViT-B-32", batch_size=8 * 4, micro_batch=4, **{**kw, "grad_reduction": "sharded"})
+    assert "grads/activations not at once (K = 1)" not in sharded.memory_gb

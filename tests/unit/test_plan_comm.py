@@ -46,6 +46,7 @@ CASES = [
     ("demo", 4, 2, 2, "sharded"),
     ("ViT-B-32", 1, 2, 1, "auto"),
     ("ViT-B-32", 1, 3, 2, "auto"),
+    ("ViT-B-32", 1, 3, 1, "coalesced"),  # the whole .grad where the held weights were: the peak is the larger
 ]
 # the same derivation at world 64 (a second child: one fake world per process)
 CASES_64 = [("demo", 2, 2, 2, "sharded"), ("demo", 2, 3, 2, "sharded"), ("demo", 2, 2, 1, "coalesced")]
