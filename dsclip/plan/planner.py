@@ -39,6 +39,7 @@ from dsclip.plan.memory import (
     held_activation_bytes,
     held_weight_bytes,
     input_bytes,
+    kept_weight_bytes,
     loss_bytes,
     offload_of,
 )
@@ -319,9 +320,11 @@ def _plan_memory(
     cache = embedding_cache_bytes(local, arch.embed_dim)
     losses = {m: loss_bytes(m, local, plan.batch_size, arch.embed_dim, tile) for m in LOSS_MODES}
     act = activation_bytes(arch, precision, plan.grad_checkpointing)
-    # ZeRO-3 with torch's linear holds every gathered weight to its backward: the layers in flight are among them
-    within_held = min(states.get("gathered_layers", 0.0), held)
-    fixed = sum(states.values()) + held - within_held + cache + losses[loss] + reserve_gb * GiB
+    # ZeRO-3: what autograd holds (torch's linear) and what the coordinator keeps for reuse are the same gathered
+    # copies, the larger counts; the layers in flight (DeepSpeed's "gathered_layers") are among them
+    kept = max(0.0, kept_weight_bytes(arch.params, plan.gpus, plan.zero, precision, ds_cfg) - held)
+    within_held = min(states.get("gathered_layers", 0.0), held + kept)
+    fixed = sum(states.values()) + held + kept - within_held + cache + losses[loss] + reserve_gb * GiB
 
     def largest_micro(buckets: float) -> int:  # per sample: one chunk's graph at its backward peak, whatever K
         budget = plan.gpu_memory_gb * GiB - fixed - buckets
@@ -337,7 +340,7 @@ def _plan_memory(
         its chunks beside the gradient summed so far)."""
         if plan.zero < 2 or reduction != "coalesced":
             return 0.0
-        return min(grads, held + held_activation_bytes(act, micro))
+        return min(grads, held + kept + held_activation_bytes(act, micro))
 
     k1_need = fixed + one_chunk + held_activation_bytes(act, local) - not_together(local)
     fits_one, max_chunks = k1_need <= plan.gpu_memory_gb * GiB, largest_micro(chunks)
@@ -360,6 +363,8 @@ def _plan_memory(
     mem["comm_buckets"] = buckets / GiB
     if held:
         mem["held_weights (torch's linear)"] = held / GiB
+    if kept:
+        mem["kept_weights (ZeRO-3 reuse)"] = kept / GiB
     if within_held:
         mem["gathered layers, within held weights"] = -within_held / GiB
     mem["embedding_cache"] = cache / GiB
@@ -595,6 +600,7 @@ def largest_batch(
     act = activation_bytes(arch, precision, grad_checkpointing)
     states = gpu_state_bytes(arch, gpus, zero, precision, locked=False, grad_reduction=grad_reduction)[0]
     held = held_weight_bytes(arch.params, gpus, zero, precision, grad_checkpointing, ds_cfg)
+    held = max(held, kept_weight_bytes(arch.params, gpus, zero, precision, ds_cfg))  # the same copies: the larger
     fixed = (
         sum(states.values())
         + max(bucket_bytes(ds_cfg, precision, k, arch.params, arch.params) for k in (1, 2))  # K = 1's or K > 1's

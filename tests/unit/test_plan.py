@@ -603,13 +603,19 @@ def test_zero3_with_torchs_linear_counts_the_weights_held_to_their_backward():
     for args in ((8, 3, "bf16", True, shipped), (1, 3, "bf16", False, shipped), (8, 2, "bf16", False, shipped)):
         assert M.held_weight_bytes(n, *args) == 0, args  # checkpointing, one GPU, ZeRO-2
     assert M.held_weight_bytes(n, 8, 3, "bf16", False, deepspeeds) == 0
-    # in the plan: a line of its own, in the total, and not with checkpointing
+    # in the plan: a line of its own, in the total; with checkpointing autograd holds none, but ZeRO-3's
+    # coordinator keeps the same copies for their reuse (kept_weight_bytes: under 1e9 parameters, all of them)
     kw = dict(gpus=8, gpu_memory_gb=80, batch_size=256, zero=3, loss="infonce_tiled")
     plain = P.make_plan("ViT-L-14", **kw)
     held = plain.memory_gb["held_weights (torch's linear)"]
     assert held == pytest.approx(2 * A.load_arch("ViT-L-14").params / P.GiB, rel=1e-3)
+    assert "kept_weights (ZeRO-3 reuse)" not in plain.memory_gb  # the same copies: counted once
     ckpt = P.make_plan("ViT-L-14", grad_checkpointing=True, **kw)
-    assert not any("held" in k for k in ckpt.memory_gb)
+    assert "held_weights (torch's linear)" not in ckpt.memory_gb
+    assert ckpt.memory_gb["kept_weights (ZeRO-3 reuse)"] == pytest.approx(held, abs=1e-3)
+    shipped3 = P.shipped_ds_config(3, "bf16")[1]
+    assert M.kept_weight_bytes(2 * 10**9, 8, 3, "bf16", shipped3) == 2 * 1e9  # max live / reuse distance: 1e9
+    assert M.kept_weight_bytes(n, 1, 3, "bf16", shipped3) == M.kept_weight_bytes(n, 8, 2, "bf16", shipped3) == 0
     states = sum(v for k, v in plain.memory_gb.items() if k in ("params", "grads", "optimizer", "gathered_layers"))
     assert plain.memory_gb["total"] >= states + held
 
