@@ -179,7 +179,8 @@ def held_weight_bytes(
     4 B in fp32) at the turn from forward to backward. DeepSpeed's autograd linear
     (``memory_efficient_linear: true``, its default) saves the parameter itself, whose gathered copy a release
     frees. Nothing is held with activation checkpointing (the forward keeps no graph) or on one GPU (the
-    "gathered" weight is a view of the rank's whole partition).
+    "gathered" weight is a view of the rank's whole partition); ZeRO-3's coordinator may keep the same copies
+    for their reuse anyway (``kept_weight_bytes``: the planner counts the larger of the two).
     Measured on two CPU ranks (bench/zero3_held_weights.py, bench/results/zero3-host_cpu2_2026-12-05.md): with
     ZeRO-3 releasing every weight after its forward, 235 MB of the 285 MB of partitioned weights stayed
     resident with torch's linear, none with DeepSpeed's; with checkpointing none with either. With the
