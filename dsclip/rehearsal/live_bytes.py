@@ -21,6 +21,20 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+_RETURNS_AN_INPUT: dict = {}  # op overload -> whether an output may share an input's storage
+
+
+def _may_return_an_input(func) -> bool:
+    """Views, in-place and out= ops (an aliased return in the schema), and every op outside aten: c10d's
+    collectives return their input tensors with no alias annotation. Other aten ops return fresh storage, so the
+    (costly) look at their inputs' storages is skipped: the count's overhead on a step is mostly that look."""
+    known = _RETURNS_AN_INPUT.get(func)
+    if known is None:
+        schema = func._schema
+        known = not schema.name.startswith("aten::") or any(r.alias_info is not None for r in schema.returns)
+        _RETURNS_AN_INPUT[func] = known
+    return known
+
 
 class LiveTensorBytes(TorchDispatchMode):
     """``with LiveTensorBytes(device="cpu") as live: ...``; then ``live.current`` and ``live.peak`` (bytes).
@@ -77,10 +91,12 @@ class LiveTensorBytes(TorchDispatchMode):
             self._forget(key)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        inputs = {
-            id(s) for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)
-            for s in (self._storage(a),) if s is not None
-        }  # fmt: skip
+        inputs = set()
+        if _may_return_an_input(func):  # only then can an output's storage be one made before the mode
+            inputs = {
+                id(s) for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)
+                for s in (self._storage(a),) if s is not None
+            }  # fmt: skip
         out = func(*args, **(kwargs or {}))
         # in-place ops (resize_ included) return their input: it is seen again, at its new size
         for t in tree_flatten(out)[0]:
