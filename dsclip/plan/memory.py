@@ -205,14 +205,27 @@ def kept_weight_bytes(params: int, gpus: int, zero: int, precision: str, ds_conf
     gathered weight is the rank's whole partition)."""
     if zero < 3 or gpus <= 1:
         return 0.0
-    z = ds_config.get("zero_optimization", {})
-
-    def num(key, default):
-        v = z.get(key, default)
-        return float(v) if not isinstance(v, str) else float(default)
-
-    live = min(float(params), num("stage3_max_live_parameters", 1e9), num("stage3_max_reuse_distance", 1e9))
+    max_live = _zero_number(ds_config, "stage3_max_live_parameters", 1e9)
+    live = min(float(params), max_live, _zero_number(ds_config, "stage3_max_reuse_distance", 1e9))
     return live * (2 if precision in ("bf16", "fp16") else 4)
+
+
+def gathered_weight_bytes(
+    params: int, gpus: int, zero: int, precision: str, grad_checkpointing: bool, ds_config: dict, in_flight: float
+) -> tuple[float, float, float]:
+    """ZeRO-3's gathered copies, counted once: (held by autograd, ``held_weight_bytes``; kept beyond that by the
+    coordinator, ``kept_weight_bytes`` less the held; the layers in flight, model_state_bytes' "gathered_layers"
+    given as ``in_flight``, that are among them). Autograd's and the coordinator's are the same tensors, so the
+    larger counts, and the in-flight layers are a part of it: held + kept - within is what the step holds."""
+    held = held_weight_bytes(params, gpus, zero, precision, grad_checkpointing, ds_config)
+    kept = max(0.0, kept_weight_bytes(params, gpus, zero, precision, ds_config) - held)
+    return held, kept, min(in_flight, held + kept)
+
+
+def _zero_number(ds_config: dict, key: str, default: float) -> float:
+    """A number of the JSON's zero_optimization (DeepSpeed's default where absent or "auto")."""
+    v = ds_config.get("zero_optimization", {}).get(key, default)
+    return float(v) if not isinstance(v, str) else float(default)
 
 
 ALLREDUCE_FALLBACK_NUMEL = 5e8  # DeepSpeed's MEMORY_OPT_ALLREDUCE_SIZE: the engine's flat all-reduce buffer, elements
@@ -242,23 +255,19 @@ def bucket_bytes(
     z = ds_config.get("zero_optimization", {})
     stage = int(z.get("stage", 0))
     b = 2 if precision in ("bf16", "fp16") else 4
-
-    def num(key, default):
-        v = z.get(key, default)
-        return float(v) if not isinstance(v, str) else float(default)
-
+    reduce_bucket = _zero_number(ds_config, "reduce_bucket_size", 5e8)
     if stage == 0 or not z.get("contiguous_gradients", True):
         return 0.0
     if stage == 3:
-        gathers = b * min(num("stage3_prefetch_bucket_size", 5e7), float(params))
-        return b * num("reduce_bucket_size", 5e8) + gathers
+        gathers = b * min(_zero_number(ds_config, "stage3_prefetch_bucket_size", 5e7), float(params))
+        return b * reduce_bucket + gathers
     if stage == 1 and accum_freq > 1 and precision in ("bf16", "fp16"):
         if precision == "bf16":  # BF16_Optimizer: the engine's flat copy of the fp32 gradient
             return 4.0 * min(float(trainable_params), ALLREDUCE_FALLBACK_NUMEL)
         b = 4
     overlap = z.get("overlap_comm")
     double = 2 if overlap else 1  # DeepSpeed's default (None) is off below ZeRO-3
-    return b * double * num("reduce_bucket_size", 5e8)
+    return b * double * reduce_bucket
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -35,11 +35,10 @@ from dsclip.plan.memory import (
     bucket_bytes,
     cpu_model_state_bytes,
     embedding_cache_bytes,
+    gathered_weight_bytes,
     gpu_state_bytes,
     held_activation_bytes,
-    held_weight_bytes,
     input_bytes,
-    kept_weight_bytes,
     loss_bytes,
     offload_of,
 )
@@ -316,14 +315,13 @@ def _plan_memory(
     saved = sum(unlocked.values()) + unlocked_host - sum(states.values()) - host_states
     plan.locked_saving_gb = round(saved / GiB, 3)
     plan.host_offload_gb = round(host_states / GiB, 3)
-    held = held_weight_bytes(arch.params, plan.gpus, plan.zero, precision, plan.grad_checkpointing, ds_cfg)
+    in_flight = states.get("gathered_layers", 0.0)
+    held, kept, within_held = gathered_weight_bytes(
+        arch.params, plan.gpus, plan.zero, precision, plan.grad_checkpointing, ds_cfg, in_flight
+    )
     cache = embedding_cache_bytes(local, arch.embed_dim)
     losses = {m: loss_bytes(m, local, plan.batch_size, arch.embed_dim, tile) for m in LOSS_MODES}
     act = activation_bytes(arch, precision, plan.grad_checkpointing)
-    # ZeRO-3: what autograd holds (torch's linear) and what the coordinator keeps for reuse are the same gathered
-    # copies, the larger counts; the layers in flight (DeepSpeed's "gathered_layers") are among them
-    kept = max(0.0, kept_weight_bytes(arch.params, plan.gpus, plan.zero, precision, ds_cfg) - held)
-    within_held = min(states.get("gathered_layers", 0.0), held + kept)
     fixed = sum(states.values()) + held + kept - within_held + cache + losses[loss] + reserve_gb * GiB
 
     def largest_micro(buckets: float) -> int:  # per sample: one chunk's graph at its backward peak, whatever K
@@ -599,13 +597,15 @@ def largest_batch(
     _, ds_cfg = shipped_ds_config(zero, precision)
     act = activation_bytes(arch, precision, grad_checkpointing)
     states = gpu_state_bytes(arch, gpus, zero, precision, locked=False, grad_reduction=grad_reduction)[0]
-    held = held_weight_bytes(arch.params, gpus, zero, precision, grad_checkpointing, ds_cfg)
-    held = max(held, kept_weight_bytes(arch.params, gpus, zero, precision, ds_cfg))  # the same copies: the larger
+    held, kept, within = gathered_weight_bytes(
+        arch.params, gpus, zero, precision, grad_checkpointing, ds_cfg, states.get("gathered_layers", 0.0)
+    )
     fixed = (
         sum(states.values())
         + max(bucket_bytes(ds_cfg, precision, k, arch.params, arch.params) for k in (1, 2))  # K = 1's or K > 1's
         + held
-        - min(states.get("gathered_layers", 0.0), held)  # the layers in flight are among the held weights
+        + kept
+        - within  # ZeRO-3's gathered copies, counted once
         + reserve_gb * GiB
         + held_activation_bytes(act, micro_batch)
     )
