@@ -11,7 +11,9 @@ Contract (shared by every dataset type):
 
 from __future__ import annotations
 
+import atexit
 import logging
+import weakref
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -272,13 +274,12 @@ class MapStyleTrainData(TrainData):
         if pin_memory is None:
             pin_memory = torch.cuda.is_available()
         kw = dict(persistent_workers=True, prefetch_factor=4) if workers > 0 else {}
-        self.loader = DataLoader(
+        self.loader = signal_safe_loader(
             _KeyedDataset(dataset),
             batch_sampler=self.sampler,
             num_workers=workers,
             collate_fn=TokenizingCollate(tokenizer),
             pin_memory=pin_memory,
-            worker_init_fn=worker_ignores_stop_signals,  # a group SIGTERM must not kill them under the rank
             **kw,
         )
 
@@ -297,3 +298,35 @@ def shutdown_loader(loader: DataLoader) -> None:
     if it is not None and hasattr(it, "_shutdown_workers"):
         it._shutdown_workers()
     loader._iterator = None
+
+
+# Every loader whose workers ignore the stop signals. Python's exit handler (multiprocessing.util._exit_function)
+# SIGTERMs each live worker and then joins it with no timeout: a worker that ignores SIGTERM and was never shut
+# down makes the process hang forever after its last line. The owner of a loader closes it (the run's ExitStack,
+# dsclip.train.loop); this set is the last line of defence and says when an owner forgot.
+_signal_safe_loaders: weakref.WeakSet[DataLoader] = weakref.WeakSet()
+
+
+def signal_safe_loader(dataset, **kwargs) -> DataLoader:
+    """A DataLoader whose workers ignore SIGTERM/SIGUSR1 (a group signal must not kill them under the rank:
+    dsclip.launch.supervise.worker_ignores_stop_signals). Its owner must close it (:func:`shutdown_loader`)."""
+    loader = DataLoader(dataset, worker_init_fn=worker_ignores_stop_signals, **kwargs)
+    _signal_safe_loaders.add(loader)
+    return loader
+
+
+def leftover_workers() -> int:
+    """How many loaders still have worker processes running."""
+    return sum(1 for dl in list(_signal_safe_loaders) if getattr(dl, "_iterator", None) is not None and dl.num_workers)
+
+
+def _close_leftover_loaders() -> None:
+    """At interpreter exit, before multiprocessing's handler (atexit runs last-registered first, and torch
+    imported multiprocessing before this module): shut down what an owner left open, and say so."""
+    if n := leftover_workers():
+        log.warning("dsclip: %d data loader(s) still had workers at exit (an owner did not close them): closed now", n)
+    for dl in list(_signal_safe_loaders):
+        shutdown_loader(dl)
+
+
+atexit.register(_close_leftover_loaders)

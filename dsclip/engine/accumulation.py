@@ -65,9 +65,21 @@ def _accumulates_in_fp32(engine) -> bool:
     return dtype in (None, torch.float32) or not (engine.bfloat16_enabled() or engine.fp16_enabled())
 
 
-def require_exact_accumulation(engine, accum_freq: int, grad_reduction: str = "coalesced") -> str:
+def engine_grad_reduction(engine, accum_freq: int, requested: str = "auto") -> str:
+    """``--grad-reduction requested`` resolved for this engine by the rule ``dsclip train`` applies (the same refusals:
+    a library caller of the gradient cache gets what the CLI would give it, never a silent 16-bit sum)."""
+    import torch.distributed as dist
+
+    precision = "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32"
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return choose_grad_reduction(
+        requested, stage=engine.zero_optimization_stage(), world=world, accum_freq=accum_freq, precision=precision
+    )
+
+
+def require_exact_accumulation(engine, accum_freq: int, grad_reduction: str = "auto") -> str:
     """The mode for ``accum_freq`` micro-batches per step, or a one-line error where it would not be exact."""
-    mode = accumulation_mode(engine, grad_reduction)
+    mode = accumulation_mode(engine, engine_grad_reduction(engine, accum_freq, grad_reduction))
     if accum_freq > 1 and mode == "unsupported":
         raise refusal(accum_freq)
     if accum_freq > 1 and mode == "sharded" and not _accumulates_in_fp32(engine):

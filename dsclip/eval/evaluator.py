@@ -25,8 +25,8 @@ from torch.utils.data import DataLoader, Dataset, Subset
 from dsclip.dist import rank_world
 
 from ..data.demo import DemoDataset, demo_zeroshot_classes, demo_zeroshot_templates
+from ..data.loader import shutdown_loader, signal_safe_loader
 from ..data.transforms import image_transform
-from ..launch.supervise import worker_ignores_stop_signals
 from .datasets import ClassFolderDataset, ImageNetV2Dataset, load_retrieval_set
 from .retrieval import retrieval_metrics
 from .templates import load_templates
@@ -85,14 +85,13 @@ def eval_loader(dataset: Dataset, *, batch_size: int = 256, workers: int = 0, pe
     between passes (the training evaluator reuses one loader per dataset: starting workers for every
     evaluation cost more than encoding a digits-sized set, bench/results/eval-cost_cpu2_2026-11-30.md)."""
     rank, world = rank_world()
-    return DataLoader(
+    return signal_safe_loader(  # the rank, not a group SIGTERM, ends them: a persistent one must be closed
         Subset(dataset, shard_indices(len(dataset), rank, world)),
         batch_size=batch_size,
         shuffle=False,
         num_workers=workers,
         collate_fn=_stack_first,
         persistent_workers=persistent and workers > 0,
-        worker_init_fn=worker_ignores_stop_signals,  # the rank, not a group SIGTERM, ends them
     )
 
 
@@ -332,6 +331,7 @@ class Evaluator:
         self._zs = None
         self._v2 = None
         self._val = None
+        self._loaders: list[DataLoader] = []  # the kept ones, which close() shuts down
 
     @property
     def has_zeroshot(self) -> bool:
@@ -346,7 +346,16 @@ class Evaluator:
         return image_transform(self.image_size, is_train=False, **self.cfg.preprocess_args())
 
     def _loader(self, dataset) -> DataLoader:
-        return eval_loader(dataset, batch_size=self.batch_size, workers=self.workers, persistent=True)
+        loader = eval_loader(dataset, batch_size=self.batch_size, workers=self.workers, persistent=True)
+        self._loaders.append(loader)
+        return loader
+
+    def close(self) -> None:
+        """Stop the kept loaders' worker processes (they ignore SIGTERM, so nothing else ends them) and forget
+        the indexed sets; a later evaluation builds them again."""
+        while self._loaders:
+            shutdown_loader(self._loaders.pop())
+        self._zs = self._v2 = self._val = None
 
     def zeroshot(self, model) -> dict[str, float]:
         out = self._folder_zeroshot(model) if self.cfg.zeroshot_data else {}

@@ -56,6 +56,10 @@ class TrainingEvaluator:
         # which weights the evaluations see: the engine's own, or (--eval-ema) a context that swaps the EMA in
         self.weights: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
+    def close(self) -> None:
+        """Stop the evaluation loaders' workers (collective-free; every exit path of the run calls it)."""
+        self.evaluator.close()
+
     def _log(self, step: int, epoch: int, name: str, res: dict) -> None:
         if not res:
             return

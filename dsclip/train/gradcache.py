@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from dsclip.dist import rank_world
-from dsclip.engine.accumulation import require_exact_accumulation
+from dsclip.engine.accumulation import engine_grad_reduction, require_exact_accumulation
 from dsclip.engine.patches import norm_skipped
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # images (B,3,H,W), tokens (B,L)
@@ -99,7 +99,7 @@ class GradCacheStep:
         loss_fn: Callable[..., torch.Tensor],
         *,
         accum_freq: int = 1,
-        grad_reduction: str = "coalesced",
+        grad_reduction: str = "auto",  # resolved and checked as `dsclip train --grad-reduction` is
         keep_last_graph: bool = True,
         compute_dtype: torch.dtype = torch.float32,
         extra_flags: Callable[[], Sequence[float]] = tuple,
@@ -118,8 +118,8 @@ class GradCacheStep:
         # a one-line error here (start-up) where K backwards per step could not be exact (issue #34); the
         # engine's reduction: "sharded" (each chunk reduced into the fp32 partition as its backward runs),
         # "coalesced" (one reduction of the summed .grad), "boundary" (DeepSpeed reduces at the boundary only)
-        self.grad_reduction = grad_reduction
-        self.reduction = require_exact_accumulation(engine, accum_freq, grad_reduction)
+        self.grad_reduction = engine_grad_reduction(engine, accum_freq, grad_reduction)  # auto: the CLI's choice
+        self.reduction = require_exact_accumulation(engine, accum_freq, self.grad_reduction)
 
     def _inputs(self, batch: Batch) -> Batch:
         images, tokens = batch

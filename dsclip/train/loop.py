@@ -118,14 +118,19 @@ def train(cfg: RunConfig) -> dict:
 
 def _train(cfg: RunConfig) -> dict:
     t_start = time.perf_counter()
-    run = build_run(cfg)
-    try:
-        return _train_run(run, t_start)
-    except RuntimeError as e:  # another rank died: one line on the survivors, the traceback with --debug
-        why = process_group.peer_lost(e)
-        if why is None:
-            raise
-        raise rank_lost(run, why) from e
+    # The run's lifetime: everything build_run opens (data and evaluation loaders, whose workers ignore SIGTERM;
+    # the metrics sinks) is closed here in reverse order on every way out (the end, a stop, divergence, a lost
+    # rank, an exception), never left to garbage collection: a loader still open at interpreter exit makes
+    # Python's exit handler join its workers forever (DEEPSPEED-NOTES, "The run around the step").
+    with contextlib.ExitStack() as closing:
+        run = build_run(cfg, closing)
+        try:
+            return _train_run(run, t_start)
+        except RuntimeError as e:  # another rank died: one line on the survivors, the traceback with --debug
+            why = process_group.peer_lost(e)
+            if why is None:
+                raise
+            raise rank_lost(run, why) from e
 
 
 class RankLostError(ConfigError):
@@ -182,8 +187,6 @@ def _train_run(run: Run, t_start: float) -> dict:
     summary.update(run.evaluator.final(run.engine, step, max(step - 1, 0) // run.plan.steps_per_epoch))
     if run.rank == 0:
         console(final_summary(run, step, time.perf_counter() - t_start, preempted=bool(preempted)))
-    run.metrics.close()
-    run.data.close()
     if preempted and run.rank == 0:
         what = "to requeue (SIGUSR1)" if preempted == stop.STOP_REQUEUE else "(SIGTERM: not requeued)"
         console(f"preempted: checkpoint saved at step {step}; exiting with {stop.exit_code(preempted)} {what}")
@@ -348,14 +351,16 @@ def take_run_lock(run_dir, rank: int, ckpt=None) -> None:
         raise ConfigError(error)
 
 
-def build_run(cfg: RunConfig) -> Run:
-    """The composition root: config -> world -> data/model -> engine -> step, checkpointer, metrics, evaluator."""
+def build_run(cfg: RunConfig, closing: contextlib.ExitStack) -> Run:
+    """The composition root: config -> world -> data/model -> engine -> step, checkpointer, metrics, evaluator.
+    What it opens is registered on ``closing`` as soon as it exists, so a failure later in the build closes it."""
     info, cfg, ft, model_cfg = _start(cfg)
     rank, world_size = info.rank, info.world_size
     ds_config = build_ds_config(cfg.train, cfg.optim, world_size)
     checkpointer = Checkpointer.from_args(cfg.checkpoint, cfg.run_dir, rank=rank)
     ds_config = merge_ds_config(ds_config, checkpointer.prepare_resume(cfg.checkpoint.resume, world_size=world_size))
     tokenizer, data = build_data(cfg.data, model_cfg, cfg.model, cfg.train, rank=rank, world_size=world_size)
+    closing.callback(data.close)
     student_cfg = resolved_model_config(cfg.model, cfg.loss, model_cfg, tokenizer)
     ft.check_weights(student_cfg)  # before any engine
     checkpointer.check_model(student_cfg, cfg.model.model)  # --resume: the same architecture, before any write
@@ -378,7 +383,9 @@ def build_run(cfg: RunConfig) -> Run:
         cfg.log, cfg.run_dir, rank=rank, world_size=world_size, plan=plan, device=device,
         wandb=wandb_sink.for_run(cfg, rank), context_length=tokenizer.context_length,
     )  # fmt: skip
+    closing.callback(metrics.close)
     evaluator = build_evaluator(cfg.log, cfg.data, tokenizer, model_cfg, metrics, run_dir=cfg.run_dir, device=device)
+    closing.callback(evaluator.close)
     step_fn = ema_step.attach(cfg.ema, bundle.engine, step_fn, checkpointer)  # --ema-decay: before resume loads it
     start_step, guard = _resume(cfg, bundle, checkpointer, plan, step_fn, evaluator, metrics)
     if rank == 0:

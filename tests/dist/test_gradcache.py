@@ -102,7 +102,10 @@ def _rank_step(
 
         engine.set_gradient_accumulation_boundary = lambda flag: None
         engine.coalesce_grad_reduction = contextlib.nullcontext
-    step = GradCacheStep(engine, build_loss("infonce"), accum_freq=k, keep_last_graph=keep_last)
+    # the coalesced reduction these tests pin (an fp32 engine); the sharded one: tests/dist/test_grad_reduction.py
+    step = GradCacheStep(
+        engine, build_loss("infonce"), accum_freq=k, grad_reduction="coalesced", keep_last_graph=keep_last
+    )
     forwards = record_forwards(step)
     images, tokens = make_batches(world, k)
     torch.manual_seed(SEED + 17 * rank)  # the per-(step, rank) seed the loop would set

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -56,6 +57,12 @@ class FakeFp16Engine:
 
     def zero_optimization_stage(self):
         return 0
+
+    def fp16_enabled(self):
+        return True
+
+    def bfloat16_enabled(self):
+        return False
 
     def coalesce_grad_reduction(self):
         return contextlib.nullcontext()
@@ -146,3 +153,43 @@ def test_kept_graph_saves_one_forward():
     calls["n"] = 0
     GradCacheStep(FakeFp16Engine(model), infonce, keep_last_graph=False)(batches(4))
     assert calls["n"] == 8
+
+
+class FakeBf16ZeroEngine(FakeFp16Engine):
+    """A bf16 ZeRO-2/3 engine as the gradient cache sees it: a coalescing optimizer, fp32 accumulation."""
+
+    def __init__(self, module, stage):
+        super().__init__(module)
+        self.stage = stage
+        self.optimizer = type("Opt", (), {"_coalesce_grad_reduction": False})()
+
+    def zero_optimization_stage(self):
+        return self.stage
+
+    def fp16_enabled(self):
+        return False
+
+    def bfloat16_enabled(self):
+        return True
+
+    def get_data_types(self):
+        return torch.bfloat16, torch.float32
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_library_callers_get_the_clis_reduction_and_refusals(stage):
+    """GradCacheStep defaults to --grad-reduction auto as `dsclip train` resolves it (a bf16 ZeRO-2/3 engine at
+    K = 256 sums in fp32: sharded), and refuses the 16-bit coalesced sum the CLI refuses, with its message."""
+    from dsclip.config_base import ConfigError
+    from dsclip.engine.ds_config import TrainArgs, grad_reduction_of
+
+    engine = FakeBf16ZeroEngine(TinyTowers(), stage)
+    step = GradCacheStep(engine, infonce, accum_freq=256, compute_dtype=torch.bfloat16)
+    ds = {"bf16": {"enabled": True}, "zero_optimization": {"stage": stage}}
+    cli = grad_reduction_of(ds, TrainArgs(accum_freq=256, grad_reduction="auto"), 1)
+    assert step.grad_reduction == step.reduction == cli == "sharded"
+    with pytest.raises(ConfigError) as refused:
+        GradCacheStep(engine, infonce, accum_freq=256, grad_reduction="coalesced", compute_dtype=torch.bfloat16)
+    with pytest.raises(ConfigError) as cli_refused:
+        grad_reduction_of(ds, TrainArgs(accum_freq=256, grad_reduction="coalesced"), 1)
+    assert str(refused.value) == str(cli_refused.value) and "sum 256 chunk gradients in bf16" in str(refused.value)
