@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -44,6 +45,8 @@ KINDS = {
 }
 OVERLAPPING = {"background_write": "background writes"}  # beside the steps, not part of the wall time's 100 %
 LEDGER_DIR = "goodput"
+
+log = logging.getLogger("dsclip")
 
 
 def process_start(clock: Callable[[], float] = time.perf_counter) -> float:
@@ -70,6 +73,7 @@ class Goodput:
         self.overlap = dict.fromkeys(OVERLAPPING, 0.0)
         self.base = "startup"
         self._stack: list[str] = []
+        self._warned = False
         self.path: Path | None = None  # RUN/goodput/start-*.json on rank 0, once the run folder is known
         self.started_unix = time.time() - (clock() - self.start)  # the clock's start on the wall clock
 
@@ -126,13 +130,19 @@ class Goodput:
         self.path = Path(run_dir) / LEDGER_DIR / f"start-{stamp}-{os.getpid()}.json"
 
     def save(self) -> dict:
-        """Write this start's ledger (atomically; nothing without :meth:`attach`) and return it."""
+        """Write this start's ledger (atomically; nothing without :meth:`attach`) and return it. A write that
+        fails (a full disk) is logged once and never stops training: only this start's seconds go uncounted."""
         entry = self.ledger()
         if self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_name("." + self.path.name + ".tmp")
-            tmp.write_text(json.dumps(entry) + "\n")
-            os.replace(tmp, self.path)
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = self.path.with_name("." + self.path.name + ".tmp")
+                tmp.write_text(json.dumps(entry) + "\n")
+                os.replace(tmp, self.path)
+            except OSError as e:
+                if not self._warned:
+                    log.warning("goodput: %s not written (%s); this start's seconds may go uncounted", self.path, e)
+                self._warned = True
         return entry
 
     def report(self) -> dict:

@@ -117,8 +117,7 @@ def train(cfg: RunConfig, *, started: float | None = None) -> dict:
     try:
         return _train(cfg, clock)
     finally:  # a process that trains again (tests, notebooks) must not hold the folder it left
-        with contextlib.suppress(OSError):  # whatever ended it: this start's seconds are kept (rank 0)
-            clock.save()
+        clock.save()  # whatever ended it: this start's seconds are kept (rank 0)
         run_lock.release_all()
 
 

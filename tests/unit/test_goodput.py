@@ -135,3 +135,14 @@ def test_process_start_is_before_now_and_after_boot():
     assert start <= time.perf_counter()
     # this interpreter started before the test session's imports, so before `now`; and not before boot
     assert start <= now and now - start < float(open("/proc/uptime").read().split()[0]) + 1
+
+
+def test_a_ledger_that_cannot_be_written_never_stops_training(tmp_path, caplog):
+    clock = FakeClock()
+    g = Goodput(clock=clock, start=clock())
+    (tmp_path / "goodput").write_text("a file where the folder would be")  # mkdir fails as on a full disk
+    g.attach(tmp_path)
+    clock.advance(2.0)
+    g.tick("step")
+    assert g.save()["seconds"]["step"] == 2.0 and g.report()["goodput"] == 1.0  # still reported
+    assert sum("goodput:" in r.getMessage() for r in caplog.records) == 1  # said once
