@@ -488,7 +488,9 @@ def _train_key_flags(a: argparse.Namespace) -> str:
     return out
 
 
-def _iter_captions(src: str, csv_caption_key: str, csv_separator: str) -> Iterator[str]:
+def _iter_captions(
+    src: str, csv_caption_key: str, csv_separator: str, keys: SampleKeys = DEFAULT_KEYS
+) -> Iterator[str]:
     from .csv_data import read_utf8
 
     if src.lower().endswith((".csv", ".tsv")):
@@ -504,7 +506,7 @@ def _iter_captions(src: str, csv_caption_key: str, csv_separator: str) -> Iterat
         for urls, _ in parse_sources(src):
             for url in urls:
                 for s in iter_tar(url, bad):
-                    yield from captions_of(s)
+                    yield from captions_of(s, keys)
         return
     if not os.path.isfile(src):
         raise DataToolError(f"caption source not found: {src}")
@@ -533,6 +535,7 @@ def main_tokenizer(argv: list[str]) -> int:
     t.add_argument("--csv-caption-key", default="title")
     t.add_argument("--csv-separator", default="\t")
     t.add_argument("--hard-vocab-limit", action="store_true", help="Fail if the corpus can't fill the vocab.")
+    _key_flags(t, "read from (shard inputs)")
     t.add_argument(
         "--context-length",
         type=int,
@@ -543,10 +546,11 @@ def main_tokenizer(argv: list[str]) -> int:
     from .tokenizer import SentencePieceTokenizer, length_summary, train_sentencepiece  # after the flags (#33)
 
     try:
+        keys = _keys(a)
 
         def texts():
             for src in a.input:
-                yield from _iter_captions(src, a.csv_caption_key, a.csv_separator)
+                yield from _iter_captions(src, a.csv_caption_key, a.csv_separator, keys)
 
         path = train_sentencepiece(
             texts(),

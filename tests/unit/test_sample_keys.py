@@ -16,7 +16,7 @@ from dsclip.config import parse_run_config
 from dsclip.data import DataConfig, build_train_data
 from dsclip.data.sample_keys import SampleKeys
 from dsclip.data.shards import ShardError
-from dsclip.data.tools import inspect_shards, main_data
+from dsclip.data.tools import _iter_captions, inspect_shards, main_data, main_tokenizer
 
 from .test_data_wds import IdTokenizer
 
@@ -199,6 +199,12 @@ def test_data_write_and_inspect_with_keys(tmp_path, capsys):
     assert "pass --text-key cls or --json-text-key alt" in capsys.readouterr().out
     assert main_data(["--images", str(imgs), "--out", str(tmp_path / "x"), "--text-key", "json"]) == 2
     assert "share the member .json" in capsys.readouterr().err
+    # `dsclip tokenizer train --input SHARDS` reads the captions with the same keys
+    alt = SampleKeys(json_text_key="alt")
+    assert list(_iter_captions(spec, "title", "\t", alt)) == [f"sample {i}" for i in range(5)]
+    assert list(_iter_captions(spec, "title", "\t")) == []  # no .txt member: nothing under the default key
+    assert main_tokenizer(["train", "--input", spec, "--out", str(tmp_path / "t"), "--text-key", ";"]) == 2
+    assert "--text-key ';' names no member suffix" in capsys.readouterr().err
 
 
 def test_val_data_is_read_with_the_keys(tmp_path):
