@@ -278,17 +278,21 @@ MAIN_FLAGS: dict[str, Row] = {
     "--audio-zeroshot-multiprocessing-context": Row("not offered", _AUDIO),
     "--audio-multiprocessing-context": Row("not offered", _AUDIO),
     "--image-key": Row(
-        "not offered",
-        "dsclip's webdataset reader takes the first of the members `jpg`, `jpeg`, `png`, `webp` (main's default "
-        "set); other suffixes: rename them when writing the shards",
+        "same",
+        "`;`-separated member suffixes, the first present wins (main's order `jpg;png;jpeg;webp`); also read by "
+        "`--val-data`, `dsclip eval` and `dsclip data write/inspect`; a first shard matching none stops at start-up "
+        "with one line naming the suffixes found",
     ),
     "--text-key": Row(
-        "not offered",
-        "dsclip's webdataset reader takes the `txt` member (one caption a line), else the `.json` member's "
-        "`caption`, `text` or `captions`; other members: rename them when writing the shards",
+        "differs",
+        "main's suffixes, default and precedence (ignored with `--json-text-key`; an empty first member drops the "
+        "sample); a member with several lines is several captions, one drawn per step (main: the whole text is one "
+        "caption)",
     ),
     "--json-text-key": Row(
-        "not offered", "dsclip reads the `.json` member's `caption`, `text` or `captions` field (after `txt`)"
+        "same",
+        "`;`-separated fields, the first non-empty string wins, over `--text-key`; a field holding a list of strings "
+        "is several captions (main: strings only)",
     ),
     "--opt-kwargs": Row(
         "not offered",

@@ -60,6 +60,9 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 def main_train(argv: list[str]) -> int:
     # lazy, like COMMANDS: each command loads only its own stack (torch, deepspeed) when it runs
+    from dsclip.train.goodput import process_start
+
+    started = process_start()  # the run's goodput clock counts the start-up from here (dsclip.train.goodput)
     from dsclip import console
     from dsclip.config import parse_run_config
     from dsclip.train import preflight
@@ -70,7 +73,7 @@ def main_train(argv: list[str]) -> int:
     cfg = preflight.check(cfg, rank=int(os.environ.get("RANK", "0")))
     from dsclip.train.loop import train  # loads DeepSpeed
 
-    summary = train(cfg)
+    summary = train(cfg, started=started)
     if summary.get("zeroshot") and int(os.environ.get("RANK", "0")) == 0:
         from dsclip.console import say  # into RUN/out.log too
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from dsclip.config_base import ConfigError
 from dsclip.data.preprocess import INTERPOLATIONS, RESIZE_MODES, check_mean_std, parse_aug_cfg
+from dsclip.data.sample_keys import DEFAULT_IMAGE_KEY, DEFAULT_TEXT_KEY, SampleKeys
 from dsclip.data.shards import ImageLimits
 
 DATASET_TYPES = ("auto", "demo", "webdataset", "csv", "synthetic")
@@ -74,6 +75,29 @@ class DataConfig:
         metadata={
             "help": "Skip (and count as large_image) training images whose longer side is above this many pixels: "
             "web sets are resized at download, and an 8000x8000 image costs a worker seconds and 192 MB (0: off)."
+        },
+    )
+    image_key: str = field(
+        default=DEFAULT_IMAGE_KEY,
+        metadata={
+            "help": "Webdataset member suffix holding the image, ';'-separated alternatives in priority order "
+            "(OpenCLIP main's flag and default), e.g. 'jpg;png;jpeg;webp' or 'tif'."
+        },
+    )
+    text_key: str = field(
+        default=DEFAULT_TEXT_KEY,
+        metadata={
+            "help": "Webdataset member suffix holding the caption text, ';'-separated alternatives (OpenCLIP main's "
+            "flag and default), e.g. 'txt;cls'; a member with several lines is several captions. Ignored when "
+            "--json-text-key is set."
+        },
+    )
+    json_text_key: str | None = field(
+        default=None,
+        metadata={
+            "help": "Read the caption from this field of each sample's .json member instead of a text member; "
+            "';'-separated fields in priority order, the first non-empty string wins (OpenCLIP main's flag). "
+            "Takes precedence over --text-key."
         },
     )
     csv_img_key: str = field(default="filepath", metadata={"help": "CSV column holding image paths."})
@@ -182,8 +206,16 @@ class DataConfig:
             raise ConfigError(
                 f"--min-image-size {self.min_image_size} > --max-image-size {self.max_image_size}: no image can pass"
             )
+        try:
+            self.sample_keys()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         check_mean_std("image-mean", self.image_mean)
         check_mean_std("image-std", self.image_std)
+
+    def sample_keys(self) -> SampleKeys:
+        """--image-key / --text-key / --json-text-key: which webdataset members are the image and the caption."""
+        return SampleKeys(self.image_key, self.text_key, self.json_text_key)
 
     def image_limits(self) -> ImageLimits:
         return ImageLimits(self.min_image_size, self.max_image_size)

@@ -22,9 +22,11 @@ from pathlib import Path
 import braceexpand
 from PIL import Image
 
+from .sample_keys import DEFAULT_KEYS, SampleKeys
+
 log = logging.getLogger("dsclip.data")
 
-IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
+IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")  # what `dsclip data write` stores; the reader: --image-key
 _REMOTE = re.compile(r"^(pipe:|https?://|s3://|gs://|ais://)")
 _WARN_LIMIT = 5  # warnings per reason per process; everything is still counted
 
@@ -184,62 +186,53 @@ def _has_end_marker(path: str, offset: int) -> bool:
     return len(tail) == 1024 and not tail.strip(b"\0")
 
 
-def image_bytes(sample: dict) -> bytes | None:
-    for ext in IMAGE_EXTS:
-        if ext in sample:
-            return sample[ext]
-    return None
+def image_bytes(sample: dict, keys: SampleKeys = DEFAULT_KEYS) -> bytes | None:
+    """The image member's bytes under ``--image-key`` (dsclip.data.sample_keys), or None."""
+    return keys.image(sample)
 
 
-def captions_of(sample: dict) -> list[str]:
-    """Captions of a raw sample: ``txt`` (one per line) or json ``caption``/``text``/``captions``."""
-    if "txt" in sample:
-        try:
-            text = sample["txt"].decode("utf-8")
-        except UnicodeDecodeError:
-            text = sample["txt"].decode("utf-8", errors="replace")
-        caps = [ln.strip() for ln in text.splitlines() if ln.strip()]
-        if caps:
-            return caps
-    if "json" in sample:
-        try:
-            meta = json.loads(sample["json"])
-        except ValueError:
-            return []
-        if isinstance(meta, dict):
-            for k in ("caption", "text"):
-                if isinstance(meta.get(k), str) and meta[k].strip():
-                    return [meta[k].strip()]
-            caps = meta.get("captions")
-            if isinstance(caps, list):
-                return [c.strip() for c in caps if isinstance(c, str) and c.strip()]
-    return []
+def captions_of(sample: dict, keys: SampleKeys = DEFAULT_KEYS) -> list[str]:
+    """The sample's captions under ``--text-key`` / ``--json-text-key`` (dsclip.data.sample_keys)."""
+    return keys.captions(sample)
 
 
-def undecodable_caption(sample: dict) -> str | None:
-    """What is wrong with a ``txt`` caption that is not UTF-8 (None when it is, or there is none)."""
-    try:
-        sample.get("txt", b"").decode("utf-8")
-    except UnicodeDecodeError as e:
-        return f"byte 0x{sample['txt'][e.start]:02x} at offset {e.start} is not UTF-8"
-    return None
+def undecodable_caption(sample: dict, keys: SampleKeys = DEFAULT_KEYS) -> str | None:
+    """What is wrong with a text caption member that is not UTF-8 (None when it is, or there is none)."""
+    return keys.undecodable(sample)
 
 
-def check_sample(sample: dict, bad: BadData) -> bool:
-    """Raw-level validity (no decoding): has an image and a caption, and a ``txt`` caption is UTF-8 (another
-    encoding would train on replacement characters)."""
+def check_sample(sample: dict, bad: BadData, keys: SampleKeys = DEFAULT_KEYS) -> bool:
+    """Raw-level validity (no decoding): has an image and a caption under ``keys``, and a text caption is UTF-8
+    (another encoding would train on replacement characters)."""
     where = f"{sample['__url__']}:{sample['__key__']}"
-    if image_bytes(sample) is None:
+    if keys.image(sample) is None:
         bad.add("missing_image", where)
         return False
-    problem = undecodable_caption(sample)
+    problem = keys.undecodable(sample)
     if problem:
-        bad.add("undecodable_caption", f"{where}.txt ({problem})")
+        bad.add("undecodable_caption", f"{where} ({problem})")
         return False
-    if not captions_of(sample):
+    if not keys.captions(sample):
         bad.add("missing_caption", where)
         return False
     return True
+
+
+def check_first_shard(urls: list[str], keys: SampleKeys, samples: int = 16) -> None:
+    """Start-up check: one line (ShardError) when the first readable samples of the first shard match none of
+    ``keys``, naming the suffixes found and the flag to pass: the run would otherwise read every shard for
+    nothing and stop on "no valid samples" (or wait on the other ranks). Local shards only: a remote stream
+    (``pipe:``, ``s3://``) is not opened twice."""
+    if not urls or is_remote(urls[0]):
+        return
+    first = []
+    for s in iter_tar(urls[0], BadData()):
+        first.append(s)
+        if len(first) >= samples:
+            break
+    problem = keys.mismatch(first, urls[0])
+    if problem:
+        raise ShardError(problem)
 
 
 @dataclass(frozen=True)

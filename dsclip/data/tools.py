@@ -29,16 +29,15 @@ from pathlib import Path
 from PIL import Image
 from tqdm import tqdm
 
+from .sample_keys import DEFAULT_IMAGE_KEY, DEFAULT_KEYS, DEFAULT_TEXT_KEY, SampleKeys, split_keys
 from .shards import (
     BadData,
     captions_of,
     decode_image,
     expand_urls,
-    image_bytes,
     iter_tar,
     parse_sources,
     split_key,
-    undecodable_caption,
 )
 
 # csv_data and tokenizer load torch (a torch Dataset, tensors): imported in the functions that read CSV or
@@ -47,6 +46,7 @@ from .shards import (
 log = logging.getLogger("dsclip.data")
 
 _EXT_FOR_SUFFIX = {".jpg": "jpg", ".jpeg": "jpg", ".png": "png", ".webp": "webp"}
+_PIL_FORMAT = {"jpg": "JPEG", "jpeg": "JPEG", "png": "PNG", "webp": "WEBP"}
 
 
 class DataToolError(ValueError):
@@ -112,6 +112,24 @@ def _encode(path: str, resize: int | None, verify: bool, quality: int = 95) -> t
     return data, ext
 
 
+def _image_member(data: bytes, ext: str, keys: SampleKeys, quality: int) -> tuple[bytes, str]:
+    """(bytes, member suffix) for an encoded image of format ``ext`` under ``--image-key``: its own suffix when
+    the keys list it (the default keys list every format dsclip writes), else the first key's, re-encoded when
+    that suffix names another format (``--image-key png`` stores PNGs); a suffix naming no format (``image``)
+    stores the bytes as they are (readers tell the format from the bytes)."""
+    wanted = keys.image_suffixes
+    own = [k for k in wanted if _PIL_FORMAT.get(k) == _PIL_FORMAT[ext]]
+    if own:
+        return data, own[0]
+    target = wanted[0]
+    if target not in _PIL_FORMAT:
+        return data, target
+    buf = io.BytesIO()
+    img = decode_image(data)
+    img.save(buf, format=_PIL_FORMAT[target], **({"quality": quality} if target != "png" else {}))
+    return buf.getvalue(), target
+
+
 def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
     info = tarfile.TarInfo(name)
     info.size, info.mtime, info.mode = len(data), 0, 0o644
@@ -129,8 +147,10 @@ def write_shards(
     quality: int = 95,
     verify: bool = True,
     progress: bool | None = None,
+    keys: SampleKeys = DEFAULT_KEYS,
 ) -> dict:
-    """Write (image path, caption) samples as shards; resumable. Returns {"shards", "samples", "skipped"}."""
+    """Write (image path, caption) samples as shards; resumable. Returns {"shards", "samples", "skipped"}.
+    ``keys``: the member suffixes (and .json field) the image and caption are stored under."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     manifest_path = out / "_progress.json"
@@ -140,6 +160,7 @@ def write_shards(
         "prefix": prefix,
         "resize": resize,
         **({"quality": quality} if quality != 95 else {}),  # the default unrecorded: earlier runs still resume
+        **({"keys": list(_key_options(keys))} if keys != DEFAULT_KEYS else {}),
         "num_inputs": len(samples),
     }
     if not 1 <= quality <= 100:
@@ -160,7 +181,9 @@ def write_shards(
         name = f"{prefix}-{len(state['sizes']):05d}.tar"
         tmp = out / f".{name}.tmp"
         with tarfile.open(tmp, "w", format=tarfile.USTAR_FORMAT) as tar:
-            add = functools.partial(_add_sample, tar, resize=resize, verify=verify, skipped=skipped, quality=quality)
+            add = functools.partial(
+                _add_sample, tar, resize=resize, verify=verify, skipped=skipped, quality=quality, keys=keys
+            )
             row, count = _fill_shard(add, samples, row, shard_size, max_shard_bytes, bar)
         if count == 0:
             tmp.unlink()
@@ -218,8 +241,20 @@ def _summary(state: dict, skipped: dict) -> dict:
     return {"shards": len(state["sizes"]), "samples": sum(state["sizes"].values()), "skipped": sum(skipped.values())}
 
 
+def _key_options(keys: SampleKeys) -> tuple:
+    return keys.image_key, keys.text_key, keys.json_text_key
+
+
 def _add_sample(
-    tar, key: str, path: str, caption: str, resize, verify: bool, skipped: Counter, quality: int = 95
+    tar,
+    key: str,
+    path: str,
+    caption: str,
+    resize,
+    verify: bool,
+    skipped: Counter,
+    quality: int = 95,
+    keys: SampleKeys = DEFAULT_KEYS,
 ) -> int | None:
     """Add one sample's image, caption and metadata to ``tar``; bytes written, or None (counted in ``skipped``)."""
     if not caption.strip():
@@ -227,7 +262,7 @@ def _add_sample(
         log.warning("skipping %s: empty caption", path)
         return None
     try:
-        data, ext = _encode(path, resize, verify, quality)
+        data, ext = _image_member(*_encode(path, resize, verify, quality), keys, quality)
     except OSError as e:
         skipped["unreadable_image"] += 1
         log.warning("skipping %s: %s", path, e)
@@ -237,16 +272,20 @@ def _add_sample(
         log.warning("skipping %s: corrupt image (%s)", path, e)
         return None
     text = caption.strip().encode("utf-8")
-    meta = json.dumps({"caption": caption.strip(), "source": os.path.basename(path)}).encode()
+    field = keys.json_fields[0] if keys.json_fields else "caption"
+    meta = json.dumps({field: caption.strip(), "source": os.path.basename(path)}).encode()
     _add(tar, f"{key}.{ext}", data)
-    _add(tar, f"{key}.txt", text)
+    _add(tar, f"{key}.{split_keys(keys.text_key)[0]}", text)
     _add(tar, f"{key}.json", meta)
     return len(data) + len(text) + len(meta) + 3 * 512
 
 
 # --------------------------------------------------------------------------------------------- inspect
-def inspect_shards(pattern: str, decode: bool = True, max_shards: int | None = None) -> dict:
-    """Report per shard: samples, member extensions, broken samples by reason."""
+def inspect_shards(
+    pattern: str, decode: bool = True, max_shards: int | None = None, keys: SampleKeys = DEFAULT_KEYS
+) -> dict:
+    """Report per shard: samples, member extensions, broken samples by reason (read with ``keys``, as training
+    reads them), and, for a shard with samples of which none matches the keys, the line naming the flag to use."""
     urls = []
     for spec in pattern.split("::"):
         urls.extend(expand_urls(spec))
@@ -259,40 +298,45 @@ def inspect_shards(pattern: str, decode: bool = True, max_shards: int | None = N
         )
     report = {"shards": [], "total": Counter()}
     for url in urls[:max_shards]:
-        bad = BadData()
-        exts: Counter = Counter()
-        n = good = 0
-        for s in iter_tar(url, bad):
-            n += 1
-            exts.update(k for k in s if not k.startswith("__"))
-            img = image_bytes(s)
-            if img is None:
-                bad.counts["missing_image"] += 1
-                continue
-            if not captions_of(s):
-                bad.counts["missing_caption"] += 1
-                continue
-            if undecodable_caption(s):  # training skips these (dsclip.data.shards.check_sample)
-                bad.counts["undecodable_caption"] += 1
-                continue
-            if decode:
-                try:
-                    decode_image(img)
-                except Exception:
-                    bad.counts["corrupt_image"] += 1
-                    continue
-            good += 1
-        entry = {
-            "shard": url,
-            "samples": n,
-            "good": good,
-            "extensions": dict(exts),
-            "broken": dict(bad.counts),
-        }
+        entry = _inspect_shard(url, decode, keys)
         report["shards"].append(entry)
-        report["total"].update({"shards": 1, "samples": n, "good": good, **bad.counts})
+        report["total"].update({"shards": 1, "samples": entry["samples"], "good": entry["good"], **entry["broken"]})
     report["total"] = dict(report["total"])
     return report
+
+
+def _inspect_shard(url: str, decode: bool, keys: SampleKeys) -> dict:
+    bad = BadData()
+    exts: Counter = Counter()
+    first: list[dict] = []  # for the keys hint
+    n = good = 0
+    for s in iter_tar(url, bad):
+        n += 1
+        exts.update(k for k in s if not k.startswith("__"))
+        if len(first) < 16:
+            first.append(s)
+        img = keys.image(s)
+        if img is None:
+            bad.counts["missing_image"] += 1
+            continue
+        if keys.undecodable(s):  # training skips these (dsclip.data.shards.check_sample)
+            bad.counts["undecodable_caption"] += 1
+            continue
+        if not keys.captions(s):
+            bad.counts["missing_caption"] += 1
+            continue
+        if decode:
+            try:
+                decode_image(img)
+            except Exception:
+                bad.counts["corrupt_image"] += 1
+                continue
+        good += 1
+    entry = {"shard": url, "samples": n, "good": good, "extensions": dict(exts), "broken": dict(bad.counts)}
+    hint = keys.mismatch(first, url) if good == 0 else None
+    if hint:
+        entry["keys_hint"] = hint
+    return entry
 
 
 # ------------------------------------------------------------------------------------------------- CLI
@@ -326,7 +370,39 @@ def _write_parser() -> argparse.ArgumentParser:
         "--quality", type=int, default=95, help="JPEG quality of re-encoded images (img2dataset's encode_quality)."
     )
     p.add_argument("--no-verify", action="store_true", help="Do not decode images to check them.")
+    _key_flags(p, "stored")
     return p
+
+
+def _key_flags(p: argparse.ArgumentParser, verb: str) -> None:
+    """--image-key / --text-key / --json-text-key: OpenCLIP main's names and defaults, as `dsclip train`'s."""
+    p.add_argument(
+        "--image-key",
+        default=DEFAULT_IMAGE_KEY,
+        help=f"Member suffix(es) the image is {verb} under, ';'-separated (default {DEFAULT_IMAGE_KEY}).",
+    )
+    p.add_argument(
+        "--text-key",
+        default=DEFAULT_TEXT_KEY,
+        help=f"Member suffix(es) the caption text is {verb} under, ';'-separated (default {DEFAULT_TEXT_KEY}).",
+    )
+    p.add_argument(
+        "--json-text-key",
+        help=f"Field(s) of the .json member the caption is {verb} under, ';'-separated (takes precedence over "
+        "--text-key when reading).",
+    )
+
+
+def _keys(a: argparse.Namespace) -> SampleKeys:
+    keys = SampleKeys(a.image_key, a.text_key, a.json_text_key)
+    text = split_keys(keys.text_key)[0]  # the suffix a caption is written under
+    clash = ({"json", text} & set(keys.image_suffixes)) | ({"json"} & {text})
+    if clash:
+        raise DataToolError(
+            f"--image-key {keys.image_key} / --text-key {keys.text_key} share the member .{clash.pop()} "
+            "(.json holds the metadata; a caption in it is --json-text-key FIELD)"
+        )
+    return keys
 
 
 def _inspect_parser() -> argparse.ArgumentParser:
@@ -335,6 +411,7 @@ def _inspect_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-decode", action="store_true", help="Skip image decoding (faster, misses corrupt images).")
     p.add_argument("--max-shards", type=int, help="Only the first N shards.")
     p.add_argument("--json", action="store_true", help="Print the report as JSON.")
+    _key_flags(p, "read from")
     return p
 
 
@@ -350,7 +427,7 @@ def main_data(argv: list[str]) -> int:
     try:
         if argv and argv[0] == "inspect":
             a = _inspect_parser().parse_args(argv[1:])
-            rep = inspect_shards("::".join(a.shards), decode=not a.no_decode, max_shards=a.max_shards)
+            rep = inspect_shards("::".join(a.shards), decode=not a.no_decode, max_shards=a.max_shards, keys=_keys(a))
             if a.json:
                 print(json.dumps(rep, indent=1))
             else:
@@ -358,6 +435,8 @@ def main_data(argv: list[str]) -> int:
                     broken = ", ".join(f"{k}={v}" for k, v in sorted(e["broken"].items())) or "none"
                     exts = ",".join(sorted(e["extensions"]))
                     print(f"{e['shard']}: {e['samples']} samples, {e['good']} good, keys [{exts}], broken: {broken}")
+                    if "keys_hint" in e:
+                        print(f"  {e['keys_hint']}")
                 t = rep["total"]
                 extra = ", ".join(f"{k}={v}" for k, v in sorted(t.items()) if k not in ("shards", "samples", "good"))
                 print(
@@ -383,11 +462,12 @@ def main_data(argv: list[str]) -> int:
             resize=a.resize,
             quality=a.quality,
             verify=not a.no_verify,
+            keys=_keys(a),
         )
         print(
             f"wrote {r['samples']} samples in {r['shards']} shards to {a.out} ({r['skipped']} skipped, "
             f"{time.time() - t0:.1f}s); train with --train-data '{a.out}/{a.prefix}-"
-            f"{{00000..{max(r['shards'] - 1, 0):05d}}}.tar'"
+            f"{{00000..{max(r['shards'] - 1, 0):05d}}}.tar'" + _train_key_flags(a)
         )
         return 0
     except (DataToolError, ValueError, FileNotFoundError) as e:
@@ -395,7 +475,22 @@ def main_data(argv: list[str]) -> int:
         return 2
 
 
-def _iter_captions(src: str, csv_caption_key: str, csv_separator: str) -> Iterator[str]:
+def _train_key_flags(a: argparse.Namespace) -> str:
+    """The key flags `dsclip train` needs to read what was written (none with the defaults)."""
+    out = ""
+    for flag, value, default in (
+        ("--image-key", a.image_key, DEFAULT_IMAGE_KEY),
+        ("--text-key", a.text_key, DEFAULT_TEXT_KEY),
+        ("--json-text-key", a.json_text_key, None),
+    ):
+        if value != default:
+            out += f" {flag} '{value}'"
+    return out
+
+
+def _iter_captions(
+    src: str, csv_caption_key: str, csv_separator: str, keys: SampleKeys = DEFAULT_KEYS
+) -> Iterator[str]:
     from .csv_data import read_utf8
 
     if src.lower().endswith((".csv", ".tsv")):
@@ -411,7 +506,7 @@ def _iter_captions(src: str, csv_caption_key: str, csv_separator: str) -> Iterat
         for urls, _ in parse_sources(src):
             for url in urls:
                 for s in iter_tar(url, bad):
-                    yield from captions_of(s)
+                    yield from captions_of(s, keys)
         return
     if not os.path.isfile(src):
         raise DataToolError(f"caption source not found: {src}")
@@ -440,6 +535,7 @@ def main_tokenizer(argv: list[str]) -> int:
     t.add_argument("--csv-caption-key", default="title")
     t.add_argument("--csv-separator", default="\t")
     t.add_argument("--hard-vocab-limit", action="store_true", help="Fail if the corpus can't fill the vocab.")
+    _key_flags(t, "read from (shard inputs)")
     t.add_argument(
         "--context-length",
         type=int,
@@ -450,10 +546,11 @@ def main_tokenizer(argv: list[str]) -> int:
     from .tokenizer import SentencePieceTokenizer, length_summary, train_sentencepiece  # after the flags (#33)
 
     try:
+        keys = _keys(a)
 
         def texts():
             for src in a.input:
-                yield from _iter_captions(src, a.csv_caption_key, a.csv_separator)
+                yield from _iter_captions(src, a.csv_caption_key, a.csv_separator, keys)
 
         path = train_sentencepiece(
             texts(),

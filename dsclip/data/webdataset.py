@@ -39,16 +39,16 @@ from .device_transform import DevicePrep
 from .fast_transforms import fast_train_transform
 from .gpu_decode import CPU_DECODED, EncodedTrainTransform, GpuDecodePrep, cpu_decoded_count
 from .loader import TrainData, mix_seed, shutdown_loader
+from .sample_keys import DEFAULT_KEYS, SampleKeys
 from .shards import (
     NO_LIMITS,
     BadData,
     ImageLimits,
     ShardError,
-    captions_of,
+    check_first_shard,
     check_sample,
     dataset_size,
     decode_image,
-    image_bytes,
     iter_tar,
 )
 from .shards import parse_sources as parse_sources
@@ -110,9 +110,11 @@ class WdsBatches(IterableDataset):
         resampled,
         shuffle_buffer,
         image_limits: ImageLimits = NO_LIMITS,
+        keys: SampleKeys = DEFAULT_KEYS,
     ):
         super().__init__()
         self.image_limits = image_limits
+        self.keys = keys  # member suffix -> image / caption (dsclip.data.sample_keys)
         self.urls = [u for urls, _ in sources for u in urls]
         self.weights = [w for urls, w in sources for _ in urls]
         self.tokenizer, self.transform = tokenizer, transform
@@ -125,7 +127,7 @@ class WdsBatches(IterableDataset):
 
     # -- raw sample stream of one (rank, logical worker) slot -------------------------------------------
     def _valid(self, url: str, bad: BadData) -> Iterator[dict]:
-        return (s for s in iter_tar(url, bad) if check_sample(s, bad))
+        return (s for s in iter_tar(url, bad) if check_sample(s, bad, self.keys))
 
     def _raw_stream(self, epoch: int, slot: int, bad: BadData) -> Iterator[dict]:
         """Infinite stream of valid raw samples, shuffled; passes are shuffled separately so the first
@@ -174,7 +176,7 @@ class WdsBatches(IterableDataset):
         with seeded_rngs(mix_seed(self.seed, epoch, self.rank, step, 0xA06)):  # never disturb the process's RNGs
             for j, s in enumerate(raw):
                 try:
-                    data = image_bytes(s)  # the fast transform decodes the bytes itself (draft, crop first)
+                    data = self.keys.image(s)  # the fast transform decodes the bytes itself (draft, crop first)
                     problem = self.image_limits.check(data)  # the header only: before any pixel is decoded
                     if problem is None:
                         images.append(self.transform(data if self._takes_bytes else decode_image(data)))
@@ -186,7 +188,7 @@ class WdsBatches(IterableDataset):
                     bad.add(problem[0], f"{s['__url__']}:{s['__key__']} ({problem[1]})")
                     images.append(None)
                     bad_idx.append(j)
-                caps = captions_of(s)
+                caps = self.keys.captions(s)
                 captions.append(caps[rng.randrange(len(caps))] if len(caps) > 1 else caps[0])
         good = [j for j in range(len(raw)) if images[j] is not None]
         if not good:
@@ -263,6 +265,8 @@ def build_wds_train_data(data_cfg, *, tokenizer, image_size, batch_size, rank, w
     steps = num // (batch_size * world_size)
     if steps < 1:
         raise ShardError(f"train_num_samples {num} < one global batch ({batch_size} x {world_size})")
+    keys = data_cfg.sample_keys()
+    check_first_shard(all_urls, keys)  # one line now, not "no valid samples" after reading every shard
     workers = max(0, data_cfg.workers)
     n_slots = max(1, workers) * world_size
     if not data_cfg.dataset_resampled and len(all_urls) < n_slots:
@@ -285,6 +289,7 @@ def build_wds_train_data(data_cfg, *, tokenizer, image_size, batch_size, rank, w
         resampled=data_cfg.dataset_resampled,
         shuffle_buffer=data_cfg.shuffle_buffer,
         image_limits=data_cfg.image_limits(),
+        keys=keys,
     )
     kw = dict(persistent_workers=True, prefetch_factor=2) if workers > 0 else {}
     # the workers ignore stop signals: one sent to the whole process group must not kill them under the rank

@@ -59,6 +59,9 @@ def _parser() -> argparse.ArgumentParser:
         ("csv_img_key", str),
         ("csv_caption_key", str),
         ("csv_separator", str),
+        ("image_key", str),
+        ("text_key", str),
+        ("json_text_key", str),
         ("demo_eval_samples", int),
     ):
         f = DataConfig.__dataclass_fields__[name]
@@ -159,6 +162,9 @@ def _data_config(a: argparse.Namespace, pre: dict) -> DataConfig:
         csv_img_key=a.csv_img_key,
         csv_caption_key=a.csv_caption_key,
         csv_separator=a.csv_separator,
+        image_key=a.image_key,
+        text_key=a.text_key,
+        json_text_key=a.json_text_key,
         force_image_size=a.force_image_size,
         demo_eval_samples=a.demo_eval_samples,
         workers=a.workers,

@@ -7,7 +7,8 @@ Both are map-style so every rank can take an interleaved shard of the same order
 - ``TarImageDataset`` indexes local webdataset shards (header scan, no decoding) and reads members
   by offset; captions are kept in memory for the text side.
 - ``load_retrieval_set(spec, ...)`` gives (image dataset, captions, text_to_image) for shards or a CSV
-  (several captions per image: several txt lines, json "captions", or repeated CSV image paths).
+  (several captions per image: several lines of the text member, a json list field, or repeated CSV image
+  paths); shards are read with --image-key / --text-key / --json-text-key, as training reads them.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from pathlib import Path
 from torch.utils.data import Dataset
 
 from ..data.csv_data import read_csv
-from ..data.shards import IMAGE_EXTS, captions_of, decode_image, parse_sources, split_key
+from ..data.sample_keys import DEFAULT_KEYS, SampleKeys
+from ..data.shards import IMAGE_EXTS, check_first_shard, decode_image, parse_sources, split_key
 
 log = logging.getLogger("dsclip.eval")
 _IMG_SUFFIXES = {"." + e for e in IMAGE_EXTS} | {".bmp", ".gif", ".tif", ".tiff"}
@@ -159,38 +161,21 @@ class TarImageDataset(Dataset):
             return self.transform(decode_image(f.read(size)))
 
 
-def index_shards(urls: list[str], max_samples: int | None = None):
+def index_shards(urls: list[str], max_samples: int | None = None, keys: SampleKeys = DEFAULT_KEYS):
     """Scan tar headers: (image entries, captions, text_to_image); samples without image/caption skipped."""
     entries, captions, t2i = [], [], []
     skipped = 0
     for url in urls:
-        groups: dict[str, dict] = {}
-        order: list[str] = []
-        try:
-            with tarfile.open(url, "r:") as tar:
-                for m in tar:
-                    kx = split_key(m.name) if m.isfile() else None
-                    if kx is None:
-                        continue
-                    key, ext = kx
-                    if key not in groups:
-                        groups[key] = {"__key__": key, "__url__": url}
-                        order.append(key)
-                    if ext in IMAGE_EXTS:
-                        groups[key]["__img__"] = (m.offset_data, m.size)
-                        groups[key][ext] = b""
-                    elif ext in ("txt", "json"):
-                        groups[key][ext] = tar.extractfile(m).read()
-        except (tarfile.TarError, OSError, EOFError) as e:
-            log.warning("eval shard %s unreadable or truncated (%s); using what was indexed", url, e)
+        groups, order = _scan_shard(url, keys)
         for key in order:
             g = groups[key]
-            caps = captions_of(g)
-            if "__img__" not in g or not caps:
+            img = keys.image(g)  # (offset, size) of the first --image-key member present
+            caps = keys.captions(g)
+            if img is None or not caps:
                 skipped += 1
                 continue
             img_idx = len(entries)
-            entries.append((url, *g["__img__"]))
+            entries.append((url, *img))
             for c in caps:
                 captions.append(c)
                 t2i.append(img_idx)
@@ -203,6 +188,29 @@ def index_shards(urls: list[str], max_samples: int | None = None):
     return entries, captions, t2i
 
 
+def _scan_shard(url: str, keys: SampleKeys) -> tuple[dict[str, dict], list[str]]:
+    """{key: {image suffix: (offset, size), caption suffix: bytes}} of one shard, and the keys in file order."""
+    groups: dict[str, dict] = {}
+    order: list[str] = []
+    try:
+        with tarfile.open(url, "r:") as tar:
+            for m in tar:
+                kx = split_key(m.name) if m.isfile() else None
+                if kx is None:
+                    continue
+                key, ext = kx
+                if key not in groups:
+                    groups[key] = {"__key__": key, "__url__": url}
+                    order.append(key)
+                if ext in keys.image_suffixes:
+                    groups[key][ext] = (m.offset_data, m.size)
+                elif ext in keys.text_suffixes:
+                    groups[key][ext] = tar.extractfile(m).read()
+    except (tarfile.TarError, OSError, EOFError) as e:
+        log.warning("eval shard %s unreadable or truncated (%s); using what was indexed", url, e)
+    return groups, order
+
+
 def load_retrieval_set(
     spec: str,
     transform,
@@ -211,6 +219,7 @@ def load_retrieval_set(
     csv_caption_key="title",
     csv_separator="\t",
     max_samples: int | None = None,
+    keys: SampleKeys = DEFAULT_KEYS,
 ):
     """(image dataset, captions, text_to_image) for webdataset shards or a CSV/TSV."""
     if spec.lower().endswith((".csv", ".tsv")):
@@ -229,7 +238,8 @@ def load_retrieval_set(
             t2i.append(index[p])
         return ImageFileDataset(images, transform), captions, t2i
     urls = [u for us, _ in parse_sources(spec) for u in us]
-    entries, captions, t2i = index_shards(urls, max_samples)
+    entries, captions, t2i = index_shards(urls, max_samples, keys)
     if not entries:
+        check_first_shard(urls, keys)  # the members found and the flag to pass, when the keys are the problem
         raise ValueError(f"no usable samples in {spec}")
     return TarImageDataset(entries, transform), captions, t2i

@@ -424,6 +424,7 @@ class Evaluator:
                 csv_caption_key=self.cfg.csv_caption_key,
                 csv_separator=self.cfg.csv_separator,
                 max_samples=self.cfg.val_num_samples,
+                keys=self.cfg.sample_keys(),
             )
             self._val = (ds, captions, t2i, self._loader(ds), self.tokenizer(list(captions)))
         ds, captions, t2i, loader, tokens = self._val

@@ -59,6 +59,7 @@ class HangGuard:
         argv: list[str] | None = None,
         clock: Callable[[], float] = time.monotonic,
         store=None,
+        goodput=None,
     ):
         self.train, self.rank, self.world_size = train, rank, world_size
         self.run_dir, self.name, self.latest, self.clock = Path(run_dir), name, latest, clock
@@ -73,6 +74,7 @@ class HangGuard:
         self._since = clock()
         self._store = store
         self.watchdog: watchdog.StepWatchdog | None = None
+        self.goodput = goodput  # the start's dsclip.train.goodput.Goodput: a hang's wait is stop/hang handling
 
     @property
     def armed(self) -> bool:
@@ -206,9 +208,14 @@ class HangGuard:
             log.error(line)
         if self.rank == 0:
             try:
+                report = None
+                if self.goodput is not None:  # the hung step's time, from its start to this line, is the hang's
+                    self.goodput.tick("stop")
+                    report = self.goodput.report()
                 runlog.write_exit_status(
-                    self.run_dir, exit_code=EXIT_HUNG, stop="hung", step=self.last_step, checkpoint=self.latest()
-                )
+                    self.run_dir, exit_code=EXIT_HUNG, stop="hung", step=self.last_step, checkpoint=self.latest(),
+                    goodput=report,
+                )  # fmt: skip
             except OSError as e:
                 sys.stderr.write(f"dsclip: exit_status.json not written: {e}\n")
         supervise.report_exit(EXIT_HUNG)

@@ -46,6 +46,7 @@ from dsclip.train.build import (
 )
 from dsclip.train.divergence import DivergenceGuard, HealthRule, loaded_scale, resumed_problem
 from dsclip.train.evaluation import TrainingEvaluator
+from dsclip.train.goodput import Goodput, summary_text
 from dsclip.train.gradcache import GradCacheStep
 from dsclip.train.hang import HangGuard
 from dsclip.train.metrics import MetricsLogger, console, data_counters
@@ -85,6 +86,7 @@ class Run:
     last_loss: float = float("nan")  # of the last optimizer step (recorded with a checkpoint)
     step: int = 0  # the last optimizer step done (what a lost rank's line names)
     hang: HangGuard | None = None  # the hang bounds of fit() (dsclip.train.hang)
+    goodput: Goodput = field(default_factory=Goodput)  # wall time by kind (dsclip.train.goodput)
 
     def client_state(self, step: int) -> dict:
         """What a checkpoint records besides DeepSpeed's state: the data position and batch geometry, the
@@ -108,24 +110,27 @@ class Run:
         }
 
 
-def train(cfg: RunConfig) -> dict:
-    """Train per ``cfg`` on this rank; every rank of the job calls it. Returns a summary dict."""
+def train(cfg: RunConfig, *, started: float | None = None) -> dict:
+    """Train per ``cfg`` on this rank; every rank of the job calls it. Returns a summary dict. ``started``:
+    when this process started (perf_counter's scale; `dsclip train` passes it), where the goodput clock begins."""
+    clock = Goodput(start=started)
     try:
-        return _train(cfg)
+        return _train(cfg, clock)
     finally:  # a process that trains again (tests, notebooks) must not hold the folder it left
+        clock.save()  # whatever ended it: this start's seconds are kept (rank 0)
         run_lock.release_all()
 
 
-def _train(cfg: RunConfig) -> dict:
-    t_start = time.perf_counter()
+def _train(cfg: RunConfig, clock: Goodput | None = None) -> dict:
+    clock = clock or Goodput()
     # The run's lifetime: everything build_run opens (data and evaluation loaders, whose workers ignore SIGTERM;
     # the metrics sinks) is closed here in reverse order on every way out (the end, a stop, divergence, a lost
     # rank, an exception), never left to garbage collection: a loader still open at interpreter exit makes
     # Python's exit handler join its workers forever (DEEPSPEED-NOTES, "The run around the step").
     with contextlib.ExitStack() as closing:
-        run = build_run(cfg, closing)
+        run = build_run(cfg, closing, clock=clock)
         try:
-            return _train_run(run, t_start)
+            return _train_run(run, run.goodput.start)
         except RuntimeError as e:  # another rank died: one line on the survivors, the traceback with --debug
             why = process_group.peer_lost(e)
             if why is None:
@@ -155,6 +160,7 @@ def rank_lost(run: Run, why: str) -> RankLostError:
 def _train_run(run: Run, t_start: float) -> dict:
     cfg = run.cfg  # with the run name decided
     step, preempted = fit(run)
+    run.goodput.set_base("stop" if preempted else "other")  # the wind-down of a stop is the stop's cost
     if run.guard.ended_unhealthy:  # the last steps were unhealthy: nothing from them is saved or kept as good
         raise stop_diverged(run, step, at_end=True)
     if run.checkpointer.last_saved_step != step and (
@@ -174,9 +180,7 @@ def _train_run(run: Run, t_start: float) -> dict:
     # the last checkpoint is safe: say how this start ends before any rank can exit (the barrier), so a
     # batch script whose srun reports a sibling's 143 still learns that dsclip asked for a requeue
     if run.rank == 0:
-        runlog.write_exit_status(
-            cfg.run_dir, exit_code=stop.exit_code(preempted), stop=preempted, step=step, checkpoint=latest_tag(run)
-        )
+        write_exit_status(run, step, preempted)
     barrier()
     if preempted:
         # the checkpoint (or, after a bad step, the last good one) and exit_status.json are settled on every
@@ -184,9 +188,12 @@ def _train_run(run: Run, t_start: float) -> dict:
         stop.stop_saved(stop.exit_code(preempted))
     # whatever ended training (the last epoch, --max-steps, the end of the data, a preemption, after its
     # checkpoint is safe): the configured evaluations run once more unless they just ran (collective)
-    summary.update(run.evaluator.final(run.engine, step, max(step - 1, 0) // run.plan.steps_per_epoch))
+    with run.goodput.span("eval"):
+        summary.update(run.evaluator.final(run.engine, step, max(step - 1, 0) // run.plan.steps_per_epoch))
     if run.rank == 0:
-        console(final_summary(run, step, time.perf_counter() - t_start, preempted=bool(preempted)))
+        report = write_exit_status(run, step, preempted)  # again: the goodput up to the end line
+        run.metrics.log_goodput(step, report)
+        console(final_summary(run, step, time.perf_counter() - t_start, preempted=bool(preempted), report=report))
     if preempted and run.rank == 0:
         what = "to requeue (SIGUSR1)" if preempted == stop.STOP_REQUEUE else "(SIGTERM: not requeued)"
         console(f"preempted: checkpoint saved at step {step}; exiting with {stop.exit_code(preempted)} {what}")
@@ -194,15 +201,28 @@ def _train_run(run: Run, t_start: float) -> dict:
     return summary
 
 
+def write_exit_status(run: Run, step: int, preempted: str | None) -> dict:
+    """Rank 0: RUN/exit_status.json for a start that ends at ``step`` (``preempted``: the stop's reason), with
+    the run's goodput so far; returns that goodput report."""
+    report = run.goodput.report()
+    runlog.write_exit_status(
+        run.cfg.run_dir, exit_code=stop.exit_code(preempted), stop=preempted, step=step, checkpoint=latest_tag(run),
+        goodput=report,
+    )  # fmt: skip
+    return report
+
+
 def stop_diverged(run: Run, step: int, *, at_end: bool = False) -> Exception:
     """The run diverged at ``step``: unconfirmed tags marked, ``latest`` on the last good one, exit_status.json
     saying so (not the status of the start it resumed from), the error logged; returns the error to raise."""
+    run.goodput.set_base("stop")
     good = run.checkpointer.mark_diverged(step, run.guard.first_bad)
     error = run.guard.error(step, good, at_end=at_end)
     if run.rank == 0:
         runlog.write_exit_status(
-            run.cfg.run_dir, exit_code=2, stop="diverged", step=step, checkpoint=None if good is None else str(good)
-        )
+            run.cfg.run_dir, exit_code=2, stop="diverged", step=step, checkpoint=None if good is None else str(good),
+            goodput=run.goodput.report(),
+        )  # fmt: skip
     log.error(str(error))  # into RUN/out.log; the console gets it as the run's error line
     return error
 
@@ -229,12 +249,15 @@ def save_checkpoint(run: Run, step: int, *, epoch_end: bool | None = None, epoch
     if epoch_end is not None and (ckpt.last_saved_step == step or not ckpt.due(step, epoch_end=epoch_end, epoch=epoch)):
         return False
     t0 = time.perf_counter()
-    with slow(run, f"save of checkpoint {tag_for_step(step)}"):  # the long collective timeout: saves take minutes
+    # the long collective timeout (saves take minutes); the whole synchronous save is this start's save stall
+    with slow(run, f"save of checkpoint {tag_for_step(step)}"), run.goodput.span("save"):
         if epoch_end is None:
             ckpt.save(run.engine, step, run.client_state(step))
         else:
             ckpt.maybe_save(run.engine, step, run.client_state(step), epoch_end=epoch_end, epoch=epoch)
     seconds = time.perf_counter() - t0
+    if run.rank == 0:
+        run.goodput.save()  # a start killed from here on keeps its seconds up to this checkpoint
     run.metrics.exclude(seconds)
     run.metrics.write_line(f"checkpoint saved: {checkpoint_path(run, step)} (step {step}, {seconds:.1f} s)")
     return True
@@ -244,9 +267,9 @@ def checkpoint_path(run: Run, step: int) -> Path:
     return run.checkpointer.dir / tag_for_step(step)
 
 
-def final_summary(run: Run, step: int, wall_s: float, *, preempted: bool) -> str:
-    """The run's last line: steps, wall time (set-up included), training samples/s, the last checkpoint and
-    the last evaluation's headline metric."""
+def final_summary(run: Run, step: int, wall_s: float, *, preempted: bool, report: dict | None = None) -> str:
+    """The run's last line: steps, wall time (set-up included), training samples/s, the last checkpoint,
+    the last evaluation's headline metric and the run's goodput (dsclip.train.goodput.summary_text)."""
     steps_run = run.metrics.steps_here
     train_s = run.metrics.train_seconds()
     saved = run.checkpointer.last_saved_step
@@ -258,6 +281,7 @@ def final_summary(run: Run, step: int, wall_s: float, *, preempted: bool) -> str
         checkpoint=None if saved is None else str(checkpoint_path(run, saved)),
         evaluation=run.evaluator.headline(),
         preempted=preempted,
+        goodput=None if report is None else summary_text(report),
     )
 
 
@@ -272,7 +296,7 @@ def fit(run: Run) -> tuple[int, str | None]:
     cfg = run.cfg
     run.hang = HangGuard(
         cfg.train, rank=run.rank, world_size=run.world_size, run_dir=cfg.run_dir, name=cfg.log.name,
-        latest=lambda: latest_tag(run), start_step=run.start_step,
+        latest=lambda: latest_tag(run), start_step=run.start_step, goodput=run.goodput,
     )  # fmt: skip
     try:
         return _steps(run)
@@ -298,6 +322,12 @@ def _steps(run: Run) -> tuple[int, str | None]:
             if len(chunk) < k:
                 continue
             data_wait = time.perf_counter() - t_wait
+            # this start's first batch ends its start-up (loader workers, first shards); later ones are input waits
+            if step > run.start_step:
+                run.goodput.tick("data_wait")
+            else:
+                run.goodput.tick("startup")
+                run.goodput.set_base("other")
             torch.manual_seed(step_seed(cfg.train.seed, step, run.rank))
             engine.train()
             result = run.step_fn(chunk, grad_norm=run.metrics.logs_step(step + 1))
@@ -315,13 +345,14 @@ def _steps(run: Run) -> tuple[int, str | None]:
             )
             run.last_loss = result.loss
             run.hang.step_done(step)
+            run.goodput.tick("step")
             if run.guard.observe(step, result):
                 run.checkpointer.certify(step - 1)  # the weights this step trained on were good
             if run.guard.diverged:  # before any save: nothing from the diverged state reaches the disk
                 raise stop_diverged(run, step)
             save_if_good(run, step, epoch_end=epoch_end, epoch=epoch)
             if epoch_end:
-                with slow(run, "evaluation"):
+                with slow(run, "evaluation"), run.goodput.span("eval"):
                     run.evaluator.epoch_end(engine, step, epoch)
             # the stop flags were summed over all ranks inside the step: every rank stops at the same step
             preempted = stop.stop_reason(result.flags)
@@ -351,14 +382,20 @@ def take_run_lock(run_dir, rank: int, ckpt=None) -> None:
         raise ConfigError(error)
 
 
-def build_run(cfg: RunConfig, closing: contextlib.ExitStack) -> Run:
+def build_run(cfg: RunConfig, closing: contextlib.ExitStack, clock: Goodput | None = None) -> Run:
     """The composition root: config -> world -> data/model -> engine -> step, checkpointer, metrics, evaluator.
-    What it opens is registered on ``closing`` as soon as it exists, so a failure later in the build closes it."""
+    What it opens is registered on ``closing`` as soon as it exists, so a failure later in the build closes it.
+    ``clock``: the start's goodput ledger (its start-up is ticking; the resume's reading and loading are spans)."""
+    clock = clock or Goodput()
     info, cfg, ft, model_cfg = _start(cfg)
     rank, world_size = info.rank, info.world_size
+    if rank == 0:
+        clock.attach(cfg.run_dir)  # holding the run lock: RUN/goodput/ belongs to this run
     ds_config = build_ds_config(cfg.train, cfg.optim, world_size)
     checkpointer = Checkpointer.from_args(cfg.checkpoint, cfg.run_dir, rank=rank)
-    ds_config = merge_ds_config(ds_config, checkpointer.prepare_resume(cfg.checkpoint.resume, world_size=world_size))
+    with clock.span("resume"):  # --resume: the checkpoint found and verified
+        resume_ds = checkpointer.prepare_resume(cfg.checkpoint.resume, world_size=world_size)
+    ds_config = merge_ds_config(ds_config, resume_ds)
     tokenizer, data = build_data(cfg.data, model_cfg, cfg.model, cfg.train, rank=rank, world_size=world_size)
     closing.callback(data.close)
     student_cfg = resolved_model_config(cfg.model, cfg.loss, model_cfg, tokenizer)
@@ -387,14 +424,16 @@ def build_run(cfg: RunConfig, closing: contextlib.ExitStack) -> Run:
     evaluator = build_evaluator(cfg.log, cfg.data, tokenizer, model_cfg, metrics, run_dir=cfg.run_dir, device=device)
     closing.callback(evaluator.close)
     step_fn = ema_step.attach(cfg.ema, bundle.engine, step_fn, checkpointer)  # --ema-decay: before resume loads it
-    start_step, guard = _resume(cfg, bundle, checkpointer, plan, step_fn, evaluator, metrics)
+    with clock.span("resume"):  # --resume: the checkpoint loaded
+        start_step, guard = _resume(cfg, bundle, checkpointer, plan, step_fn, evaluator, metrics)
     if rank == 0:
         announce(cfg, bundle, plan, world_size, ft.summary(bundle.precision, bundle.zero_stage, world_size))
         if teacher is not None:
             console(f"dsclip: {teacher.describe()}")
     return Run(
-        cfg, rank, world_size, bundle.engine, data, step_fn, checkpointer, metrics, evaluator, plan, start_step, guard
-    )
+        cfg, rank, world_size, bundle.engine, data, step_fn, checkpointer, metrics, evaluator, plan, start_step, guard,
+        goodput=clock,
+    )  # fmt: skip
 
 
 def _start(cfg: RunConfig):

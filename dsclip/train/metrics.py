@@ -346,6 +346,16 @@ class MetricsLogger:
         if self.wandb is not None:
             self.wandb.log(scalars, step)
 
+    def log_goodput(self, step: int, report: dict) -> None:
+        """The run's goodput report (dsclip.train.goodput) at its end: one metrics.jsonl record, and the shares
+        as ``goodput/*`` scalars."""
+        if self.rank != 0:
+            return
+        from dsclip.train.goodput import scalars
+
+        self.jsonl.write(json.dumps({"step": step, "goodput": report, "time": time.time()}) + "\n")
+        self._scalars(scalars(report), step)
+
     def mark_resume(self, step: int, checkpoint: str) -> None:
         """One ``{"resumed_from": step}`` record: the steps after it that a reader already saw before it were
         re-run from that checkpoint (the later record of a step is the one that counts)."""

@@ -47,12 +47,15 @@ def summary_line(
     checkpoint: str | None,
     evaluation: str | None,
     preempted: bool = False,
+    goodput: str | None = None,
 ) -> str:
-    """The last line of a run: where it stopped, what it took, where the weights are, the last evaluation."""
+    """The last line of a run: where it stopped, what it took, where the weights are, the last evaluation,
+    and where the run's wall time went (``goodput``: dsclip.train.goodput.summary_text)."""
     how = "stopped (preempted)" if preempted else "done"
     ckpt = f"checkpoint {checkpoint}" if checkpoint else "no checkpoint (--save-frequency/--save-every-n-steps)"
     line = (
         f"{how}: step {step} ({steps_run} this run) in {format_duration(wall_s)} | "
         f"{samples_per_s:.1f} samples/s | {ckpt}"
     )
-    return line + (f" | last eval {evaluation}" if evaluation else "")
+    line += f" | last eval {evaluation}" if evaluation else ""
+    return line + (f" | {goodput}" if goodput else "")

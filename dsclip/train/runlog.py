@@ -86,7 +86,9 @@ def copy_codebase(run_dir: Path, *, resuming: bool) -> Path:
 EXIT_STATUS = "exit_status.json"
 
 
-def write_exit_status(run_dir: Path, *, exit_code: int, stop: str | None, step: int, checkpoint: str | None) -> Path:
+def write_exit_status(
+    run_dir: Path, *, exit_code: int, stop: str | None, step: int, checkpoint: str | None, goodput: dict | None = None
+) -> Path:
     """``RUN/exit_status.json``: how this start of the run ends, written by rank 0 once its last checkpoint
     is safe (before the final evaluations, while no rank can have exited yet).
 
@@ -94,8 +96,11 @@ def write_exit_status(run_dir: Path, *, exit_code: int, stop: str | None, step: 
     first rank to exit 85 (saved after SIGUSR1, requeue me) makes srun SIGTERM the ranks still tearing
     down, and srun then reports their 143. The scripts delete the file before each start, so a missing
     file means that start crashed or was killed before it finished. Atomic (rename), so a reader never
-    sees half of it."""
+    sees half of it. ``goodput``: the run's wall time by kind, summed over its starts (dsclip.train.goodput);
+    a finished start writes the file again after its final evaluations, with the goodput up to its end line."""
     path = run_dir / EXIT_STATUS
     status = {"exit_code": exit_code, "stop": stop or "finished", "step": step, "checkpoint": checkpoint}
+    if goodput is not None:
+        status["goodput"] = goodput
     atomic_write(path, json.dumps(status) + "\n")
     return path

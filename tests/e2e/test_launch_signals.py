@@ -143,7 +143,9 @@ def saved_step(launch: Launch, rc: int, exited_at: float, alive: list[int]) -> i
     assert newest <= exited_at, f"checkpoint written {newest - exited_at:.2f} s after the launch exited"
     # what the batch scripts read when srun's own code cannot say it (launch/slurm/*.sbatch)
     status = json.loads((launch.run_dir / "exit_status.json").read_text())
+    good = status.pop("goodput")  # the run's wall time by kind (issue 65): a stop's wind-down is its own kind
     assert status == {"exit_code": 143, "stop": "terminate", "step": step, "checkpoint": str(ckpt / tag)}, status
+    assert good["seconds"]["stop"] > 0 and good["seconds"]["save"] > 0, good
     return step
 
 

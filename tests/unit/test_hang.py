@@ -17,6 +17,7 @@ from dsclip.config_base import ConfigError
 from dsclip.engine.ds_config import TrainArgs
 from dsclip.engine.world import process_group, watchdog
 from dsclip.train import hang
+from dsclip.train.goodput import Goodput
 
 
 class Clock:
@@ -268,8 +269,11 @@ def test_a_hang_says_one_line_writes_the_exit_status_and_exits_2(guard_world, mo
     make, _ = guard_world
     store = FakeStore()
     guard, clock = make(TrainArgs(step_timeout=10, collective_timeout=0), store=store)
+    guard.goodput = Goodput(clock=clock, start=clock.t - 20.0)  # the start's ledger, on the same clock
+    guard.goodput.set_base("other")
     guard.step_done(5)
     guard.step_done(6)
+    guard.goodput.tick("step")  # as the loop ticks a finished step
     assert guard.short is None  # --collective-timeout 0: the long one stays
     guard.watchdog.liveness.wall = Clock(5000.0)
     watchdog.Liveness(store, 1, 2, wall=Clock(4000.0)).beat()  # rank 1's last stamp: 1000 s ago
@@ -289,7 +293,10 @@ def test_a_hang_says_one_line_writes_the_exit_status_and_exits_2(guard_world, mo
     assert f"last step done: 6; latest names {tmp_path / 'ck' / 'step_4'}, untouched" in line
     assert line.endswith("continue with --resume latest: dsclip train --config tiny --name run --resume latest")
     status = json.loads((tmp_path / "exit_status.json").read_text())
+    good = status.pop("goodput")
     assert status == {"exit_code": 2, "stop": "hung", "step": 6, "checkpoint": str(tmp_path / "ck" / "step_4")}
+    # the hung step's 11 s, from the last finished step to the line, are the hang's; the 20 s before, the start-up
+    assert good["wall_s"] == 31.0 and good["seconds"]["stop"] == 11.0 and good["seconds"]["startup"] == 20.0
 
 
 def test_collective_timeouts_are_recognised_and_other_errors_are_not():

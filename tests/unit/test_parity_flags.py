@@ -23,6 +23,7 @@ from dsclip.data.tools import main_tokenizer
 from dsclip.engine.ds_config import resolve_ds_config
 from dsclip.engine.optim import lr_multiplier
 from dsclip.train import runlog, wandb_sink
+from dsclip.train.goodput import summarize
 from dsclip.train.gradcache import StepResult
 from dsclip.train.metrics import MetricsLogger, data_counters
 from tests.unit.test_checkpoint import FakeEngine
@@ -211,6 +212,8 @@ def test_wandb_gets_the_tensorboard_scalars_and_keeps_its_run_id_across_resume(t
     assert wandb_sink.for_run(run_cfg, rank=1) is None  # only rank 0 logs
     m.step(1, result, data_wait_s=0.0, lr=1e-3, epoch=0, extra={"bad_samples": 2})
     m.log_eval(1, {"top1": 0.25, "name": "x"}, prefix="zeroshot")
+    seconds = {"step": 3.0, "startup": 1.0}
+    m.log_goodput(1, summarize([{"wall_s": 4.0, "seconds": seconds, "overlap_s": {"background_write": 2.0}}]))
     m.close()
     first_id = (run_dir / wandb_sink.ID_FILE).read_text().strip()
 
@@ -226,6 +229,9 @@ def test_wandb_gets_the_tensorboard_scalars_and_keeps_its_run_id_across_resume(t
     assert by_step[1]["train/loss"] == 1.5 and by_step[1]["train/lr"] == 1e-3
     assert by_step[1]["train/bad_samples"] == 2 and by_step[1]["zeroshot/top1"] == 0.25
     assert by_step[2]["train/grad_norm"] == 2.0
+    # the run's goodput at its end (issue 65): steps' share, each kind's, the overlapping writes' seconds
+    assert by_step[1]["goodput/goodput"] == 0.75 and by_step[1]["goodput/startup_share"] == 0.25
+    assert by_step[1]["goodput/background_write_s"] == 2.0
     # the same names as TensorBoard's
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

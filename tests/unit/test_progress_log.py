@@ -13,6 +13,7 @@ import torch
 from dsclip.train import loop
 from dsclip.train import metrics as metrics_mod
 from dsclip.train.divergence import DivergenceGuard
+from dsclip.train.goodput import Goodput
 from dsclip.train.gradcache import StepResult
 from dsclip.train.metrics import MetricsLogger
 from dsclip.train.progress import epoch_progress, format_duration, summary_line, timing_text
@@ -121,6 +122,9 @@ class _Metrics:
     def train_seconds(self):
         return 1.0
 
+    def log_goodput(self, step, report):
+        self.events.append(("goodput", step, report["starts"]))
+
     def close(self):
         pass
 
@@ -137,15 +141,19 @@ def test_training_ends_with_save_then_evaluation_then_summary(monkeypatch, capsy
         plan=SimpleNamespace(steps_per_epoch=10, samples_per_step=8), client_state=lambda step: {"step": step},
         guard=DivergenceGuard(20),  # no step was bad: the end-of-run save goes ahead
         hang=None,  # fit() is replaced: no hang bounds were armed
+        goodput=Goodput(),
     )  # fmt: skip
-    monkeypatch.setattr(loop, "build_run", lambda c: run)
+    monkeypatch.setattr(loop, "build_run", lambda c, closing, clock: run)
     monkeypatch.setattr(loop, "fit", lambda r: (7, preempted))  # stopped at step 7 of a 10-step epoch
     monkeypatch.setattr(
         loop.runlog, "write_exit_status", lambda run_dir, **kw: events.append(("exit_status", kw["exit_code"]))
     )
     summary = loop._train(cfg)
-    # the exit status (what the batch scripts read) once the checkpoint is safe, before the evaluation
-    assert [e[0] for e in events if e[0] != "certify"] == ["save", "line", "exit_status", "final_eval"]
+    # the exit status (what the batch scripts read) once the checkpoint is safe, before the evaluation; again
+    # after it, with the goodput up to the end line
+    assert [e[0] for e in events if e[0] != "certify"] == [
+        "save", "line", "exit_status", "final_eval", "exit_status", "goodput"
+    ]  # fmt: skip
     events = [e for e in events if e[0] != "certify"]
     assert events[1][1].startswith("checkpoint saved: RUN/checkpoints/step_000000007 (step 7, ")
     assert events[2] == ("exit_status", 143 if preempted else 0)
@@ -154,4 +162,5 @@ def test_training_ends_with_save_then_evaluation_then_summary(monkeypatch, capsy
     how = "stopped (preempted)" if preempted else "done"
     assert f"{how}: step 7 (7 this run) in " in out
     assert "56.0 samples/s | checkpoint RUN/checkpoints/step_000000007 | last eval zeroshot-top1 0.2500" in out
+    assert " @ step 7 | goodput " in out  # the run's wall time by kind ends the line (dsclip.train.goodput)
     assert summary["step"] == 7
