@@ -532,6 +532,11 @@ def save_processor(out: Path, cfg: dict, preprocess_cfg: dict, source: Tokenizer
         )
     else:
         images.save_pretrained(str(out))  # preprocessor_config.json (transformers 4 reads it)
+    if tokenizer is not None and is_siglip(cfg):
+        # SigLIP's text tower attends to every position, padding included (no mask), as dsclip and Google's
+        # SigLIP: the tokenizer returns no attention_mask, so model(**processor(...)) cannot mask the padding
+        tokenizer.model_input_names = ["input_ids"]
+        tokenizer.init_kwargs["model_input_names"] = ["input_ids"]
     if tokenizer is not None and images is not None:
         cls = SiglipProcessor if is_siglip(cfg) else CLIPProcessor
         cls(image_processor=images, tokenizer=tokenizer).save_pretrained(str(out))
