@@ -393,9 +393,10 @@ def token_ids(cfg: dict, source: TokenizerSource) -> TokenIds:
         ids.eos, ids.pad = t["eos_id"], t["pad_id"] if ids.pad is None else ids.pad
         return ids
     if source.kind != "spm":
+        what = "no tokenizer comes with the weights" if source.kind == "none" else "its tokenizer is not sentencepiece"
         raise ConfigError(
             "--format hf: the text tower pools at eos_id 2, which transformers' CLIP reads as argmax pooling, and "
-            "its tokenizer is not a sentencepiece model dsclip can renumber: export with --format open_clip"
+            f"{what}, so dsclip cannot renumber EOS: export with --format open_clip"
         )
     return _eos_swap(ids, t)
 
