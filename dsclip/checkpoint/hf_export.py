@@ -438,8 +438,12 @@ def openclip_bpe_tokenizer(context_length: int):
     the merges, then the two specials), the specials named as in OpenAI's files."""
     import gzip
 
-    from open_clip.tokenizer import bytes_to_unicode, default_bpe
     from transformers import CLIPTokenizer
+
+    try:
+        from open_clip.tokenizer import bytes_to_unicode, default_bpe
+    except ImportError:
+        raise ConfigError("OpenCLIP's BPE vocabulary comes with open_clip_torch: pip install 'dsclip[hf]'") from None
 
     lines = gzip.open(default_bpe()).read().decode("utf-8").split("\n")
     merges = [tuple(m.split()) for m in lines[1 : 49152 - 256 - 2 + 1]]  # OpenCLIP's slice of the merges file
