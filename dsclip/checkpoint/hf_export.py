@@ -376,7 +376,8 @@ def token_ids(cfg: dict, source: TokenizerSource) -> TokenIds:
     """The special ids for transformers' config, and EOS_SWAP where dsclip's EOS pooling would be read as argmax."""
     t = cfg["text_cfg"]
     if source.kind == "openclip_bpe":
-        ids = TokenIds(eos=None, pad=None, bos=OPENCLIP_BPE_VOCAB - 2)
+        # CLIPTokenizer's <|startoftext|> and its padding <|endoftext|> (OpenAI's files); EOS follows the pooling
+        ids = TokenIds(eos=None, pad=OPENCLIP_BPE_VOCAB - 1, bos=OPENCLIP_BPE_VOCAB - 2)
     elif source.kind == "spm":
         ids = _spm_ids(source.path)
     else:

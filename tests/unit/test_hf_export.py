@@ -100,7 +100,9 @@ def test_demo_model_embeds_and_tokenizes_in_transformers_as_in_dsclip(tmp_path, 
     with torch.no_grad():
         out = hf(input_ids=got["input_ids"], attention_mask=got["attention_mask"], pixel_values=pixels)
     _assert_same_outputs(ours, out, pixels, ids, ours.config)
-    assert float(hf.logit_scale.exp().detach()) == float(ours(image=None)["logit_scale"].detach()) == pytest.approx(100.0)
+    assert (
+        float(hf.logit_scale.exp().detach()) == float(ours(image=None)["logit_scale"].detach()) == pytest.approx(100.0)
+    )
 
 
 def test_vit_b_32_shaped_model_with_openclip_bpe_tokenizer(tmp_path):
@@ -248,6 +250,19 @@ def test_openclip_file_converts_to_transformers(tmp_path, capsys):
     torch.testing.assert_close(out_hf.image_embeds, ref_image, rtol=0, atol=tol)
     torch.testing.assert_close(out_hf.text_embeds, ref_text, rtol=0, atol=tol)
     assert float(hf.logit_scale) == pytest.approx(float(oc.logit_scale), abs=0)
+
+    # an OpenCLIP local-dir export folder: the architecture and the image preprocessing come from its config
+    from dsclip.model import export_openclip
+    from dsclip.model.openclip import from_openclip_state_dict
+
+    pre = {"resize_mode": "squash", "interpolation": "bilinear", "mean": [0.5] * 3, "std": [0.25] * 3}
+    export_openclip(from_openclip_state_dict(oc.state_dict(), cfg), cfg, tmp_path / "oc", pre)
+    assert main_convert([str(tmp_path / "oc"), "--format", "hf", "-o", str(tmp_path / "hf2")]) == 0
+    images2 = transformers.CLIPProcessor.from_pretrained(tmp_path / "hf2").image_processor
+    assert images2.size == {"height": 224, "width": 224} and not images2.do_center_crop and images2.resample == 2
+    assert list(images2.image_mean) == [0.5] * 3 and list(images2.image_std) == [0.25] * 3
+    hf2 = transformers.CLIPModel.from_pretrained(tmp_path / "hf2")
+    assert all(torch.equal(v, hf2.state_dict()[k]) for k, v in hf.state_dict().items())
 
     with pytest.raises(ConfigError, match="writes a folder"):
         main_convert([str(path), "--format", "hf", "--model-config", str(tmp_path / "cfg.json"), "-o", "x.safetensors"])
