@@ -249,7 +249,7 @@ def test_openclip_file_converts_to_transformers(tmp_path, capsys):
     tol = embedding_tol(cfg)
     torch.testing.assert_close(out_hf.image_embeds, ref_image, rtol=0, atol=tol)
     torch.testing.assert_close(out_hf.text_embeds, ref_text, rtol=0, atol=tol)
-    assert float(hf.logit_scale) == pytest.approx(float(oc.logit_scale), abs=0)
+    assert float(hf.logit_scale.detach()) == float(oc.logit_scale.detach())  # ln(1/0.07) < ln(100): not clamped
 
     # an OpenCLIP local-dir export folder: the architecture and the image preprocessing come from its config
     from dsclip.model import export_openclip
