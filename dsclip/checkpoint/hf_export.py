@@ -280,7 +280,7 @@ def _siglip_vision_rules(v: dict) -> dict[str, Rule]:
         **{
             f"{h}.attention.in_proj_{p}": Rule([f"{a}.q.{p}", f"{a}.kv.{p}"], lambda q, kv: torch.cat([q, kv]))
             for p in ("weight", "bias")
-        },  # fmt: skip
+        },
         **{f"{h}.attention.out_proj.{p}": Rule([f"{a}.proj.{p}"], _same) for p in ("weight", "bias")},
         **_ln(f"{a}.norm", f"{h}.layernorm"),
         **{
@@ -366,7 +366,13 @@ def tokenizer_from_spec(spec: str, context_length: int) -> TokenizerSource:
     tok = OpenCLIPTokenizer(spec, context_length)
     hf = getattr(tok.tok, "tokenizer", None)
     if hf is not None:
-        return TokenizerSource("hf", hf=hf)
+        notes = []
+        clean = getattr(getattr(tok.tok, "clean_fn", None), "__name__", "")
+        if clean and "whitespace" not in clean:  # OpenCLIP cleans the text before its Hugging Face tokenizer
+            notes.append(
+                f"OpenCLIP runs {clean.lstrip('_')} on the text before tokenizer {spec}; the exported tokenizer does not"
+            )
+        return TokenizerSource("hf", hf=hf, notes=notes)
     if tok.vocab_size == OPENCLIP_BPE_VOCAB:
         return TokenizerSource("openclip_bpe")
     return TokenizerSource("none", notes=[f"tokenizer {spec} has no transformers equivalent: no tokenizer files"])
@@ -390,8 +396,9 @@ def token_ids(cfg: dict, source: TokenizerSource) -> TokenIds:
         ids.eos = HF_LEGACY_ARGMAX_EOS  # transformers' reading: pool at the largest id, as dsclip's 'argmax'
         ids.pad = t["pad_id"] if ids.pad is None else ids.pad
         return ids
-    if t["eos_id"] != HF_LEGACY_ARGMAX_EOS:
-        ids.eos, ids.pad = t["eos_id"], t["pad_id"] if ids.pad is None else ids.pad
+    if t["eos_id"] != HF_LEGACY_ARGMAX_EOS:  # transformers pools at the first eos_token_id, as dsclip's 'eos'
+        ids.eos = t["eos_id"]
+        ids.pad = t["pad_id"] if ids.pad is None else ids.pad
         return ids
     if source.kind != "spm":
         what = "no tokenizer comes with the weights" if source.kind == "none" else "its tokenizer is not sentencepiece"
