@@ -370,7 +370,7 @@ def tokenizer_from_spec(spec: str, context_length: int) -> TokenizerSource:
         clean = getattr(getattr(tok.tok, "clean_fn", None), "__name__", "")
         if clean and "whitespace" not in clean:  # OpenCLIP cleans the text before its Hugging Face tokenizer
             notes.append(
-                f"OpenCLIP runs {clean.lstrip('_')} on the text before tokenizer {spec}; the exported tokenizer does not"
+                f"OpenCLIP cleans text ({clean.lstrip('_')}) before tokenizer {spec}; the exported tokenizer does not"
             )
         return TokenizerSource("hf", hf=hf, notes=notes)
     if tok.vocab_size == OPENCLIP_BPE_VOCAB:
