@@ -532,10 +532,8 @@ def image_processor(cfg: dict, preprocess_cfg: dict):
     return CLIPImageProcessor(size={"shortest_edge": size}, crop_size=crop, do_center_crop=True, **common)
 
 
-def save_processor(out: Path, cfg: dict, preprocess_cfg: dict, source: TokenizerSource, ids: TokenIds) -> list[str]:
-    """Tokenizer + image-processor files (``CLIPProcessor.from_pretrained(out)``); returns notes on what is not."""
-    from transformers import CLIPProcessor, SiglipProcessor
-
+def processor_parts(cfg: dict, preprocess_cfg: dict, source: TokenizerSource, ids: TokenIds):
+    """(tokenizer or None, image processor or None, notes on what is missing), built before anything is written."""
     notes = list(source.notes)
     tokenizer = hf_tokenizer(source, ids, cfg["text_cfg"]["context_length"])
     images = image_processor(cfg, preprocess_cfg)
@@ -543,19 +541,25 @@ def save_processor(out: Path, cfg: dict, preprocess_cfg: dict, source: Tokenizer
         notes.append(
             "no image processor: transformers has no resize-longest-side-and-pad (--image-resize-mode longest)"
         )
-    else:
-        images.save_pretrained(str(out))  # preprocessor_config.json (transformers 4 reads it)
     if tokenizer is not None and is_siglip(cfg):
         # SigLIP's text tower attends to every position, padding included (no mask), as dsclip and Google's
         # SigLIP: the tokenizer returns no attention_mask, so model(**processor(...)) cannot mask the padding
         tokenizer.model_input_names = ["input_ids"]
         tokenizer.init_kwargs["model_input_names"] = ["input_ids"]
+    return tokenizer, images, notes
+
+
+def save_processor(out: Path, cfg: dict, tokenizer, images) -> None:
+    """Tokenizer + image-processor files: ``CLIPProcessor.from_pretrained(out)`` (SigLIP: ``AutoProcessor``)."""
+    from transformers import CLIPProcessor, SiglipProcessor
+
+    if images is not None:
+        images.save_pretrained(str(out))  # preprocessor_config.json (transformers 4 reads it)
     if tokenizer is not None and images is not None:
         cls = SiglipProcessor if is_siglip(cfg) else CLIPProcessor
         cls(image_processor=images, tokenizer=tokenizer).save_pretrained(str(out))
     elif tokenizer is not None:
         tokenizer.save_pretrained(str(out))
-    return notes
 
 
 # --- the export --------------------------------------------------------------------------------------------------
@@ -584,11 +588,13 @@ def export_hf(
     ids = token_ids(cfg, tokenizer)
     config = hf_config(cfg, {k: t.shape for k, t in items}, ids)
     tensors = hf_tensors(items, cfg, ids, config)
+    hf_tok, images, notes = processor_parts(cfg, preprocess_cfg, tokenizer, ids)  # fails before writing, if it does
     out.mkdir(parents=True, exist_ok=True)
     weights = out / "model.safetensors"
     write_safetensors_streaming(weights, tensors, {"format": "pt"})  # transformers reads metadata format "pt"
     config.save_pretrained(str(out))
-    for note in save_processor(out, cfg, preprocess_cfg, tokenizer, ids):
+    save_processor(out, cfg, hf_tok, images)
+    for note in notes:
         say(f"note: {note}")
     if ids.swap is not None:
         a, b = ids.swap
