@@ -91,3 +91,13 @@ def test_trained_demo_run_zero_shot_in_transformers_equals_dsclip(tmp_path, tiny
     assert abs(hf_top1 - ds_top1) <= fragile / N_IMAGES, (hf_top1, ds_top1, fragile)
     assert torch.equal(hf_sims.argmax(1)[sure], ds_sims.argmax(1)[sure])
     assert sure.sum() >= N_IMAGES // 2, fragile  # a 3-step model's classes are close: most images still count
+
+    # the same from dsclip's own export folder (model.safetensors + config.json + tokenizer.model), --pretrained-style
+    from safetensors.torch import load_file
+
+    from dsclip.checkpoint.convert import main_convert
+
+    assert main_convert([str(tmp_path / "ds"), "--format", "hf", "-o", str(tmp_path / "hf2")]) == 0
+    a, b = load_file(out / "model.safetensors"), load_file(tmp_path / "hf2" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert (tmp_path / "hf2" / "tokenizer.json").read_text() == (out / "tokenizer.json").read_text()
