@@ -1,5 +1,5 @@
 # Two entry points for a fresh machine (README): `make demo` and `make test`.
-# Both create .venv when missing and install dsclip with `pip install -e .[dev]`.
+# Both create .venv when missing and install dsclip with `pip install -e .[dev,hf]`.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -40,7 +40,7 @@ $(VENV)/.installed: setup.py
 	$(PY) -m pip install -q $(TORCH_SPEC)
 	$(PY) -m pip install -q -e .
 	PATH="$(abspath $(VENV))/bin:$$PATH" OMP_NUM_THREADS=1 $(PY) -c '$(BUILD_OPS)' >$(VENV)/ops-build.log 2>&1 & ops=$$!; \
-	  $(PY) -m pip install -q -e '.[dev]'; pip_rc=$$?; \
+	  $(PY) -m pip install -q -e '.[dev,hf]'; pip_rc=$$?; \
 	  wait $$ops || { tail -n 30 $(VENV)/ops-build.log; echo "building DeepSpeed's CPU ops failed: $(VENV)/ops-build.log"; exit 1; }; \
 	  exit $$pip_rc
 	touch $@

@@ -35,14 +35,18 @@ setup(
             "pytest-xdist",
             "ruff",
             "open_clip_torch",
-            "transformers",
+            "transformers",  # also the hf extra (make venv installs .[dev,hf])
             "tokenizers",
+            "protobuf",
             "wandb",
             # the documentation site (make docs)
             "mkdocs",
             "mkdocs-material",
         ],
         "openclip": ["open_clip_torch", "tokenizers"],
+        # dsclip convert --format hf: transformers' config, tokenizer and processor classes write the folder
+        # (protobuf reads sentencepiece models; open_clip_torch ships OpenCLIP's BPE vocabulary file)
+        "hf": ["transformers", "tokenizers", "protobuf", "open_clip_torch"],
     },
     entry_points={"console_scripts": ["dsclip=dsclip.cli:main"]},
 )

@@ -1,7 +1,7 @@
 """``dsclip convert``: a ZeRO checkpoint (any stage, any training precision) -> one ``.safetensors`` file.
 
     dsclip convert RUN_DIR | CHECKPOINTS_DIR | TAG_DIR [--tag step_000000120] -o OUT
-                   [--dtype fp32|bf16|fp16] [--format dsclip|open_clip] [--model-config FILE]
+                   [--dtype fp32|bf16|fp16] [--format dsclip|open_clip|hf] [--model-config FILE]
 
 - ``--format dsclip`` (default): ``OUT/model.safetensors`` + ``OUT/config.json`` ({"model_cfg": ...,
   "preprocess_cfg": the run's image settings, when set}), the
@@ -13,6 +13,10 @@
   ``open_clip.create_model_and_transforms("ViT-B-32", pretrained="OUT/open_clip_model.safetensors")``.
   Its ``preprocess_cfg`` carries the run's ``--image-mean``/``--image-std``/``--image-interpolation``/
   ``--image-resize-mode`` (from ``RUN/run_config.yaml``), so OpenCLIP's eval transform is the run's.
+- ``--format hf``: a folder ``transformers.CLIPModel.from_pretrained(OUT)`` loads (SigLIP: ``SiglipModel``),
+  with the tokenizer and image processor ``CLIPProcessor.from_pretrained(OUT)`` reads; what transformers cannot
+  express is refused in one line (``dsclip.checkpoint.hf_export``). It also takes a weights file or an export
+  folder (dsclip's or OpenCLIP's layout, ``--pretrained``-style) in place of a run.
 - The run's tokenizer (``<run>/tokenizer.model``, recorded by the training loop) is copied to
   ``OUT/tokenizer.model`` (``dsclip eval`` picks it up from there). With ``--format open_clip`` it is also
   written as Hugging Face ``tokenizer.json`` (+ config) and ``text_cfg.hf_tokenizer_name`` is set, so
@@ -229,7 +233,7 @@ CONVERT_FIX = "convert an earlier tag with --tag ({earlier})"
 
 
 def _weights_path(out: Path, fmt: str) -> Path:
-    default_name = "model.safetensors" if fmt == "dsclip" else "open_clip_model.safetensors"
+    default_name = "open_clip_model.safetensors" if fmt == "open_clip" else "model.safetensors"
     return out if out.suffix == ".safetensors" else out / default_name
 
 
@@ -239,6 +243,8 @@ def check_output(out: Path, fmt: str, *, force: bool) -> None:
     config beside it. With ``force``, a plain file where the output folder goes is removed, so the folder
     can be made."""
     weights = _weights_path(out, fmt)
+    if fmt == "hf" and out.suffix == ".safetensors":
+        raise ConfigError(f"--format hf writes a folder (config, weights, tokenizer): pass -o FOLDER, not {out}")
     if out.suffix == ".safetensors":  # the weights file and the config beside it
         config = weights.parent / ("config.json" if fmt == "dsclip" else "open_clip_config.json")
         taken = next((p for p in (weights, config) if p.exists()), None)
@@ -316,14 +322,20 @@ def convert_checkpoint(
 
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    if fmt not in ("dsclip", "open_clip"):
-        raise ConfigError(f"--format must be dsclip or open_clip, got {fmt!r}")
+    if fmt not in ("dsclip", "open_clip", "hf"):
+        raise ConfigError(f"--format must be dsclip, open_clip or hf, got {fmt!r}")
     out = Path(out)
     check_output(out, fmt, force=force)  # before reading gigabytes
     # stdout is for the result line: the unverified note (older dsclip) goes to stderr
     verify_tag(ckpt_dir / tag, "", fix=CONVERT_FIX, say=lambda m: print(m, file=sys.stderr, flush=True))
     cfg = checkpoint_model_config(ckpt_dir, tag, model_config)
     items = _checked_tensors(ckpt_dir, tag, cfg, DTYPES[dtype], ema=ema)
+    if fmt == "hf":  # transformers' layout: its own module (the tensors above are read lazily, while it writes)
+        from dsclip.checkpoint.hf_export import export_hf, run_tokenizer
+
+        tokenizer = run_tokenizer(ckpt_dir.parent, cfg["text_cfg"]["context_length"])
+        pre = run_preprocess_cfg(ckpt_dir.parent)
+        return export_hf(items, cfg, out, preprocess_cfg=pre, tokenizer=tokenizer, say=_say_stderr)
 
     weights = _weights_path(out, fmt)
     weights.parent.mkdir(parents=True, exist_ok=True)
@@ -341,6 +353,10 @@ def convert_checkpoint(
     _ship_tokenizer(ckpt_dir, weights.parent, fmt, cfg, config, hf_tokenizer_name)
     config_file.write_text(json.dumps(config, indent=2))
     return weights
+
+
+def _say_stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)  # stdout is for the result line
 
 
 def run_preprocess_cfg(run_dir: Path) -> dict:

@@ -18,7 +18,11 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="dsclip convert", description="Consolidate a ZeRO checkpoint into one .safetensors file."
     )
-    p.add_argument("path", help="Run folder, its checkpoints/ folder, or one checkpoint tag folder.")
+    p.add_argument(
+        "path",
+        help="Run folder, its checkpoints/ folder, or one checkpoint tag folder; with --format hf also a weights "
+        "file or export folder (dsclip's or OpenCLIP's layout, as --pretrained takes).",
+    )
     p.add_argument("--tag", help="Checkpoint tag (e.g. step_000000120). Default: the newest complete one.")
     p.add_argument(
         "-o",
@@ -30,8 +34,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--format",
         default="dsclip",
-        choices=["dsclip", "open_clip"],
-        help="dsclip: model.safetensors + config.json; open_clip: OpenCLIP's layout + open_clip_config.json.",
+        choices=["dsclip", "open_clip", "hf"],
+        help="dsclip: model.safetensors + config.json; open_clip: OpenCLIP's layout + open_clip_config.json; "
+        "hf: a folder transformers' CLIPModel (SigLIP: SiglipModel) and CLIPProcessor load.",
     )
     p.add_argument(
         "--hf-tokenizer-name",
@@ -61,6 +66,8 @@ def main_convert(argv: list[str]) -> int:
     from dsclip.checkpoint.convert import convert_checkpoint, find_checkpoint
     from dsclip.model import StateDictMismatchError
 
+    if a.format == "hf" and _is_weights_input(a.path, a.tag):
+        return _convert_weights_file(a)
     ckpt_dir, tag = find_checkpoint(a.path, a.tag)
     try:
         weights = convert_checkpoint(
@@ -79,4 +86,33 @@ def main_convert(argv: list[str]) -> int:
     size = weights.stat().st_size
     what = f"{a.dtype}, {a.format}" + (", EMA weights" if a.ema else "")
     print(f"converted {ckpt_dir / tag} -> {weights} ({size / 2**20:.1f} MiB, {what})", flush=True)
+    return 0
+
+
+def _is_weights_input(path: str, tag: str | None) -> bool:
+    from pathlib import Path
+
+    from dsclip.checkpoint.hf_export import is_weights_input
+
+    return tag is None and is_weights_input(Path(path))
+
+
+def _convert_weights_file(a: argparse.Namespace) -> int:
+    """``--format hf`` of a weights file or export folder (``--pretrained``-style input)."""
+    import sys
+    from pathlib import Path
+
+    from dsclip.checkpoint.convert import DTYPES, check_output
+    from dsclip.checkpoint.hf_export import convert_weights_file
+    from dsclip.model import StateDictMismatchError
+
+    if a.ema:
+        raise ConfigError(f"--ema needs a run's checkpoint; {a.path} is a weights file")
+    check_output(Path(a.output), "hf", force=a.force)
+    say = lambda m: print(m, file=sys.stderr, flush=True)  # stdout is for the result line
+    try:
+        weights = convert_weights_file(a.path, a.output, dtype=DTYPES[a.dtype], model_config=a.model_config, say=say)
+    except StateDictMismatchError as e:
+        raise ConfigError(str(e).replace("\n", "; ")) from e
+    print(f"converted {a.path} -> {weights} ({weights.stat().st_size / 2**20:.1f} MiB, {a.dtype}, hf)", flush=True)
     return 0

@@ -5,6 +5,7 @@ cache, saves through the Checkpointer and embeds fixed inputs with the live (par
 The test then converts the checkpoint in this process (no training world) and checks:
 - dsclip format -> ``load_model``: every tensor equals DeepSpeed's fp32 master (safe_get_full_fp32_param)
   and, for fp32 training, the embeddings equal the engine's within 1e-5;
+- hf format -> ``transformers.CLIPModel.from_pretrained``: embeddings match dsclip's within 3e-5;
 - open_clip format -> ``open_clip.create_model_and_transforms`` (local-dir: and name + pretrained=file)
   loads with strict=True and ``encode_image``/``encode_text`` match dsclip's within 1e-5;
 - an OpenCLIP model imported under ZeRO-3 (``load_pretrained_into`` after zero.Init) embeds like OpenCLIP.
@@ -137,6 +138,24 @@ def test_convert_matches_live_engine_and_openclip_loads_it(tmp_path, ds_config):
     half = load_model(tmp_path / "bf16" / "weights.safetensors")
     assert all(v.dtype == torch.bfloat16 for v in half.state_dict().values())
     assert torch.equal(half.state_dict()["visual.proj"], sd["visual.proj"].bfloat16())
+
+    # transformers' layout, loaded by transformers' CLIPModel itself: the converted dsclip model's embeddings. With
+    # the run's tokenizer recorded as training records it (the demo one: 256 pieces, EOS 2, UNK 1), EOS pooling at
+    # id 2 is exported with EOS and UNK exchanged (transformers reads eos_token_id 2 as argmax pooling)
+    transformers = pytest.importorskip("transformers")
+    from dsclip.checkpoint.ds_checkpoint import record_tokenizer
+    from dsclip.data.demo import ensure_demo_tokenizer
+    from dsclip.data.tokenizer import SentencePieceTokenizer
+
+    record_tokenizer(run, SentencePieceTokenizer(ensure_demo_tokenizer(tmp_path / "spm"), 32))
+    _convert([run, "--format", "hf", "-o", tmp_path / "hf"])
+    hf = transformers.CLIPModel.from_pretrained(tmp_path / "hf").eval()
+    images, tokens = _inputs()
+    assert hf.config.text_config.eos_token_id == 1 and not (tokens == 1).any()
+    with torch.no_grad():
+        out = hf(input_ids=torch.where(tokens == EOS, 1, tokens), pixel_values=images)
+    torch.testing.assert_close(out.image_embeds, image_emb, rtol=0, atol=EMB_TOL)
+    torch.testing.assert_close(out.text_embeds, text_emb, rtol=0, atol=EMB_TOL)
 
     # OpenCLIP layout, loaded by open_clip itself with strict=True
     open_clip = pytest.importorskip("open_clip")

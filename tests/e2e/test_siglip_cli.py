@@ -20,6 +20,7 @@ open_clip = pytest.importorskip("open_clip")
 def test_siglip_trains_at_zero3_converts_and_openclip_loads_it(tmp_path):
     from dsclip.checkpoint.convert import main_convert
     from dsclip.checkpoint.pretrained import load_pretrained_into
+    from dsclip.config_base import ConfigError
     from dsclip.model import create_model, load_model
 
     cfg = copy.deepcopy(TINY_SIGLIP)
@@ -35,6 +36,10 @@ def test_siglip_trains_at_zero3_converts_and_openclip_loads_it(tmp_path):
     ckpt = tmp_path / "s" / "checkpoints"
     assert main_convert([str(ckpt), "-o", str(tmp_path / "ds")]) == 0
     assert main_convert([str(ckpt), "--format", "open_clip", "-o", str(tmp_path / "oc")]) == 0
+    # transformers' SiglipModel has no class token (vit_tiny_patch16_224 keeps timm's): refused in one line
+    with pytest.raises(ConfigError, match=r"^--format hf: transformers' SiglipModel .*an image class token"):
+        main_convert([str(ckpt), "--format", "hf", "-o", str(tmp_path / "hf")])
+    assert not (tmp_path / "hf").exists()
     ours = load_model(tmp_path / "ds").eval()
     assert ours.config["vision_cfg"]["timm_model_name"] == "vit_tiny_patch16_224" and ours.config["custom_text"]
     oc, _, _ = open_clip.create_model_and_transforms(f"local-dir:{tmp_path / 'oc'}")
