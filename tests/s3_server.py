@@ -51,6 +51,7 @@ class S3Server:
     proc: subprocess.Popen
     port: int
     log: Path
+    bucket: str = "dsclip-tests"  # one per server: SeaweedFS gives each bucket volumes of its own
 
     @property
     def endpoint(self) -> str:
@@ -94,14 +95,14 @@ def _answers(endpoint: str) -> bool:
 
 def start(data_dir: Path) -> S3Server:
     """``weed server -s3`` on free localhost ports, its data in ``data_dir``; returns once its S3 gateway
-    answers and a bucket can be made (the filer behind it is up too)."""
+    answers and lists its buckets (the filer behind it is up too)."""
     data_dir.mkdir(parents=True, exist_ok=True)
     s3, master, volume, filer = _free_ports(4)
     log = data_dir / "weed.log"
     cmd = [
         weed_binary(), "server", f"-dir={data_dir}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
         f"-master.port={master}", f"-volume.port={volume}", f"-filer.port={filer}", "-s3", f"-s3.port={s3}",
-        "-master.volumeSizeLimitMB=64", "-volume.max=8",
+        "-master.volumeSizeLimitMB=64", "-volume.max=64",
     ]  # fmt: skip
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -112,7 +113,7 @@ def start(data_dir: Path) -> S3Server:
             raise RuntimeError(f"weed server exited ({proc.returncode}): {log.read_text()[-2000:]}")
         if _answers(server.endpoint):
             try:
-                server.make_bucket("probe")
+                server.filesystem().ls("")  # the buckets: answered once the filer behind the gateway is up
                 return server
             except Exception:  # the filer is not up yet
                 pass
