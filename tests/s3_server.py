@@ -102,6 +102,7 @@ def start(data_dir: Path) -> S3Server:
     cmd = [
         weed_binary(), "server", f"-dir={data_dir}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
         f"-master.port={master}", f"-volume.port={volume}", f"-filer.port={filer}", "-s3", f"-s3.port={s3}",
+        "-s3.port.iceberg=0", "-s3.port.lance=0",  # their fixed default ports would clash with a second server
         "-master.volumeSizeLimitMB=64", "-volume.max=64",
     ]  # fmt: skip
     with open(log, "w") as out:
