@@ -21,31 +21,26 @@ same with fsspec as the client for both protocols (s3 through s3fs), with what i
   waits for it and says in one line whether it completed.
 - ``--resume latest`` with no complete local checkpoint downloads the newest complete remote tag (the one the
   remote ``latest`` names first) into ``RUN/checkpoints`` and verifies it against its manifest before it is
-  used (:func:`fetch_for_resume`); a tag that fails is one line and the previous one is tried.
+  used (dsclip.checkpoint.remote_resume); a tag that fails is one line and the previous one is tried.
+  The remote folder itself (client, timeouts) is dsclip.checkpoint.remote_store.
 """
 
 from __future__ import annotations
 
 import os
-import re
-import shutil
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from dsclip.checkpoint import manifest
-from dsclip.checkpoint.ds_checkpoint import atomic_write, complete_tags
-from dsclip.checkpoint.layout import COMPLETE, DIVERGED, LATEST, MANIFEST, PARTIAL_PREFIX
+from dsclip.checkpoint.ds_checkpoint import complete_tags
+from dsclip.checkpoint.layout import COMPLETE, DIVERGED, LATEST, MANIFEST
+from dsclip.checkpoint.remote_store import CKPT, Store, reason_of
 from dsclip.config_base import ConfigError, opt
 from dsclip.console import say
 
-CKPT = "checkpoints"
-_TAG_RE = re.compile(r"step_\d+")
 UNUSED = ("universal",)  # made on demand from a tag's shards by a resume on another world size: not synced
 LOCAL_ONLY = (".lock",)  # the run lock (dsclip.checkpoint.run_lock): this host's, meaningless elsewhere
-# every remote call is bounded: a remote that hangs costs the sync thread these, never a training step
-CONNECT_TIMEOUT_S, READ_TIMEOUT_S, ATTEMPTS = 5, 30, 2
 FINAL_SYNC_LIMIT_S = 3600  # the run's end waits this long at most for the last sync (a big last checkpoint)
 
 
@@ -79,89 +74,6 @@ class RemoteSyncArgs:
             )
         if "://" not in url:
             raise ConfigError(f"--remote-sync {url}: not a URL (e.g. s3://bucket/runs, gs://bucket/runs, file:///path)")
-
-
-def _reason(e: BaseException) -> str:
-    text = (str(e).strip().splitlines() or [type(e).__name__])[0]
-    return (text if len(text) <= 200 else text[:197] + "...") or type(e).__name__
-
-
-class Store:
-    """The run's remote folder ``URL/NAME`` on an fsspec file system; paths relative to it, '/'-separated."""
-
-    def __init__(self, fs, root: str, url: str):
-        self.fs, self.root, self.url = fs, root.rstrip("/"), url.rstrip("/")
-
-    def path(self, rel: str = "") -> str:
-        return f"{self.root}/{rel}" if rel else self.root
-
-    def put(self, local: Path, rel: str) -> None:
-        self.fs.put_file(str(local), self.path(rel))
-
-    def write_text(self, rel: str, text: str) -> None:
-        self.fs.pipe_file(self.path(rel), text.encode())
-
-    def read_text(self, rel: str) -> str | None:
-        try:
-            return self.fs.cat_file(self.path(rel)).decode()
-        except FileNotFoundError:
-            return None
-
-    def exists(self, rel: str) -> bool:
-        return self.fs.exists(self.path(rel))
-
-    def rm(self, rel: str) -> None:
-        try:
-            self.fs.rm(self.path(rel), recursive=True)
-        except FileNotFoundError:
-            pass
-
-    def files(self, rel: str) -> dict[str, int]:
-        """Every file under ``rel``: its path relative to ``rel`` -> size."""
-        base = self.path(rel)
-        found = self.fs.find(base, detail=True)
-        return {p[len(base) + 1 :]: int(info.get("size") or 0) for p, info in found.items() if p != base}
-
-    def complete_tags(self) -> list[str]:
-        """Remote tags with ``COMPLETE`` (an upload that finished), oldest first."""
-        found = self.fs.glob(self.path(f"{CKPT}/step_*/{COMPLETE}"))
-        tags = {p.rstrip("/").split("/")[-2] for p in found}
-        return sorted(t for t in tags if _TAG_RE.fullmatch(t))
-
-
-def _s3_options() -> dict:
-    return {
-        "skip_instance_cache": True,
-        "use_listings_cache": False,
-        "config_kwargs": {
-            "connect_timeout": CONNECT_TIMEOUT_S,
-            "read_timeout": READ_TIMEOUT_S,
-            "retries": {"max_attempts": ATTEMPTS, "mode": "standard"},
-        },
-    }
-
-
-def open_store(url: str, protocol: str, name: str) -> Store:
-    """``URL/NAME`` as a Store. The s3 endpoint and credentials come from the usual places (AWS_* variables,
-    ~/.aws, FSSPEC_S3_ENDPOINT_URL / AWS_ENDPOINT_URL for S3-compatible stores). A missing client package is
-    one ConfigError line naming it."""
-    try:
-        import fsspec
-    except ImportError:
-        raise ConfigError("--remote-sync needs fsspec: pip install dsclip[remote] (fsspec, s3fs)") from None
-    full = f"{url.rstrip('/')}/{name}"
-    s3 = full.startswith("s3://")
-    try:
-        fs, root = fsspec.core.url_to_fs(full, **(_s3_options() if s3 else {"skip_instance_cache": True}))
-    except ImportError as e:
-        raise ConfigError(f"--remote-sync {url}: its fsspec client is not installed ({_reason(e)})") from None
-    except ValueError as e:
-        raise ConfigError(f"--remote-sync {url}: {_reason(e)}") from None
-    if s3:
-        fs.retries = ATTEMPTS  # s3fs's own retries on top of botocore's (5 by default): bounded too
-    if getattr(fs, "auto_mkdir", True) is False:  # a local or mounted folder: parents are made as files are put
-        fs.auto_mkdir = True
-    return Store(fs, root, full)
 
 
 class RemoteSync:
@@ -241,7 +153,7 @@ class RemoteSync:
             self._sync_logs()
             self._sync_checkpoints()
         except Exception as e:  # any remote failure: one line, training goes on, the next tick retries
-            reason = _reason(e)
+            reason = reason_of(e)
             if self._failing is None:
                 self._say(
                     f"dsclip: remote sync to {self.store.url} failed ({reason}); training goes on, retried every "
@@ -350,100 +262,6 @@ class RemoteSync:
         else:
             self.store.write_text(f"{CKPT}/{LATEST}", named)
         self._latest_sent = named
-
-
-def remote_candidates(store: Store) -> list[str]:
-    """Complete remote tags in the order a resume tries them: the one the remote ``latest`` names, then the
-    others newest first (as ds_checkpoint.candidate_tags locally)."""
-    tags = store.complete_tags()[::-1]
-    named = (store.read_text(f"{CKPT}/{LATEST}") or "").strip()
-    if named in tags:
-        tags.remove(named)
-        tags.insert(0, named)
-    return tags
-
-
-def download_tag(store: Store, tag: str, ckpt_dir: Path) -> tuple[Path, int]:
-    """``tag``'s remote files into ``ckpt_dir/.partial.remote.<tag>`` (a folder no resume reads; removed with
-    the other leftovers if this is interrupted); returns that folder and the bytes downloaded."""
-    part = ckpt_dir / f"{PARTIAL_PREFIX}remote.{tag}"
-    shutil.rmtree(part, ignore_errors=True)
-    files = store.files(f"{CKPT}/{tag}")
-    for rel in sorted(files):
-        dest = part / rel
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        store.fs.get_file(store.path(f"{CKPT}/{tag}/{rel}"), str(dest))
-    return part, sum(files.values())
-
-
-def fetch_newest(store: Store, ckpt_dir: Path, *, say=say) -> str | None:
-    """The newest complete remote tag that verifies against its manifest, downloaded into ``ckpt_dir`` (renamed
-    into place only then) with ``latest`` naming it; each tag skipped is one line. None: none on the remote."""
-    ckpt_dir.mkdir(parents=True, exist_ok=True)
-    for tag in remote_candidates(store):
-        where = f"{store.url}/{CKPT}/{tag}"
-        if store.exists(f"{CKPT}/{tag}/{DIVERGED}"):
-            say(f"dsclip: remote checkpoint {where} skipped: marked {DIVERGED}; trying the previous one")
-            continue
-        t0 = time.perf_counter()
-        part, size = download_tag(store, tag, ckpt_dir)
-        verdict = manifest.verify(part)
-        if not verdict.ok or verdict.unverified:
-            shutil.rmtree(part, ignore_errors=True)
-            problem = verdict.problem or f"no {MANIFEST}"
-            say(f"dsclip: remote checkpoint {where} skipped: {problem}; trying the previous one")
-            continue
-        target = ckpt_dir / tag
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(part, target)
-        atomic_write(ckpt_dir / LATEST, tag)
-        say(f"dsclip: --resume latest: downloaded {where} ({size / 2**20:.1f} MiB in {time.perf_counter() - t0:.1f} s)")
-        return tag
-    return None
-
-
-def prepare_run(args: RemoteSyncArgs, run_dir: Path, name: str, *, resume: str | None, overwrite: bool) -> Store | None:
-    """Rank 0, before the resume is resolved: the run's Store (None without --remote-sync). ``--resume latest``
-    with no complete local checkpoint: the newest remote one downloaded (:func:`fetch_newest`); a remote that
-    cannot be read then is a ConfigError (starting from step 0 beside it would overwrite its ``latest``).
-    Without --resume, a remote that holds this run's checkpoints is refused as a local one is
-    (dsclip.checkpoint.run_folder), or with ``overwrite`` deleted."""
-    if args.remote_sync is None:
-        return None
-    store = open_store(args.remote_sync, args.remote_sync_protocol, name)
-    local = run_dir / CKPT
-    try:
-        if resume == "latest" and not complete_tags(local):
-            fetch_newest(store, local)
-        elif resume is None:
-            _check_new_remote(store, overwrite)
-    except ConfigError:
-        raise
-    except Exception as e:
-        if resume is None:  # nothing to lose: the sync thread retries and says so
-            say(f"dsclip: remote sync: cannot read {store.url} ({_reason(e)}); training goes on, retried later")
-            return store
-        raise ConfigError(
-            f"--resume latest: cannot read the remote checkpoints in {store.url} ({_reason(e)}); fix the remote "
-            "(endpoint, credentials) or drop --remote-sync to start from the local folder"
-        ) from None
-    return store
-
-
-def _check_new_remote(store: Store, overwrite: bool) -> None:
-    tags = store.complete_tags()
-    if not tags:
-        return
-    if not overwrite:
-        raise ConfigError(
-            f"--remote-sync: {store.url} already holds checkpoints of a run named so (latest: {tags[-1]}); "
-            "continue it with --resume latest, or choose another --name (--overwrite deletes it and starts over)"
-        )
-    say(f"dsclip: --overwrite: deleting the earlier run's checkpoints in {store.url} to start over")
-    for tag in tags:
-        store.rm(f"{CKPT}/{tag}/{COMPLETE}")
-    store.rm(CKPT)
 
 
 def close(sync: RemoteSync | None) -> None:

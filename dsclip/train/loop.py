@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dsclip.checkpoint import remote_sync, resume_optim, run_folder, run_lock
+from dsclip.checkpoint import remote_resume, remote_sync, resume_optim, run_folder, run_lock
 from dsclip.checkpoint.ds_checkpoint import Checkpointer, record_tokenizer, tag_for_step
+from dsclip.checkpoint.remote_store import Store
 from dsclip.config import RunConfig, settle_run_name, validate
 from dsclip.config_base import ConfigError
 from dsclip.data import TrainData
@@ -357,7 +358,7 @@ def build_run(cfg: RunConfig) -> Run:
     rank, world_size = info.rank, info.world_size
     ds_config = build_ds_config(cfg.train, cfg.optim, world_size)
     checkpointer = Checkpointer.from_args(cfg.checkpoint, cfg.run_dir, rank=rank)
-    store = remote_store(cfg, rank)  # --resume latest may take the newest remote checkpoint: before it is resolved
+    store = open_remote(cfg, rank)  # --resume latest may take the newest remote checkpoint: before it is resolved
     ds_config = merge_ds_config(ds_config, checkpointer.prepare_resume(cfg.checkpoint.resume, world_size=world_size))
     tokenizer, data = build_data(cfg.data, model_cfg, cfg.model, cfg.train, rank=rank, world_size=world_size)
     student_cfg = resolved_model_config(cfg.model, cfg.loss, model_cfg, tokenizer)
@@ -401,7 +402,7 @@ def build_run(cfg: RunConfig) -> Run:
     return run
 
 
-def remote_store(cfg: RunConfig, rank: int) -> remote_sync.Store | None:
+def open_remote(cfg: RunConfig, rank: int) -> Store | None:
     """--remote-sync: rank 0 opens the run's remote folder (and for --resume latest with no local checkpoint
     downloads the newest remote one); its refusal is every rank's (collective). None on other ranks."""
     if cfg.remote.remote_sync is None:
@@ -410,7 +411,7 @@ def remote_store(cfg: RunConfig, rank: int) -> remote_sync.Store | None:
     if rank == 0:
         c = cfg.checkpoint
         try:
-            store = remote_sync.prepare_run(
+            store = remote_resume.prepare_run(
                 cfg.remote, cfg.run_dir, str(cfg.log.name), resume=c.resume, overwrite=c.overwrite
             )
         except ConfigError as e:

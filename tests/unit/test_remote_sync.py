@@ -16,7 +16,9 @@ import pytest
 from dsclip.checkpoint import manifest
 from dsclip.checkpoint.ds_checkpoint import atomic_write, tag_for_step
 from dsclip.checkpoint.layout import COMPLETE, DIVERGED, LATEST, MANIFEST
-from dsclip.checkpoint.remote_sync import RemoteSync, RemoteSyncArgs, Store, fetch_newest, open_store, prepare_run
+from dsclip.checkpoint.remote_resume import fetch_newest, prepare_run
+from dsclip.checkpoint.remote_store import Store, open_store
+from dsclip.checkpoint.remote_sync import RemoteSync, RemoteSyncArgs
 from dsclip.config_base import ConfigError
 
 
