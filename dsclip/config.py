@@ -17,6 +17,7 @@ data        dsclip.data.config.DataConfig    data loaders, evaluator
 lock        dsclip.model.lock.LockConfig     fine-tuning set-up (train/finetune.py)
 log         dsclip.train.metrics.LogArgs     run folder, metrics, evaluation cadence
 checkpoint  dsclip.checkpoint.ds_checkpoint  Checkpointer (save cadence, resume)
+remote      dsclip.checkpoint.remote_sync    --remote-sync (the run folder copied to URL/NAME)
 ema         dsclip.engine.ema_config         sharded EMA of the weights (dsclip.engine.ema)
 =========== ================================ =====================================
 
@@ -45,6 +46,7 @@ from typing import Any, get_args, get_origin, get_type_hints
 import yaml
 
 from dsclip.checkpoint.ds_checkpoint import CheckpointArgs
+from dsclip.checkpoint.remote_sync import RemoteSyncArgs
 from dsclip.config_base import ConfigError, opt
 from dsclip.data.config import DataConfig
 from dsclip.dist import from_rank0
@@ -68,6 +70,7 @@ SECTIONS: dict[str, type] = {
     "lock": LockConfig,
     "log": LogArgs,
     "checkpoint": CheckpointArgs,
+    "remote": RemoteSyncArgs,
     "ema": EmaArgs,
 }
 
@@ -82,6 +85,7 @@ class RunConfig:
     lock: LockConfig = field(default_factory=LockConfig)
     log: LogArgs = field(default_factory=LogArgs)
     checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
+    remote: RemoteSyncArgs = field(default_factory=RemoteSyncArgs)
     ema: EmaArgs = field(default_factory=EmaArgs)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
@@ -258,7 +262,7 @@ def make_run_config(values: dict[str, Any], *, where: str = "settings") -> RunCo
 
 def validate(cfg: RunConfig) -> None:
     """Check every section (in section order); raises ConfigError naming the first problem. Changes nothing."""
-    for name in ("train", "optim", "loss", "model", "data", "lock", "log", "checkpoint", "ema"):
+    for name in ("train", "optim", "loss", "model", "data", "lock", "log", "checkpoint", "remote", "ema"):
         getattr(cfg, name).check()
 
 

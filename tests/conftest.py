@@ -131,3 +131,29 @@ def shared_dir(tmp_path_factory):
     d = root / "shared"
     d.mkdir(exist_ok=True)
     return d
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """A real S3-compatible store (SeaweedFS, tests/s3_server.py) on localhost for this session's worker,
+    stopped by its pid at the end."""
+    from tests.s3_server import start
+
+    server = start(tmp_path_factory.mktemp("weed"))
+    try:
+        server.make_bucket(server.bucket)
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3_bucket(s3_server, monkeypatch):
+    """``BUCKET/PREFIX``: a fresh folder in the session's one bucket of :func:`s3_server` (SeaweedFS gives every
+    bucket its own volumes); this process's s3 clients (botocore) reach the server through the environment,
+    as a user's would."""
+    import uuid
+
+    for k, v in s3_server.env().items():
+        monkeypatch.setenv(k, v)
+    return f"{s3_server.bucket}/t-{uuid.uuid4().hex[:12]}"

@@ -348,6 +348,8 @@ class Checkpointer:
         self._deferred_removal: tuple[str, str] | None = None  # (a --save-most-recent tag, the tag it waits for)
         # per-rank state saved beside DeepSpeed's shards in the same tag (the sharded EMA: dsclip.engine.ema)
         self.rank_state: dict[str, Any] = {}
+        # --remote-sync (rank 0): told of every tag the moment it is complete (dsclip.checkpoint.remote_sync)
+        self.remote = None
 
     @classmethod
     def from_args(cls, args: CheckpointArgs, run_dir: Path, *, rank: int) -> Checkpointer:
@@ -539,6 +541,8 @@ class Checkpointer:
         os.replace(part_dir, tag_dir)
         _fsync_dir(self.dir)
         atomic_write(self.dir / LATEST, tag)
+        if self.remote is not None:
+            self.remote.tag_complete(tag_dir)  # uploaded in the background
         if self._recent_only and self._recent_only != tag:  # OpenCLIP overwrites epoch_latest.pt
             if _step_of(tag) <= self.certified_through or self._newest_certified(before=tag) != self._recent_only:
                 self._remove_tag(self._recent_only)

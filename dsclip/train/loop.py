@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dsclip.checkpoint import resume_optim, run_folder, run_lock
+from dsclip.checkpoint import remote_resume, remote_sync, resume_optim, run_folder, run_lock
 from dsclip.checkpoint.ds_checkpoint import Checkpointer, record_tokenizer, tag_for_step
 from dsclip.config import RunConfig, settle_run_name, validate
 from dsclip.config_base import ConfigError
@@ -87,6 +87,7 @@ class Run:
     step: int = 0  # the last optimizer step done (what a lost rank's line names)
     hang: HangGuard | None = None  # the hang bounds of fit() (dsclip.train.hang)
     goodput: Goodput = field(default_factory=Goodput)  # wall time by kind (dsclip.train.goodput)
+    remote: remote_sync.RemoteSync | None = None  # --remote-sync's background sync (rank 0)
 
     def client_state(self, step: int) -> dict:
         """What a checkpoint records besides DeepSpeed's state: the data position and batch geometry, the
@@ -124,9 +125,10 @@ def train(cfg: RunConfig, *, started: float | None = None) -> dict:
 def _train(cfg: RunConfig, clock: Goodput | None = None) -> dict:
     clock = clock or Goodput()
     # The run's lifetime: everything build_run opens (data and evaluation loaders, whose workers ignore SIGTERM;
-    # the metrics sinks) is closed here in reverse order on every way out (the end, a stop, divergence, a lost
-    # rank, an exception), never left to garbage collection: a loader still open at interpreter exit makes
-    # Python's exit handler join its workers forever (DEEPSPEED-NOTES, "The run around the step").
+    # the metrics sinks; the remote sync, whose last sync is waited for and reported) is closed here in reverse
+    # order on every way out (the end, a stop, divergence, a lost rank, an exception), never left to garbage
+    # collection: a loader still open at interpreter exit makes Python's exit handler join its workers forever
+    # (DEEPSPEED-NOTES, "The run around the step").
     with contextlib.ExitStack() as closing:
         run = build_run(cfg, closing, clock=clock)
         try:
@@ -393,7 +395,8 @@ def build_run(cfg: RunConfig, closing: contextlib.ExitStack, clock: Goodput | No
         clock.attach(cfg.run_dir)  # holding the run lock: RUN/goodput/ belongs to this run
     ds_config = build_ds_config(cfg.train, cfg.optim, world_size)
     checkpointer = Checkpointer.from_args(cfg.checkpoint, cfg.run_dir, rank=rank)
-    with clock.span("resume"):  # --resume: the checkpoint found and verified
+    with clock.span("resume"):  # --resume: the checkpoint found (locally, or the newest remote one) and verified
+        remote = open_remote(cfg, rank, closing)  # before --resume latest is resolved: it may take a remote one
         resume_ds = checkpointer.prepare_resume(cfg.checkpoint.resume, world_size=world_size)
     ds_config = merge_ds_config(ds_config, resume_ds)
     tokenizer, data = build_data(cfg.data, model_cfg, cfg.model, cfg.train, rank=rank, world_size=world_size)
@@ -430,10 +433,41 @@ def build_run(cfg: RunConfig, closing: contextlib.ExitStack, clock: Goodput | No
         announce(cfg, bundle, plan, world_size, ft.summary(bundle.precision, bundle.zero_stage, world_size))
         if teacher is not None:
             console(f"dsclip: {teacher.describe()}")
-    return Run(
+    run = Run(
         cfg, rank, world_size, bundle.engine, data, step_fn, checkpointer, metrics, evaluator, plan, start_step, guard,
-        goodput=clock,
+        goodput=clock, remote=remote,
     )  # fmt: skip
+    if remote is not None:  # the thread starts last: a run that fails to build leaves none behind
+        checkpointer.remote = remote.start()
+    return run
+
+
+def open_remote(cfg: RunConfig, rank: int, closing: contextlib.ExitStack) -> remote_sync.RemoteSync | None:
+    """--remote-sync: rank 0 opens the run's remote folder (and for --resume latest with no local checkpoint
+    downloads the newest remote one); its refusal is every rank's (collective). The sync (not started) is the
+    first thing ``closing`` holds, so it closes last: its final sync sees every log closed. None on other ranks."""
+    if cfg.remote.remote_sync is None:
+        return None
+    store = error = None
+    if rank == 0:
+        c = cfg.checkpoint
+        try:
+            store = remote_resume.prepare_run(
+                cfg.remote, cfg.run_dir, str(cfg.log.name), resume=c.resume, overwrite=c.overwrite
+            )
+        except ConfigError as e:
+            error = str(e)
+    error = from_rank0(error)
+    if error:
+        raise ConfigError(error)
+    if store is None:
+        return None
+    r = cfg.remote
+    sync = remote_sync.RemoteSync(
+        cfg.run_dir, store, frequency=r.remote_sync_frequency, keep_last=cfg.checkpoint.keep_last
+    )
+    closing.callback(remote_sync.close, sync)
+    return sync
 
 
 def _start(cfg: RunConfig):

@@ -111,7 +111,7 @@ def test_resume_of_an_openclip_file_names_pretrained(tmp_path):
         preflight.check(cfg(model="demo", resume=str(f)))
 
 
-@pytest.mark.parametrize("flag", ["--remote-sync", "--remote-sync-frequency=5", "--use-bnb-linear"])
+@pytest.mark.parametrize("flag", ["--horovod", "--use-bnb-linear"])
 def test_refused_openclip_flags_quote_the_compat_table(flag):
     from dsclip.config import parse_run_config
 
@@ -119,7 +119,7 @@ def test_refused_openclip_flags_quote_the_compat_table(flag):
         parse_run_config([flag, "x"] if "=" not in flag else [flag])
     msg = str(e.value)
     assert "did you mean" not in msg and "OpenCLIP's option, not offered" in msg
-    reason = "shared storage" if "remote-sync" in flag else "zero3_bf16"
+    reason = "DeepSpeed replaces it" if "horovod" in flag else "zero3_bf16"
     assert reason in msg
 
 
