@@ -142,24 +142,36 @@ def eval_sets(tmp_path_factory):
     }
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_train_with_worker_evaluations_ends_and_a_resume_ends_on_sigterm(tmp_path, eval_sets, world):
-    """A training with a data worker and every evaluation kind that keeps workers (--zeroshot-data, --val-data;
-    the demo's own evaluation at the end) exits after its end line; resumed (--resume latest) with
-    --imagenet-val, a SIGTERM sent to the whole group right after its end line (as a scheduler would) ends it."""
+def _ended_by_sigterm_after_its_end_line(cmd: Command, end: str) -> None:
+    """A SIGTERM sent to the command's whole group right after its end line (as a scheduler would) ends it."""
+    end_line = cmd.wait_for_line(end, RUN_TIMEOUT_S)
+    with_suppressed(os.killpg, cmd.p.pid, signal.SIGTERM)
+    code = cmd.ends(after=end_line)
+    # done before the signal, or ended by it (143; DeepSpeed's launcher re-raises it: -15): either way, ended
+    assert code in (0, 143, -signal.SIGTERM), cmd.text()[-3000:]
+
+
+def test_train_with_worker_evaluations_ends_and_a_resume_ends_on_sigterm(tmp_path, eval_sets):
+    """World 1: a training with a data worker and every evaluation kind that keeps workers (--zeroshot-data,
+    --val-data; the demo's own evaluation at the end) exits after its end line; resumed (--resume latest) with
+    --imagenet-val, a SIGTERM after its end line ends it."""
     evals = ["--zeroshot-data", eval_sets["folder"], "--val-data", eval_sets["val"]]
-    first = Command(dsclip(_train_args(tmp_path, "r", 2, evals), world), ROOT)
+    first = Command(dsclip(_train_args(tmp_path, "r", 2, evals)), ROOT)
     assert first.ends("done: ") == 0, first.text()[-3000:]
     for line in ("zeroshot @ step 2", "retrieval @ step 2", "demo_zeroshot @ step 2", "done: step 2"):
         assert line in first.text(), first.text()[-3000:]
-
-    resumed = Command(dsclip(_train_args(tmp_path, "r", 4, ["--imagenet-val", eval_sets["imagenet"]]), world), ROOT)
-    end_line = resumed.wait_for_line("done: step 4", RUN_TIMEOUT_S)
-    with_suppressed(os.killpg, resumed.p.pid, signal.SIGTERM)
-    code = resumed.ends(after=end_line)
+    resumed = Command(dsclip(_train_args(tmp_path, "r", 4, ["--imagenet-val", eval_sets["imagenet"]])), ROOT)
+    _ended_by_sigterm_after_its_end_line(resumed, "done: step 4")
     assert "resumed from" in resumed.text() and "zeroshot @ step 4" in resumed.text(), resumed.text()[-3000:]
-    # done before the signal, or ended by it (143; DeepSpeed's launcher re-raises it: -15): either way, ended
-    assert code in (0, 143, -signal.SIGTERM), resumed.text()[-3000:]
+
+
+def test_two_rank_training_with_worker_evaluations_ends_on_sigterm(tmp_path, eval_sets):
+    """World 2 under DeepSpeed's launcher (each rank with a data worker and the kept evaluation loaders): a SIGTERM
+    to the group after the end line ends launcher, ranks and workers."""
+    evals = ["--zeroshot-data", eval_sets["folder"], "--val-data", eval_sets["val"]]
+    run = Command(dsclip(_train_args(tmp_path, "r", 2, evals), world=2), ROOT)
+    _ended_by_sigterm_after_its_end_line(run, "done: step 2")
+    assert "retrieval @ step 2" in run.text() and "zeroshot @ step 2" in run.text(), run.text()[-3000:]
 
 
 def test_eval_convert_and_plan_measure_end(tmp_path, eval_sets, zero2_world2_run):
