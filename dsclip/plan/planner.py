@@ -33,6 +33,7 @@ from dsclip.plan.flops import forward_flops, loss_flops
 from dsclip.plan.memory import (
     activation_bytes,
     bucket_bytes,
+    checkpoint_copy_bytes,
     cpu_model_state_bytes,
     embedding_cache_bytes,
     gathered_weight_bytes,
@@ -84,6 +85,8 @@ class Plan:
     device: str = "cuda"
     host_inputs_gb: float = 0.0  # per GPU: the step's images + tokens the gradient cache holds on the host
     host_memory_gb: float = 0.0  # per node, the budget those inputs were checked against
+    host_checkpoint_gb: float = 0.0  # per GPU: the async save's host copy of its optimizer-state share (+ EMA)
+    host_checkpoint_module_gb: float = 0.0  # once per job: the module file's copy on data-parallel rank 0
     mfu_source: str = ""  # where plan.mfu comes from (dsclip.plan.efficiency): measured, nearest, given
     offload: str = "none"  # ZeRO-Offload of the JSON: none, optimizer, optimizer+params
     host_offload_gb: float = 0.0  # per GPU: the model states ZeRO-Offload keeps in host RAM
@@ -355,6 +358,11 @@ def _plan_memory(
     plan.fits = micro >= 1
     plan.micro_batch, plan.accum_freq = micro, (local // micro if micro else 0)
     plan.host_inputs_gb = round(input_bytes(arch, local) / GiB, 3)
+    # --async-save copies each rank's checkpoint state to host memory; data-parallel rank 0 also the module
+    share = checkpoint_copy_bytes(arch.params, plan.gpus, precision, ema=ema, writer=False)
+    plan.host_checkpoint_gb = round(share / GiB, 3)
+    writer = checkpoint_copy_bytes(arch.params, plan.gpus, precision, ema=ema)
+    plan.host_checkpoint_module_gb = round((writer - share) / GiB, 3)
 
     plan.grads_bytes = grads
     mem = {k: v / GiB for k, v in states.items() if v or plan.offload == "none"}  # offloaded: a host line below
@@ -384,14 +392,17 @@ def _plan_memory(
 def _check_host(plan: Plan, gpus_per_node: int, host_memory_gb: float) -> None:
     """The step's inputs live in host RAM (all K micro-batches, until pass 2 ends): they must fit the node."""
     plan.host_memory_gb = host_memory_gb
-    need = (plan.host_inputs_gb + plan.host_offload_gb) * min(plan.gpus, gpus_per_node)
+    per_gpu = plan.host_inputs_gb + plan.host_offload_gb + plan.host_checkpoint_gb
+    need = per_gpu * min(plan.gpus, gpus_per_node) + plan.host_checkpoint_module_gb  # the module: node 0 only
     if need > host_memory_gb:
         plan.fits = False
         offloaded = f" + {plan.host_offload_gb:.1f} GiB offloaded model states" if plan.host_offload_gb else ""
         plan.notes.append(
-            f"does NOT fit the host: the step's inputs{' and offloaded states' if offloaded else ''} need "
-            f"{need:.0f} GiB of host RAM per node ({plan.host_inputs_gb:.1f} GiB inputs{offloaded} per GPU) "
-            f"against --host-memory {host_memory_gb:g}; lower the batch"
+            f"does NOT fit the host: the step's inputs{' and offloaded states' if offloaded else ''} and the "
+            f"asynchronous save's copy need {need:.0f} GiB of host RAM per node ({plan.host_inputs_gb:.1f} GiB "
+            f"inputs{offloaded} + {plan.host_checkpoint_gb:.1f} GiB checkpoint copy per GPU, "
+            f"+ {plan.host_checkpoint_module_gb:.1f} GiB module copy on one rank) against "
+            f"--host-memory {host_memory_gb:g}; lower the batch, or train with --no-async-save"
         )
 
 
@@ -610,12 +621,17 @@ def largest_batch(
         + held_activation_bytes(act, micro_batch)
     )
     per_node = min(gpus, gpus_per_node)
+    # the asynchronous save's host copies (as make_plan's _check_host counts them: the module once)
+    copies = checkpoint_copy_bytes(arch.params, gpus, precision, writer=False) * per_node + (
+        checkpoint_copy_bytes(arch.params, gpus, precision)
+        - checkpoint_copy_bytes(arch.params, gpus, precision, writer=False)
+    )
 
     def fits(local: int) -> bool:
         need = embedding_cache_bytes(local, arch.embed_dim) + loss_bytes(
             loss, local, local * gpus, arch.embed_dim, tile
         )
-        host = input_bytes(arch, local) * per_node
+        host = input_bytes(arch, local) * per_node + copies
         return fixed + need <= gpu_memory_gb * GiB and host <= host_memory_gb * GiB
 
     return largest_fitting(lambda k: fits(k * micro_batch)) * micro_batch * gpus  # k micro-batches per GPU

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from dsclip.checkpoint import resume_optim, run_folder, run_lock
+from dsclip.checkpoint.async_save import install_checkpoint_engine
 from dsclip.checkpoint.ds_checkpoint import Checkpointer, record_tokenizer, tag_for_step
 from dsclip.config import RunConfig, settle_run_name, validate
 from dsclip.config_base import ConfigError
@@ -156,6 +157,7 @@ def _train_run(run: Run, t_start: float) -> dict:
         preempted or cfg.checkpoint.save_frequency or cfg.checkpoint.save_every_n_steps
     ):
         save_if_good(run, step)
+    finish_writes(run, why=f"{'a stop signal' if preempted else 'the end of the run'}: latest moves once it completes")
     if not preempted and run.guard.good_to_save:
         # a finished run: no later step will vouch for the final weights (--lr 1e6 blows them up in the last
         # step with a finite loss), so they are judged by the rule's bound on their logit scale; only then is
@@ -233,8 +235,36 @@ def save_checkpoint(run: Run, step: int, *, epoch_end: bool | None = None, epoch
             ckpt.maybe_save(run.engine, step, run.client_state(step), epoch_end=epoch_end, epoch=epoch)
     seconds = time.perf_counter() - t0
     run.metrics.exclude(seconds)
-    run.metrics.write_line(f"checkpoint saved: {checkpoint_path(run, step)} (step {step}, {seconds:.1f} s)")
+    how = "; copied to host memory, written in the background" if ckpt.in_flight is not None else ""
+    run.metrics.write_line(f"checkpoint saved: {checkpoint_path(run, step)} (step {step}, {seconds:.1f} s{how})")
     return True
+
+
+def complete_writes(run: Run, flags) -> None:
+    """After a step: the background write of a save done on every rank -> its tag completed (collective; the
+    step's summed flags say it, so every rank decides alike). Its seconds are left out of the throughput."""
+    ckpt = run.checkpointer
+    if ckpt.in_flight is None:
+        return
+    t0, times = time.perf_counter(), ckpt.in_flight.times
+    with slow(run, f"completion of checkpoint {times.tag}"):
+        if not ckpt.after_step(flags):
+            return
+    run.metrics.exclude(time.perf_counter() - t0)
+    run.metrics.write_line(
+        f"checkpoint complete: {ckpt.dir / times.tag} (step {times.step}, written in the background in "
+        f"{times.write_s:.1f} s; latest names it)"
+    )
+
+
+def finish_writes(run: Run, why: str) -> None:
+    """Wait for the background write in flight (one line saying so) and complete its tag (collective)."""
+    if run.checkpointer.in_flight is None:
+        return
+    t0 = time.perf_counter()
+    with slow(run, "the background checkpoint write"):
+        run.checkpointer.drain(why)
+    run.metrics.exclude(time.perf_counter() - t0)
 
 
 def checkpoint_path(run: Run, step: int) -> Path:
@@ -316,6 +346,7 @@ def _steps(run: Run) -> tuple[int, str | None]:
                 run.checkpointer.certify(step - 1)  # the weights this step trained on were good
             if run.guard.diverged:  # before any save: nothing from the diverged state reaches the disk
                 raise stop_diverged(run, step)
+            complete_writes(run, result.flags)  # the previous save's tag, once every rank wrote its files
             save_if_good(run, step, epoch_end=epoch_end, epoch=epoch)
             if epoch_end:
                 with slow(run, "evaluation"):
@@ -371,7 +402,7 @@ def build_run(cfg: RunConfig) -> Run:
     if rank == 0:
         record_engine_patches(cfg.run_dir, bundle)  # what the rank lines say, kept with the run
     teacher = teacher_plan.build(ds_config) if teacher_plan else None  # outside the student's engine
-    step_fn = build_step(bundle, cfg.loss, cfg.train, teacher)
+    step_fn = build_step(bundle, cfg.loss, cfg.train, teacher, save_busy=checkpointer.write_busy)
     device = bundle.engine.device
     data.set_device(device, step_fn.compute_dtype)  # uint8 input is normalised there (dsclip.data.device_transform)
     metrics = MetricsLogger.from_args(
@@ -380,6 +411,7 @@ def build_run(cfg: RunConfig) -> Run:
     )  # fmt: skip
     evaluator = build_evaluator(cfg.log, cfg.data, tokenizer, model_cfg, metrics, run_dir=cfg.run_dir, device=device)
     step_fn = ema_step.attach(cfg.ema, bundle.engine, step_fn, checkpointer)  # --ema-decay: before resume loads it
+    install_checkpoint_engine(bundle.engine, checkpointer, bundle.precision, world_size)  # before resume loads
     start_step, guard = _resume(cfg, bundle, checkpointer, plan, step_fn, evaluator, metrics)
     if rank == 0:
         announce(cfg, bundle, plan, world_size, ft.summary(bundle.precision, bundle.zero_stage, world_size))

@@ -289,9 +289,12 @@ def test_largest_contrastive_batch_vit_l14_on_8x80gb_is_past_a_million(capsys):
     at = P.make_plan("ViT-L-14", batch_size=n, **kw)
     assert at.fits and at.max_micro_batch >= 32 and at.memory_gb["total"] <= 80
     assert at.host_inputs_gb * 8 <= 1024
-    # one more micro-batch of rows per GPU: the inputs no longer fit the node's RAM
+    # one more micro-batch of rows per GPU: the inputs (+ the async save's host copies) no longer fit the node's RAM
     over = P.make_plan("ViT-L-14", batch_size=n + 8 * 32, **kw)
-    assert not over.fits and over.host_inputs_gb * 8 > 1024
+    assert not over.fits and (over.host_inputs_gb + over.host_checkpoint_gb) * 8 + over.host_checkpoint_module_gb > 1024
+    # the copies are DeepSpeed's files: 12 B/param of Adam state over the ranks + the bf16 module once
+    assert over.host_checkpoint_gb == pytest.approx(12 * over.params / 8 / 2**30, abs=1e-3)
+    assert over.host_checkpoint_module_gb == pytest.approx(2 * over.params / 2**30, abs=1e-3)
     assert any("does NOT fit the host" in note for note in over.notes)
     # with the host unbounded the GPU binds, far higher: the cache + ring buffers fill what is left
     gpu_only = P.largest_batch("ViT-L-14", micro_batch=32, host_memory_gb=1e9, **kw)
