@@ -165,7 +165,9 @@ def _unverified_note(tag_dir: Path) -> str:
     return f"dsclip: checkpoint {tag_dir} is unverified (no manifest: written by an older dsclip); using it as it is"
 
 
-def newest_verified(ckpt_dir: Path, *, say: Callable[[str], None] = _say) -> str | None:
+def newest_verified(
+    ckpt_dir: Path, *, say: Callable[[str], None] = _say, check: Callable[[Path], manifest.Verdict] = manifest.verify
+) -> str | None:
     """The first of :func:`candidate_tags` that verifies against its manifest; every tag skipped on the way
     is one line through ``say`` naming the file and what is wrong with it. None when there is no complete
     tag (a fresh start); ConfigError when there are some and none verifies (starting from scratch beside
@@ -176,7 +178,7 @@ def newest_verified(ckpt_dir: Path, *, say: Callable[[str], None] = _say) -> str
         if note:
             say(f"dsclip: checkpoint {ckpt_dir / tag} skipped: {note}; trying the previous one")
             continue
-        verdict = manifest.verify(ckpt_dir / tag)
+        verdict = check(ckpt_dir / tag)
         if verdict.unverified:
             say(_unverified_note(ckpt_dir / tag))
         if verdict.ok:
@@ -190,8 +192,8 @@ def newest_verified(ckpt_dir: Path, *, say: Callable[[str], None] = _say) -> str
     return None
 
 
-def _newest(ckpt_dir: Path, verify: bool, say) -> tuple[Path, str] | None:
-    tag = newest_verified(ckpt_dir, say=say) if verify else latest_complete(ckpt_dir)
+def _newest(ckpt_dir: Path, verify: bool, say, check=manifest.verify) -> tuple[Path, str] | None:
+    tag = newest_verified(ckpt_dir, say=say, check=check) if verify else latest_complete(ckpt_dir)
     return None if tag is None else (ckpt_dir, tag)
 
 
@@ -201,12 +203,19 @@ RESUME_FIX = (
 )
 
 
-def verify_tag(tag_dir: Path, what: str, *, fix: str = RESUME_FIX, say: Callable[[str], None] = _say) -> None:
+def verify_tag(
+    tag_dir: Path,
+    what: str,
+    *,
+    fix: str = RESUME_FIX,
+    say: Callable[[str], None] = _say,
+    check: Callable[[Path], manifest.Verdict] = manifest.verify,
+) -> None:
     """One named tag (``--resume PATH/TAG``, ``dsclip convert``): a tag that fails its manifest is a
     one-line ConfigError naming the file, what is wrong and ``fix`` (``{earlier}``: the complete tags
     before it, newest first); an unverified one (older dsclip) is one line through ``say``."""
     note = diverged_note(tag_dir)
-    verdict = manifest.verify(tag_dir) if note is None else manifest.Verdict(note)
+    verdict = check(tag_dir) if note is None else manifest.Verdict(note)
     if verdict.unverified:
         say(_unverified_note(tag_dir))
     if verdict.ok:
@@ -219,30 +228,36 @@ def verify_tag(tag_dir: Path, what: str, *, fix: str = RESUME_FIX, say: Callable
 
 
 def resolve_resume(
-    resume: str, run_dir: Path, *, verify: bool = True, say: Callable[[str], None] = _say
+    resume: str,
+    run_dir: Path,
+    *,
+    verify: bool = True,
+    say: Callable[[str], None] = _say,
+    check: Callable[[Path], manifest.Verdict] = manifest.verify,
 ) -> tuple[Path, str] | None:
     """``--resume`` -> (checkpoint dir, tag), or None when 'latest' finds nothing (fresh start).
 
     Accepts 'latest', a checkpoints dir, a run dir, the ``latest`` file DeepSpeed writes in a checkpoints
     dir (OpenCLIP users paste it), or a tag dir (``.../step_000000120``). ``verify``: check the files
-    against the manifest (reads the whole checkpoint: rank 0 only) and fall back past damaged tags, except
-    for a tag dir, which must verify. Without ``verify``, structure only (COMPLETE markers).
+    against the manifest with ``check`` (default: the whole tag read here; a resume: each rank its share,
+    Checkpointer._agreed_verdict) and fall back past damaged tags, except for a tag dir, which must verify.
+    Without ``verify``, structure only (COMPLETE markers).
     """
     if resume == "latest":
-        return _newest(run_dir / "checkpoints", verify, say)
+        return _newest(run_dir / "checkpoints", verify, say, check)
     p = Path(resume)
     if p.name == LATEST and p.is_file():  # RUN/checkpoints/latest: the same as that run's --resume latest
-        found = _newest(p.parent, verify, say)
+        found = _newest(p.parent, verify, say, check)
         if found is None:
             raise FileNotFoundError(f"--resume {resume}: no complete checkpoint in {p.parent} (an interrupted save?)")
         return found
     if (p / COMPLETE).exists():
         if verify:
-            verify_tag(p, f"--resume {resume}", say=say)
+            verify_tag(p, f"--resume {resume}", say=say, check=check)
         return p.parent, p.name
     for ckpt_dir in (p, p / "checkpoints"):
         if complete_tags(ckpt_dir):
-            return _newest(ckpt_dir, verify, say)
+            return _newest(ckpt_dir, verify, say, check)
     if p.is_dir() and any(p.glob("*/*model_states.pt")) or (p / LATEST).exists():
         raise FileNotFoundError(f"--resume {resume}: no complete checkpoint there (an interrupted save?)")
     raise FileNotFoundError(f"--resume {resume}: not a checkpoint, checkpoints folder or run folder")
@@ -379,6 +394,7 @@ class Checkpointer:
         self.save_times: list = []
         # called on rank 0 with the tag's folder once a tag is complete (renamed into place, latest moved)
         self.on_complete: list[Callable[[Path], None]] = []
+        self.verify_s = 0.0  # seconds this rank spent verifying its share of the tag it resumes from
 
     @classmethod
     def from_args(cls, args: CheckpointArgs, run_dir: Path, *, rank: int) -> Checkpointer:
@@ -422,17 +438,33 @@ class Checkpointer:
             model_match.check_resumed_model(self.resume_point.load_dir / self.resume_point.tag, model_cfg, model_name)
 
     def _resolve(self, resume: str) -> tuple[Path, str] | None:
-        """Rank 0 finds and verifies the checkpoint (reading it once), every rank gets its answer or error."""
+        """Every rank walks the same tags (the checkpoint folder is shared: every rank loads from it) and
+        verifies, for each tag it considers, only the files it will load, in parallel with the others
+        (:meth:`_agreed_verdict`); rank 0's answer (or error) is every rank's."""
         found = error = None
-        if self.rank == 0:
-            try:
-                found = resolve_resume(resume, self.run_dir)
-            except (ConfigError, FileNotFoundError) as e:
-                error = e
+        quiet = _say if self.rank == 0 else (lambda m: None)
+        try:
+            found = resolve_resume(resume, self.run_dir, say=quiet, check=self._agreed_verdict)
+        except (ConfigError, FileNotFoundError) as e:
+            error = e
         found, error = from_rank0((found, error))
         if error is not None:
             raise error
         return found
+
+    def _agreed_verdict(self, tag_dir: Path) -> manifest.Verdict:
+        """Collective: this rank checks every file's size and the checksums of the files it loads
+        (manifest.loading_rank; rank 0: the module file and the small shared ones); the first problem any
+        rank found is every rank's verdict (so a bad file on one rank is the same one line on all)."""
+        from dsclip.dist import rank_world
+
+        rank, world = rank_world()
+        t0 = time.perf_counter()
+        mine = manifest.verify(tag_dir, owned=lambda rel: manifest.loading_rank(rel, world) == rank)
+        self.verify_s = time.perf_counter() - t0  # this rank's share (bench/save_stall.py reads it)
+        verdicts = all_ranks((mine.problem, mine.unverified))
+        problem = next((p for p, _ in verdicts if p is not None), None)
+        return manifest.Verdict(problem, unverified=problem is None and verdicts[0][1])
 
     def resume(self, engine, *, global_batch: int, steps_per_epoch: int, optim: dict | None = None) -> int:
         """Load the prepared checkpoint into ``engine`` (collective); return the optimizer step to continue

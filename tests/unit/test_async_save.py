@@ -175,3 +175,40 @@ def test_the_deepspeed_classes_its_checkpoints_hold_load():
     got = safe_load.load_data(buf)
     assert got["z"] is ZeroStageEnum.gradients and got["f"] == fragment_address(numel=3, start=1)
     assert isinstance(got["ls"], LossScaler) and got["ls"].cur_scale == 1.0
+
+
+def test_each_rank_checksums_only_the_files_it_loads(tmp_path):
+    """Resume verification (issue 65): rank R reads its own shards, rank 0 the module file and the small shared
+    files; every file's size is still checked by each, and each file is read by exactly one rank."""
+    names = [
+        "mp_rank_00_model_states.pt",  # ZeRO-1/2's module file: data-parallel rank 0 wrote it
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt",
+        "zero_pp_rank_1_mp_rank_00_model_states.pt",  # ZeRO-3's per-rank module file
+        "ema_rank00001.pt",
+        "dsclip_state.json",
+    ]
+    assert [manifest.loading_rank(n, 2) for n in names] == [0, 0, 1, 1, 1, 0]
+    assert manifest.loading_rank("zero_pp_rank_3_mp_rank_00_optim_states.pt", 2) == 1  # saved on 4, read on 2
+    tag = tmp_path / "step_000000002"
+    tag.mkdir()
+    for n in names:
+        (tag / n).write_bytes(n.encode() * 100)
+    (tag / "MANIFEST.json").write_text(manifest.build(tag))
+    shard = tag / "zero_pp_rank_1_mp_rank_00_model_states.pt"
+    data = bytearray(shard.read_bytes())
+    data[10] ^= 0xFF  # same size, other bytes: only a checksum finds it
+    shard.write_bytes(bytes(data))
+    read = []
+
+    def owned_by(rank):
+        def owned(rel):
+            mine = manifest.loading_rank(rel, 2) == rank
+            read.extend([rel] if mine else [])
+            return mine
+
+        return owned
+
+    assert manifest.verify(tag, owned=owned_by(0)).ok  # rank 0 does not read rank 1's shard
+    assert "corrupt" in manifest.verify(tag, owned=owned_by(1)).problem
+    assert sorted(read) == sorted(names)  # every file read once, by one of the two ranks
