@@ -25,8 +25,14 @@ only ever sees complete checkpoints; pruning (``--keep-last``) happens after the
 complete, and only removes complete tags older than it (each is first renamed out of the way, so
 a kill during the deletion never leaves a half-deleted folder that still looks complete).
 
+With ``--async-save`` (dsclip.checkpoint.async_save) a save returns once each rank's state is copied to
+host memory; each rank's files are written into ``.partial.<tag>`` by a background thread, and the same
+completion (manifest, rename, ``latest``) runs as a collective on the main thread at the first step
+boundary at which no rank is still writing (:meth:`Checkpointer.after_step`), or when the run's end, a stop
+signal, the divergence guard or the next save waits for it (:meth:`Checkpointer.drain`).
+
 What the file system did to a tag after its save (flipped bytes, a truncated or deleted shard) is
-caught on resume: rank 0 checks the tag against its manifest, and ``--resume latest`` (or a run or
+caught on resume: each rank checks the files it will load against the manifest (the ranks agree), and ``--resume latest`` (or a run or
 checkpoints folder) skips a tag that fails, with one line naming the file, for the newest tag that
 verifies; an explicit tag that fails is a one-line error. A tag written by an older dsclip has no
 manifest: it is used, reported as unverified. A full disk during a save is one line naming the path
