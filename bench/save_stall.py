@@ -39,9 +39,10 @@ def _rank(rank: int, world: int, model: str, stage: int, precision: str, out: st
     from dsclip.model import get_model_config
 
     cfg = get_model_config(model)
-    engine, _, _ = H.dsclip_engine(
+    engine, bundle, _ = H.dsclip_engine(
         precision, 2, 1, cfg, world, extra={"deepspeed_config": f"ds_configs/zero{stage}_{precision}.json"}
     )
+    _one_step(engine, bundle, cfg)  # the Adam moments exist from the first step on: a checkpoint's real size
     DsclipCheckpointEngine.install(engine)
     res = {"params": sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())}
     for mode in ("blocking", "async"):
@@ -72,6 +73,16 @@ def _rank(rank: int, world: int, model: str, stage: int, precision: str, out: st
     res["verify_own_s"] = time.perf_counter() - t0
     res["verify_own_bytes"] = sum(n for rel, n in files.items() if manifest.loading_rank(rel, world) == rank)
     return res
+
+
+def _one_step(engine, bundle, cfg: dict) -> None:
+    from dsclip.engine.build import autocast_dtype
+    from dsclip.losses import build_loss
+    from dsclip.train.gradcache import GradCacheStep
+
+    step = GradCacheStep(engine, build_loss("infonce"), compute_dtype=autocast_dtype(bundle), accum_freq=1)
+    engine.train()
+    step(H.make_batches(cfg, 2, 1, "cpu"), grad_norm=False)
 
 
 def _median(rows: list[dict], key: str) -> float:
