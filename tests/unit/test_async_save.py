@@ -212,3 +212,21 @@ def test_each_rank_checksums_only_the_files_it_loads(tmp_path):
     assert manifest.verify(tag, owned=owned_by(0)).ok  # rank 0 does not read rank 1's shard
     assert "corrupt" in manifest.verify(tag, owned=owned_by(1)).problem
     assert sorted(read) == sorted(names)  # every file read once, by one of the two ranks
+
+
+def test_the_host_buffers_of_one_save_are_the_next_saves(tmp_path):
+    """Allocating the copy's memory at every save costs more than the copy (page faults; pinning on GPU): a
+    written file's buffers go back to the pool and the next save copies into them."""
+    engine, ck = WritingEngine(), _ckpt(tmp_path)
+    pool = engine.checkpoint_engine.buffers
+    ck.save(engine, 2, {"step": 2})
+    ck.drain("test")
+    kept = {t.data_ptr() for ts in pool._free.values() for t in ts}
+    assert len(kept) == 2  # the weights' and the moment's copies, written and given back
+    engine.train_step()
+    ck.save(engine, 4, {"step": 4})
+    ck.drain("test")
+    # new buffers would be in the pool beside the old ones: the second save copied into the first's
+    assert sorted(t.data_ptr() for ts in pool._free.values() for t in ts) == sorted(kept)
+    saved = safe_load.load_data(tmp_path / "checkpoints" / "step_000000004" / "mp_rank_00_model_states.pt")
+    assert torch.equal(saved["module"]["w"], engine.weights)  # the reused buffer holds this save's values
