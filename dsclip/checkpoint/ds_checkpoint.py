@@ -589,6 +589,12 @@ class Checkpointer:
             (self.dir / partial).mkdir(parents=True, exist_ok=True)
             engine.checkpoint_engine.save(owner.state_dict(), str(self.dir / partial / rank_file(name, self.rank)))
 
+    def incomplete_step(self) -> int | None:
+        """The step whose save has started and is not complete (its background write included), or None."""
+        if self.saving_step is not None:
+            return self.saving_step
+        return None if self.in_flight is None else self.in_flight.step
+
     def write_busy(self) -> float:
         """1.0 while this rank's background write is running (a flag the step sums over the ranks), else 0.0."""
         return float(self.in_flight is not None and self.in_flight.write.busy)

@@ -134,7 +134,7 @@ class RankLostError(ConfigError):
 
 
 def rank_lost(run: Run, why: str) -> RankLostError:
-    saving, latest = run.checkpointer.saving_step, latest_tag(run)
+    saving, latest = run.checkpointer.incomplete_step(), latest_tag(run)
     during = f"in the save of checkpoint {tag_for_step(saving)} (incomplete, never used)" if saving else (
         f"during step {run.step + 1}"
     )  # fmt: skip
