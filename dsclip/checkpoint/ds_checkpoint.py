@@ -34,9 +34,9 @@ signal, the divergence guard or the next save waits for it (:meth:`Checkpointer.
 What the file system did to a tag after its save (flipped bytes, a truncated or deleted shard) is
 caught on resume: each rank checks the files it will load against the manifest (the ranks agree), and
 ``--resume latest`` (or a run or checkpoints folder) skips a tag that fails, with one line naming the
-file, for the newest tag that verifies; an explicit tag that fails is a one-line error. A tag written by an older dsclip has no
-manifest: it is used, reported as unverified. A full disk during a save is one line naming the path
-(:class:`DiskFullError`); the half-written ``.partial`` folder is removed and ``latest`` stays on the
+file, for the newest tag that verifies; an explicit tag that fails is a one-line error. A tag written by
+an older dsclip has no manifest: it is used, reported as unverified. A full disk during a save is one
+line naming the path (:class:`DiskFullError`); the half-written ``.partial`` folder is removed and ``latest`` stays on the
 previous tag.
 """
 
