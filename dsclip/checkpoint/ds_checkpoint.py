@@ -36,8 +36,8 @@ caught on resume: each rank checks the files it will load against the manifest (
 ``--resume latest`` (or a run or checkpoints folder) skips a tag that fails, with one line naming the
 file, for the newest tag that verifies; an explicit tag that fails is a one-line error. A tag written by
 an older dsclip has no manifest: it is used, reported as unverified. A full disk during a save is one
-line naming the path (:class:`DiskFullError`); the half-written ``.partial`` folder is removed and ``latest`` stays on the
-previous tag.
+line naming the path (:class:`DiskFullError`); the half-written ``.partial`` folder is removed and
+``latest`` stays on the previous tag.
 """
 
 from __future__ import annotations
