@@ -87,6 +87,7 @@ class Plan:
     host_memory_gb: float = 0.0  # per node, the budget those inputs were checked against
     host_checkpoint_gb: float = 0.0  # per GPU: the async save's host copy of its optimizer-state share (+ EMA)
     host_checkpoint_module_gb: float = 0.0  # once per job: the module file's copy on data-parallel rank 0
+    async_save: bool = True  # False: the async save's copy does not fit the host (the command says --no-async-save)
     mfu_source: str = ""  # where plan.mfu comes from (dsclip.plan.efficiency): measured, nearest, given
     offload: str = "none"  # ZeRO-Offload of the JSON: none, optimizer, optimizer+params
     host_offload_gb: float = 0.0  # per GPU: the model states ZeRO-Offload keeps in host RAM
@@ -390,19 +391,28 @@ def _plan_memory(
 
 
 def _check_host(plan: Plan, gpus_per_node: int, host_memory_gb: float) -> None:
-    """The step's inputs live in host RAM (all K micro-batches, until pass 2 ends): they must fit the node."""
+    """The step's inputs live in host RAM (all K micro-batches, until pass 2 ends): they must fit the node.
+    The asynchronous save's host copy (dsclip.checkpoint.async_save) comes on top; where only it does not
+    fit, the plan still fits and its command trains with --no-async-save (saves then stall for the write)."""
     plan.host_memory_gb = host_memory_gb
-    per_gpu = plan.host_inputs_gb + plan.host_offload_gb + plan.host_checkpoint_gb
-    need = per_gpu * min(plan.gpus, gpus_per_node) + plan.host_checkpoint_module_gb  # the module: node 0 only
+    per_node = min(plan.gpus, gpus_per_node)
+    need = (plan.host_inputs_gb + plan.host_offload_gb) * per_node
+    copies = plan.host_checkpoint_gb * per_node + plan.host_checkpoint_module_gb  # the module: one rank of the job
     if need > host_memory_gb:
         plan.fits = False
         offloaded = f" + {plan.host_offload_gb:.1f} GiB offloaded model states" if plan.host_offload_gb else ""
         plan.notes.append(
-            f"does NOT fit the host: the step's inputs{' and offloaded states' if offloaded else ''} and the "
-            f"asynchronous save's copy need {need:.0f} GiB of host RAM per node ({plan.host_inputs_gb:.1f} GiB "
-            f"inputs{offloaded} + {plan.host_checkpoint_gb:.1f} GiB checkpoint copy per GPU, "
-            f"+ {plan.host_checkpoint_module_gb:.1f} GiB module copy on one rank) against "
-            f"--host-memory {host_memory_gb:g}; lower the batch, or train with --no-async-save"
+            f"does NOT fit the host: the step's inputs{' and offloaded states' if offloaded else ''} need "
+            f"{need:.0f} GiB of host RAM per node ({plan.host_inputs_gb:.1f} GiB inputs{offloaded} per GPU) "
+            f"against --host-memory {host_memory_gb:g}; lower the batch"
+        )
+    elif need + copies > host_memory_gb:
+        plan.async_save = False
+        plan.notes.append(
+            f"the asynchronous save's host copy ({plan.host_checkpoint_gb:.1f} GiB per GPU + "
+            f"{plan.host_checkpoint_module_gb:.1f} GiB module copy on one rank) does not fit beside the "
+            f"{need:.0f} GiB the step holds per node against --host-memory {host_memory_gb:g}: the command "
+            "trains with --no-async-save (each save stalls every rank for the whole write)"
         )
 
 
@@ -540,6 +550,8 @@ def train_args(plan: Plan, ds_name: str, tile: int) -> list[str]:
     ]
     if plan.grad_checkpointing:
         args.append("--grad-checkpointing")
+    if not plan.async_save:
+        args.append("--no-async-save")
     train_pick = choose_grad_reduction(
         "auto", stage=plan.zero, world=plan.gpus, accum_freq=max(plan.accum_freq, 1), precision=plan.precision
     )
@@ -621,17 +633,12 @@ def largest_batch(
         + held_activation_bytes(act, micro_batch)
     )
     per_node = min(gpus, gpus_per_node)
-    # the asynchronous save's host copies (as make_plan's _check_host counts them: the module once)
-    copies = checkpoint_copy_bytes(arch.params, gpus, precision, writer=False) * per_node + (
-        checkpoint_copy_bytes(arch.params, gpus, precision)
-        - checkpoint_copy_bytes(arch.params, gpus, precision, writer=False)
-    )
 
     def fits(local: int) -> bool:
         need = embedding_cache_bytes(local, arch.embed_dim) + loss_bytes(
             loss, local, local * gpus, arch.embed_dim, tile
         )
-        host = input_bytes(arch, local) * per_node + copies
+        host = input_bytes(arch, local) * per_node
         return fixed + need <= gpu_memory_gb * GiB and host <= host_memory_gb * GiB
 
     return largest_fitting(lambda k: fits(k * micro_batch)) * micro_batch * gpus  # k micro-batches per GPU
