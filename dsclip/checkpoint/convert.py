@@ -63,6 +63,7 @@ from dsclip.checkpoint.ds_checkpoint import (
     verify_tag,
 )
 from dsclip.checkpoint.layout import RUN_CONFIG_FILE
+from dsclip.checkpoint.safe_load import data_only, load_data
 from dsclip.config_base import ConfigError
 from dsclip.data.transforms import openclip_preprocess_cfg
 from dsclip.model import create_model, get_model_config
@@ -161,7 +162,7 @@ def lazy_fp32_state_dict(ckpt_dir: Path, tag: str) -> dict[str, LazyTensor]:
             files = sorted(tag_dir.glob("*model_states.pt"))
             if not files:
                 raise FileNotFoundError(f"no DeepSpeed model states in {tag_dir}")
-            sd = torch.load(files[0], map_location="cpu", mmap=True, weights_only=False)["module"]
+            sd = load_data(files[0], map_location="cpu", mmap=True)["module"]
     return {name: LazyTensor(torch.Size(t.shape), t.dtype, t.contiguous) for name, t in sd.items()}
 
 
@@ -211,7 +212,7 @@ def ema_state_dict(tag_dir: Path) -> dict[str, LazyTensor]:
     if not files:
         raise ConfigError(f"{tag_dir} holds no EMA (the run had no --ema-decay): convert without --ema")
     try:
-        full = assemble([torch.load(f, map_location="cpu", weights_only=True) for f in files])
+        full = assemble([load_data(f, map_location="cpu") for f in files])
     except ValueError as e:
         raise ConfigError(f"{tag_dir}: {e}") from None
     return {k: LazyTensor(t.shape, t.dtype, lambda t=t: t) for k, t in full.items()}
@@ -265,7 +266,8 @@ def _checked_tensors(
     """The tag's consolidated fp32 tensors (with ``ema``, the sharded EMA's in place of the trained ones), lazily
     read, shape-checked against ``cfg`` and cast to ``dtype``."""
     try:
-        lazy = lazy_fp32_state_dict(ckpt_dir, tag)
+        with data_only():  # DeepSpeed's zero_to_fp32 calls torch.load itself: data only (dsclip.checkpoint.safe_load)
+            lazy = lazy_fp32_state_dict(ckpt_dir, tag)
     except (RuntimeError, EOFError, pickle.UnpicklingError) as e:  # a damaged shard of an unverified (old) tag
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(

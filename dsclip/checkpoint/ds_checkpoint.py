@@ -25,13 +25,19 @@ only ever sees complete checkpoints; pruning (``--keep-last``) happens after the
 complete, and only removes complete tags older than it (each is first renamed out of the way, so
 a kill during the deletion never leaves a half-deleted folder that still looks complete).
 
+With ``--async-save`` (dsclip.checkpoint.async_save) a save returns once each rank's state is copied to
+host memory; each rank's files are written into ``.partial.<tag>`` by a background thread, and the same
+completion (manifest, rename, ``latest``) runs as a collective on the main thread at the first step
+boundary at which no rank is still writing (:meth:`Checkpointer.after_step`), or when the run's end, a stop
+signal, the divergence guard or the next save waits for it (:meth:`Checkpointer.drain`).
+
 What the file system did to a tag after its save (flipped bytes, a truncated or deleted shard) is
-caught on resume: rank 0 checks the tag against its manifest, and ``--resume latest`` (or a run or
-checkpoints folder) skips a tag that fails, with one line naming the file, for the newest tag that
-verifies; an explicit tag that fails is a one-line error. A tag written by an older dsclip has no
-manifest: it is used, reported as unverified. A full disk during a save is one line naming the path
-(:class:`DiskFullError`); the half-written ``.partial`` folder is removed and ``latest`` stays on the
-previous tag.
+caught on resume: each rank checks the files it will load against the manifest (the ranks agree), and
+``--resume latest`` (or a run or checkpoints folder) skips a tag that fails, with one line naming the
+file, for the newest tag that verifies; an explicit tag that fails is a one-line error. A tag written by
+an older dsclip has no manifest: it is used, reported as unverified. A full disk during a save is one
+line naming the path (:class:`DiskFullError`); the half-written ``.partial`` folder is removed and
+``latest`` stays on the previous tag.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ import math
 import os
 import re
 import shutil
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -164,7 +171,9 @@ def _unverified_note(tag_dir: Path) -> str:
     return f"dsclip: checkpoint {tag_dir} is unverified (no manifest: written by an older dsclip); using it as it is"
 
 
-def newest_verified(ckpt_dir: Path, *, say: Callable[[str], None] = _say) -> str | None:
+def newest_verified(
+    ckpt_dir: Path, *, say: Callable[[str], None] = _say, check: Callable[[Path], manifest.Verdict] = manifest.verify
+) -> str | None:
     """The first of :func:`candidate_tags` that verifies against its manifest; every tag skipped on the way
     is one line through ``say`` naming the file and what is wrong with it. None when there is no complete
     tag (a fresh start); ConfigError when there are some and none verifies (starting from scratch beside
@@ -175,7 +184,7 @@ def newest_verified(ckpt_dir: Path, *, say: Callable[[str], None] = _say) -> str
         if note:
             say(f"dsclip: checkpoint {ckpt_dir / tag} skipped: {note}; trying the previous one")
             continue
-        verdict = manifest.verify(ckpt_dir / tag)
+        verdict = check(ckpt_dir / tag)
         if verdict.unverified:
             say(_unverified_note(ckpt_dir / tag))
         if verdict.ok:
@@ -189,8 +198,8 @@ def newest_verified(ckpt_dir: Path, *, say: Callable[[str], None] = _say) -> str
     return None
 
 
-def _newest(ckpt_dir: Path, verify: bool, say) -> tuple[Path, str] | None:
-    tag = newest_verified(ckpt_dir, say=say) if verify else latest_complete(ckpt_dir)
+def _newest(ckpt_dir: Path, verify: bool, say, check=manifest.verify) -> tuple[Path, str] | None:
+    tag = newest_verified(ckpt_dir, say=say, check=check) if verify else latest_complete(ckpt_dir)
     return None if tag is None else (ckpt_dir, tag)
 
 
@@ -200,12 +209,19 @@ RESUME_FIX = (
 )
 
 
-def verify_tag(tag_dir: Path, what: str, *, fix: str = RESUME_FIX, say: Callable[[str], None] = _say) -> None:
+def verify_tag(
+    tag_dir: Path,
+    what: str,
+    *,
+    fix: str = RESUME_FIX,
+    say: Callable[[str], None] = _say,
+    check: Callable[[Path], manifest.Verdict] = manifest.verify,
+) -> None:
     """One named tag (``--resume PATH/TAG``, ``dsclip convert``): a tag that fails its manifest is a
     one-line ConfigError naming the file, what is wrong and ``fix`` (``{earlier}``: the complete tags
     before it, newest first); an unverified one (older dsclip) is one line through ``say``."""
     note = diverged_note(tag_dir)
-    verdict = manifest.verify(tag_dir) if note is None else manifest.Verdict(note)
+    verdict = check(tag_dir) if note is None else manifest.Verdict(note)
     if verdict.unverified:
         say(_unverified_note(tag_dir))
     if verdict.ok:
@@ -218,30 +234,36 @@ def verify_tag(tag_dir: Path, what: str, *, fix: str = RESUME_FIX, say: Callable
 
 
 def resolve_resume(
-    resume: str, run_dir: Path, *, verify: bool = True, say: Callable[[str], None] = _say
+    resume: str,
+    run_dir: Path,
+    *,
+    verify: bool = True,
+    say: Callable[[str], None] = _say,
+    check: Callable[[Path], manifest.Verdict] = manifest.verify,
 ) -> tuple[Path, str] | None:
     """``--resume`` -> (checkpoint dir, tag), or None when 'latest' finds nothing (fresh start).
 
     Accepts 'latest', a checkpoints dir, a run dir, the ``latest`` file DeepSpeed writes in a checkpoints
     dir (OpenCLIP users paste it), or a tag dir (``.../step_000000120``). ``verify``: check the files
-    against the manifest (reads the whole checkpoint: rank 0 only) and fall back past damaged tags, except
-    for a tag dir, which must verify. Without ``verify``, structure only (COMPLETE markers).
+    against the manifest with ``check`` (default: the whole tag read here; a resume: each rank its share,
+    Checkpointer._agreed_verdict) and fall back past damaged tags, except for a tag dir, which must verify.
+    Without ``verify``, structure only (COMPLETE markers).
     """
     if resume == "latest":
-        return _newest(run_dir / "checkpoints", verify, say)
+        return _newest(run_dir / "checkpoints", verify, say, check)
     p = Path(resume)
     if p.name == LATEST and p.is_file():  # RUN/checkpoints/latest: the same as that run's --resume latest
-        found = _newest(p.parent, verify, say)
+        found = _newest(p.parent, verify, say, check)
         if found is None:
             raise FileNotFoundError(f"--resume {resume}: no complete checkpoint in {p.parent} (an interrupted save?)")
         return found
     if (p / COMPLETE).exists():
         if verify:
-            verify_tag(p, f"--resume {resume}", say=say)
+            verify_tag(p, f"--resume {resume}", say=say, check=check)
         return p.parent, p.name
     for ckpt_dir in (p, p / "checkpoints"):
         if complete_tags(ckpt_dir):
-            return _newest(ckpt_dir, verify, say)
+            return _newest(ckpt_dir, verify, say, check)
     if p.is_dir() and any(p.glob("*/*model_states.pt")) or (p / LATEST).exists():
         raise FileNotFoundError(f"--resume {resume}: no complete checkpoint there (an interrupted save?)")
     raise FileNotFoundError(f"--resume {resume}: not a checkpoint, checkpoints folder or run folder")
@@ -283,6 +305,12 @@ class CheckpointArgs:
         "checkpoints, deleting that run's checkpoints and logs first. Without it such a folder is refused "
         "unless --resume is given.",
     )
+    async_save: bool = opt(
+        True,
+        "dsclip's own flag: the step loop stops only while this rank's checkpoint state is copied to host "
+        "memory; the files are written in the background and latest moves once every rank's are complete "
+        "(--no-async-save: the whole write stalls every rank). docs/checkpoints.md.",
+    )
     save_most_recent: bool = opt(
         False,
         "Also save at every epoch end, removing the previous checkpoint saved only for this (OpenCLIP's "
@@ -309,6 +337,23 @@ class CheckpointArgs:
                 raise ConfigError(f"--{name.replace('_', '-')} must be {want}, got {value} (docs/checkpoints.md)")
 
 
+class CheckpointWriteError(ConfigError):
+    """A background checkpoint write failed for a reason other than a full disk (one line; latest kept)."""
+
+
+@dataclass
+class _SaveJob:
+    """One save between its start and its tag's completion (``write``: the background write, when async)."""
+
+    step: int
+    partial: str
+    state: dict[str, Any]
+    model_cfg: dict | None
+    times: Any
+    recent_only: str | None = None  # the --save-most-recent tag this save replaces (Checkpointer._complete)
+    write: Any = None
+
+
 @dataclass
 class ResumePoint:
     """The checkpoint a run continues from, as ``engine.load_checkpoint`` takes it."""
@@ -330,6 +375,7 @@ class Checkpointer:
         keep_last: int,
         rank: int,
         most_recent: bool = False,
+        async_save: bool = False,
     ):
         self.run_dir = run_dir
         self.dir = run_dir / "checkpoints"
@@ -348,8 +394,13 @@ class Checkpointer:
         self._deferred_removal: tuple[str, str] | None = None  # (a --save-most-recent tag, the tag it waits for)
         # per-rank state saved beside DeepSpeed's shards in the same tag (the sharded EMA: dsclip.engine.ema)
         self.rank_state: dict[str, Any] = {}
-        # --remote-sync (rank 0): told of every tag the moment it is complete (dsclip.checkpoint.remote_sync)
-        self.remote = None
+        self.async_save = async_save  # --async-save: files written in the background (dsclip.checkpoint.async_save)
+        self.in_flight: _SaveJob | None = None  # the save whose background write is not yet complete
+        # what every save cost this rank (dsclip.checkpoint.async_save.SaveTimes), oldest first: goodput reads it
+        self.save_times: list = []
+        # called on rank 0 with the tag's folder once a tag is complete (renamed into place, latest moved)
+        self.on_complete: list[Callable[[Path], None]] = []
+        self.verify_s = 0.0  # seconds this rank spent verifying its share of the tag it resumes from
 
     @classmethod
     def from_args(cls, args: CheckpointArgs, run_dir: Path, *, rank: int) -> Checkpointer:
@@ -360,6 +411,7 @@ class Checkpointer:
             keep_last=args.keep_last,
             rank=rank,
             most_recent=args.save_most_recent,
+            async_save=args.async_save,
         )
 
     def prepare_resume(self, resume: str | None, *, world_size: int) -> dict[str, Any]:
@@ -392,17 +444,33 @@ class Checkpointer:
             model_match.check_resumed_model(self.resume_point.load_dir / self.resume_point.tag, model_cfg, model_name)
 
     def _resolve(self, resume: str) -> tuple[Path, str] | None:
-        """Rank 0 finds and verifies the checkpoint (reading it once), every rank gets its answer or error."""
+        """Every rank walks the same tags (the checkpoint folder is shared: every rank loads from it) and
+        verifies, for each tag it considers, only the files it will load, in parallel with the others
+        (:meth:`_agreed_verdict`); rank 0's answer (or error) is every rank's."""
         found = error = None
-        if self.rank == 0:
-            try:
-                found = resolve_resume(resume, self.run_dir)
-            except (ConfigError, FileNotFoundError) as e:
-                error = e
+        quiet = _say if self.rank == 0 else (lambda m: None)
+        try:
+            found = resolve_resume(resume, self.run_dir, say=quiet, check=self._agreed_verdict)
+        except (ConfigError, FileNotFoundError) as e:
+            error = e
         found, error = from_rank0((found, error))
         if error is not None:
             raise error
         return found
+
+    def _agreed_verdict(self, tag_dir: Path) -> manifest.Verdict:
+        """Collective: this rank checks every file's size and the checksums of the files it loads
+        (manifest.loading_rank; rank 0: the module file and the small shared ones); the first problem any
+        rank found is every rank's verdict (so a bad file on one rank is the same one line on all)."""
+        from dsclip.dist import rank_world
+
+        rank, world = rank_world()
+        t0 = time.perf_counter()
+        mine = manifest.verify(tag_dir, owned=lambda rel: manifest.loading_rank(rel, world) == rank)
+        self.verify_s = time.perf_counter() - t0  # this rank's share (bench/save_stall.py reads it)
+        verdicts = all_ranks((mine.problem, mine.unverified))
+        problem = next((p for p, _ in verdicts if p is not None), None)
+        return manifest.Verdict(problem, unverified=problem is None and verdicts[0][1])
 
     def resume(self, engine, *, global_batch: int, steps_per_epoch: int, optim: dict | None = None) -> int:
         """Load the prepared checkpoint into ``engine`` (collective); return the optimizer step to continue
@@ -416,7 +484,10 @@ class Checkpointer:
         built = resume_optim.snapshot(engine)
         if optim is not None:
             resume_optim.check_layer_decay(universal.saved_state(point.load_dir, point.tag).get("optim"), optim)
-        state = load(engine, point.load_dir, point.tag)
+        from dsclip.checkpoint.safe_load import data_only
+
+        with data_only():  # DeepSpeed's loads, its universal ones (torch.load of their own) too: data only
+            state = load(engine, point.load_dir, point.tag)
         start_step, moved = universal.resume_position(state, global_batch=global_batch, steps_per_epoch=steps_per_epoch)
         if moved:
             universal.set_schedule_step(engine, start_step)
@@ -426,7 +497,8 @@ class Checkpointer:
             resume_optim.reconcile(
                 engine, built, state.get("optim"), optim, start_step, say=_say if self.rank == 0 else lambda m: None
             )
-        self._load_rank_state(point, universal=bool(engine.load_universal_checkpoint()))
+        with data_only():
+            self._load_rank_state(point, universal=bool(engine.load_universal_checkpoint()))
         # the tags before the one resumed from were confirmed by the run that saved it (see certify)
         self.certified_through = start_step - 1
         return start_step
@@ -474,33 +546,99 @@ class Checkpointer:
         return True
 
     def save(self, engine, step: int, state: dict[str, Any]) -> Path:
-        """Collective: every rank must call it (DeepSpeed writes each rank's shards)."""
+        """Collective: every rank must call it (DeepSpeed writes each rank's shards). Asynchronous
+        (``async_save``): returns once this rank's state is copied to host memory; the files are written in
+        the background and the tag is completed by :meth:`after_step` or :meth:`drain`. At most one write is
+        in flight: a save that comes while one is still writing waits for it first (its ``wait_s``)."""
+        from dsclip.checkpoint.async_save import BackgroundWrite, DsclipCheckpointEngine, SaveTimes
+
+        if self.in_flight is not None:
+            self._finish_in_flight()
         tag = tag_for_step(step)
-        tag_dir = self.dir / tag
         partial = PARTIAL_PREFIX + tag
         self.saving_step = step  # cleared once the tag is complete: a rank lost meanwhile is said to be mid-save
         if self.rank == 0:
             self.dir.mkdir(parents=True, exist_ok=True)
             self._remove_leftovers()  # of saves or prunes a kill interrupted
         barrier()
+        ce = getattr(engine, "checkpoint_engine", None)  # dsclip's, installed by the training loop
+        asynchronous = self.async_save and isinstance(ce, DsclipCheckpointEngine)
+        times = SaveTimes(tag, step, asynchronous=asynchronous)
+        self.save_times.append(times)
+        t0 = time.perf_counter()
         guard = DiskFullGuard(engine, self.dir)
-
-        def write():
-            engine.save_checkpoint(str(self.dir), tag=partial, client_state={"dsclip": state}, save_latest=False)
-            for name, owner in self.rank_state.items():  # through the checkpoint engine: guarded and checksummed
-                (self.dir / partial).mkdir(parents=True, exist_ok=True)
-                engine.checkpoint_engine.save(owner.state_dict(), str(self.dir / partial / rank_file(name, self.rank)))
-
-        full = guard.run(write)
+        model_cfg = getattr(getattr(engine, "module", None), "config", None)
+        job = _SaveJob(step, partial, state, model_cfg, times, recent_only=self._recent_only)
+        if asynchronous:
+            with ce.capture() as captured:  # host copies only: the step loop stops for this much
+                full = guard.run(lambda: self._write(engine, partial, state))
+            job.write = BackgroundWrite(captured.files, self.dir / partial, ce.write, times, error=full)
+            times.stall_s = time.perf_counter() - t0
+            self.in_flight, self.saving_step, self.last_saved_step = job, None, step
+            return self.dir / tag
+        full = guard.run(lambda: self._write(engine, partial, state))
         sums = manifest.entries(self.dir / partial, guard.written) if full is None else {}
+        times.stall_s = times.write_s = time.perf_counter() - t0
+        times.bytes = sum(os.path.getsize(p) for p in guard.written if os.path.isfile(p))
+        self._conclude(job, None if full is None else str(full), None, sums)
+        return self.dir / tag
+
+    def _write(self, engine, partial: str, state: dict[str, Any]) -> None:
+        engine.save_checkpoint(str(self.dir), tag=partial, client_state={"dsclip": state}, save_latest=False)
+        for name, owner in self.rank_state.items():  # through the checkpoint engine: guarded and checksummed
+            (self.dir / partial).mkdir(parents=True, exist_ok=True)
+            engine.checkpoint_engine.save(owner.state_dict(), str(self.dir / partial / rank_file(name, self.rank)))
+
+    def incomplete_step(self) -> int | None:
+        """The step whose save has started and is not complete (its background write included), or None."""
+        if self.saving_step is not None:
+            return self.saving_step
+        return None if self.in_flight is None else self.in_flight.step
+
+    def write_busy(self) -> float:
+        """1.0 while this rank's background write is running (a flag the step sums over the ranks), else 0.0."""
+        return float(self.in_flight is not None and self.in_flight.write.busy)
+
+    def after_step(self, flags) -> bool:
+        """After a step (every rank, the same ``flags``: the step's summed flags, ``write_busy`` third): once no
+        rank is still writing, complete the tag in flight (collective). Whether it did."""
+        if self.in_flight is None or len(flags) < 3 or float(flags[2]) > 0:
+            return False
+        self._finish_in_flight()
+        return True
+
+    def drain(self, why: str) -> None:
+        """Wait for the write in flight and complete its tag (collective), saying so in one line: the run's end,
+        a stop signal and the divergence guard call it before they decide what ``latest`` is."""
+        if self.in_flight is None:
+            return
+        if self.rank == 0:
+            say(f"dsclip: waiting for the background write of checkpoint {self.in_flight.times.tag} ({why})")
+        self._finish_in_flight()
+
+    def _finish_in_flight(self) -> None:
+        job, self.in_flight = self.in_flight, None
+        job.times.wait_s += job.write.wait()
+        error, full, failed = job.write.error, None, None
+        if error is not None and is_disk_full(error, self.dir):
+            full = str(error)
+        elif error is not None:
+            failed = f"rank {self.rank}: {type(error).__name__}: {error}".splitlines()[0]
+        self.saving_step = job.step
+        self._conclude(job, full, failed, job.write.sums)
+
+    def _conclude(self, job: _SaveJob, full: str | None, failed: str | None, sums: dict) -> None:
+        """Every rank's files are written (or some rank failed): rank 0 completes the tag (collective)."""
         # collective: every rank's shards are on disk (or some rank's disk was full), with their checksums
-        reports = all_ranks((None if full is None else str(full), sums))
-        full = next((err for err, _ in reports if err is not None), None)
-        if full is None and self.rank == 0:
-            model_cfg = getattr(getattr(engine, "module", None), "config", None)
-            known = {rel: e for _, rank_sums in reports for rel, e in rank_sums.items()}
+        reports = all_ranks((full, failed, sums))
+        full = next((f for f, _, _ in reports if f is not None), None)
+        failed = next((f for _, f, _ in reports if f is not None), None)
+        if full is None and failed is None and self.rank == 0:
+            known = {rel: e for _, _, rank_sums in reports for rel, e in rank_sums.items()}
             try:
-                self._complete(self.dir / partial, step, state, model_cfg, known)
+                self._complete(
+                    self.dir / job.partial, job.step, job.state, job.model_cfg, known, recent_only=job.recent_only
+                )
             except Exception as e:
                 if not is_disk_full(e, self.dir):
                     raise
@@ -508,22 +646,49 @@ class Checkpointer:
         full = from_rank0(full)  # collective: the tag is complete (or not) for every rank
         self.saving_step = None
         if full is not None:
-            self._fail_disk_full(self.dir / partial)
-        self.last_saved_step = step
-        return tag_dir
+            self._fail_disk_full(self.dir / job.partial)
+        if failed is not None:
+            self._fail_write(self.dir / job.partial, failed)
+        job.times.complete = True
+        self.last_saved_step = job.step
+
+    def _fail_write(self, part_dir: Path, failed: str) -> None:
+        if self.rank == 0:
+            shutil.rmtree(part_dir, ignore_errors=True)
+        raise CheckpointWriteError(
+            f"writing checkpoint {part_dir} failed ({failed}); {self._kept()}: fix the cause and continue with "
+            "--resume latest"
+        )
+
+    def _kept(self) -> str:
+        pointer = self.dir / LATEST
+        return f"latest still names {pointer.read_text().strip()}" if pointer.is_file() else "no checkpoint was kept"
+
+    def save_totals(self) -> dict[str, float]:
+        """This rank's saves so far, summed: ``saves``, ``stall_s``, ``wait_s``, ``write_s``, ``bytes``
+        (:class:`dsclip.checkpoint.async_save.SaveTimes`); time lost to training is ``stall_s + wait_s``."""
+        keys = ("stall_s", "wait_s", "write_s", "bytes")
+        out = {k: float(sum(getattr(t, k) for t in self.save_times)) for k in keys}
+        out["saves"] = float(len(self.save_times))
+        return out
 
     def _fail_disk_full(self, part_dir: Path) -> None:
         if self.rank == 0:
             shutil.rmtree(part_dir, ignore_errors=True)  # its space is what the next attempt needs
-        pointer = self.dir / LATEST
-        kept = f"latest still names {pointer.read_text().strip()}" if pointer.is_file() else "no checkpoint was kept"
         raise DiskFullError(
-            f"disk full while saving checkpoint to {part_dir} ({kept}): free space on that file system "
+            f"disk full while saving checkpoint to {part_dir} ({self._kept()}): free space on that file system "
             "(e.g. --keep-last N keeps fewer checkpoints) or choose a --logs folder on a larger one"
         )
 
     def _complete(
-        self, part_dir: Path, step: int, state: dict[str, Any], model_cfg: dict | None, known: dict | None = None
+        self,
+        part_dir: Path,
+        step: int,
+        state: dict[str, Any],
+        model_cfg: dict | None,
+        known: dict | None = None,
+        *,
+        recent_only: str | None = None,
     ) -> None:
         """Rank 0, all shards written: add dsclip's files, COMPLETE and the manifest (``known``: the entries the
         ranks computed for their own shards), swap the tag in, point ``latest`` at it."""
@@ -541,15 +706,23 @@ class Checkpointer:
         os.replace(part_dir, tag_dir)
         _fsync_dir(self.dir)
         atomic_write(self.dir / LATEST, tag)
-        if self.remote is not None:
-            self.remote.tag_complete(tag_dir)  # uploaded in the background
-        if self._recent_only and self._recent_only != tag:  # OpenCLIP overwrites epoch_latest.pt
-            if _step_of(tag) <= self.certified_through or self._newest_certified(before=tag) != self._recent_only:
-                self._remove_tag(self._recent_only)
+        if recent_only and recent_only != tag:  # OpenCLIP overwrites epoch_latest.pt
+            if _step_of(tag) <= self.certified_through or self._newest_certified(before=tag) != recent_only:
+                self._remove_tag(recent_only)
             else:  # the last confirmed tag: removed once a step confirms ``tag`` (certify)
-                self._deferred_removal = (self._recent_only, tag)
+                self._deferred_removal = (recent_only, tag)
         self._prune(keep=tag)
         self._remove_leftovers()
+        self._completed(tag_dir)
+
+    def _completed(self, tag_dir: Path) -> None:
+        """Rank 0: ``tag_dir`` is complete (renamed into place, ``latest`` names it): the ``on_complete`` hooks.
+        A hook that fails is one line; the checkpoint stays complete and training goes on."""
+        for hook in self.on_complete:
+            try:
+                hook(tag_dir)
+            except Exception as e:
+                say(f"dsclip: after checkpoint {tag_dir.name}: {getattr(hook, '__name__', hook)} failed ({e})")
 
     def _remove_leftovers(self) -> None:
         for p in self.dir.iterdir():
@@ -602,6 +775,7 @@ class Checkpointer:
         this run it had not confirmed (:meth:`certify`; they hold the weights the bad steps ran on) with
         ``DIVERGED`` and points ``latest`` at the newest confirmed tag (removes it when there is none).
         Returns that tag's folder (None: no checkpoint from before the divergence)."""
+        self.drain("the divergence guard stopped the run")  # its tag is marked like any unconfirmed one
         tags = complete_tags(self.dir)
         good = next((t for t in tags[::-1] if _step_of(t) <= self.certified_through and _usable(self.dir / t)), None)
         if self.rank == 0 and self.dir.is_dir():

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -100,10 +102,23 @@ def _expects_manifest(tag_dir: Path) -> bool:
     return not isinstance(marker, dict) or "manifest" in marker
 
 
-def verify(tag_dir: Path, *, checksums: bool = True) -> Verdict:
+_RANK_RE = re.compile(r"(?:zero_pp_rank_|_rank)(\d+)")
+
+
+def loading_rank(rel: str, world_size: int) -> int:
+    """The rank that loads (and so verifies) the file ``rel`` of a tag on ``world_size`` ranks: a rank's own
+    DeepSpeed shard (``zero_pp_rank_R_...``) or dsclip file (``ema_rankRRRRR.pt``) is rank R's (R mod the
+    world: a tag saved on more ranks is still verified once per file, before the universal conversion reads
+    it); the module file and the small shared files are rank 0's."""
+    found = _RANK_RE.search(Path(rel).name)
+    return int(found.group(1)) % max(world_size, 1) if found else 0
+
+
+def verify(tag_dir: Path, *, checksums: bool = True, owned: Callable[[str], bool] | None = None) -> Verdict:
     """Check ``tag_dir`` against its manifest: every listed file present with its size and (``checksums``)
     its crc32. Sizes are checked for all files first, so a missing or truncated shard is found without
-    reading the others. ``checksums=False``: sizes only (a stat per file, no reads)."""
+    reading the others. ``checksums=False``: sizes only (a stat per file, no reads). ``owned``: checksum
+    only the files it accepts (each rank its share: :func:`loading_rank`)."""
     tag_dir = Path(tag_dir)
     mf = tag_dir / MANIFEST
     if not mf.is_file():
@@ -124,6 +139,8 @@ def verify(tag_dir: Path, *, checksums: bool = True) -> Verdict:
             return Verdict(f"{rel} is {what}: {size} bytes, expected {want['size']}")
     if checksums:
         for rel, want in files.items():
+            if owned is not None and not owned(rel):
+                continue
             found = f"{crc32_file(tag_dir / rel):08x}"
             if found != want["crc32"]:
                 return Verdict(f"{rel} is corrupt: crc32 {found}, expected {want['crc32']}")

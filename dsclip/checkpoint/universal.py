@@ -35,7 +35,7 @@ from typing import Any
 
 from dsclip.checkpoint import manifest
 from dsclip.checkpoint.layout import COMPLETE, MANIFEST, STATE_FILE
-from dsclip.dist import barrier
+from dsclip.dist import from_rank0
 
 UNIVERSAL = "universal"
 
@@ -81,7 +81,10 @@ def convert_to_universal(ckpt_dir: Path, tag: str) -> Path:
         strict=True,
         inject_missing_state=True,
     )  # plain (non-Megatron) models carry no universal_checkpoint_info
-    ds_to_universal.main(args)
+    from dsclip.checkpoint.safe_load import data_only
+
+    with data_only():  # ds_to_universal torch.loads every shard itself: data only (dsclip.checkpoint.safe_load)
+        ds_to_universal.main(args)
     (tag_dir / "latest_universal").unlink(missing_ok=True)  # ds_to_universal's pointer; we pass tags explicitly
     shutil.copyfile(tag_dir / STATE_FILE, tmp / STATE_FILE)
     (tmp / COMPLETE).write_text(json.dumps({"from": tag, "manifest": MANIFEST}))
@@ -94,9 +97,15 @@ def convert_to_universal(ckpt_dir: Path, tag: str) -> Path:
 def prepare_universal(ckpt_dir: Path, tag: str, *, rank: int) -> tuple[Path, str]:
     """Collective: rank 0 converts (if not done before), everyone waits. Returns the (load_dir, tag)
     to pass to ``engine.load_checkpoint`` with ``load_universal`` on."""
+    error = None
     if rank == 0:
-        convert_to_universal(ckpt_dir, tag)
-    barrier()
+        try:
+            convert_to_universal(ckpt_dir, tag)
+        except ValueError as e:  # a file refused as code (safe_load) or another user-fixable problem
+            error = e
+    error = from_rank0(error)  # collective: every rank raises rank 0's one line, none waits for it
+    if error is not None:
+        raise error
     return Path(ckpt_dir) / tag, UNIVERSAL
 
 

@@ -171,7 +171,8 @@ def _rate_arguments(p: argparse.ArgumentParser) -> None:
         "--host-memory",
         type=float,
         default=1024.0,
-        help="plan-only: host RAM per node in GiB: the step's inputs (all --accum-freq micro-batches) are held there",
+        help="plan-only: host RAM per node in GiB: the step's inputs (all --accum-freq micro-batches) are held there, "
+        "and --async-save's copy of each rank's checkpoint state (where it does not fit: --no-async-save)",
     )
 
 

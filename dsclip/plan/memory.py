@@ -381,3 +381,12 @@ def cpu_model_state_bytes(params: int, world: int, zero: int, precision: str) ->
     p, n = float(params), float(world)
     w_b = 4 if precision == "fp32" else 2
     return {"params": w_b * p, "grads": 2 * w_b * p + 4 * p / n, "optimizer": (4 + 8) * p / n}
+
+
+def checkpoint_copy_bytes(params: int, world: int, precision: str, *, ema: bool = False, writer: bool = True) -> float:
+    """Host memory one rank's asynchronous save copies its checkpoint state into (dsclip.checkpoint.async_save),
+    as DeepSpeed's files hold it: the fp32 master weights and the two Adam moments of its 1/world share
+    (12 bytes per parameter over all ranks), the EMA's fp32 share with --ema-decay, and on the rank that
+    writes the module file (data-parallel rank 0, ``writer``) the whole module in the training precision."""
+    module = params * (4 if precision == "fp32" else 2) if writer else 0.0
+    return 12.0 * params / world + (4.0 * params / world if ema else 0.0) + module

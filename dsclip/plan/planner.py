@@ -33,6 +33,7 @@ from dsclip.plan.flops import forward_flops, loss_flops
 from dsclip.plan.memory import (
     activation_bytes,
     bucket_bytes,
+    checkpoint_copy_bytes,
     cpu_model_state_bytes,
     embedding_cache_bytes,
     gathered_weight_bytes,
@@ -84,6 +85,9 @@ class Plan:
     device: str = "cuda"
     host_inputs_gb: float = 0.0  # per GPU: the step's images + tokens the gradient cache holds on the host
     host_memory_gb: float = 0.0  # per node, the budget those inputs were checked against
+    host_checkpoint_gb: float = 0.0  # per GPU: the async save's host copy of its optimizer-state share (+ EMA)
+    host_checkpoint_module_gb: float = 0.0  # once per job: the module file's copy on data-parallel rank 0
+    async_save: bool = True  # False: the async save's copy does not fit the host (the command says --no-async-save)
     mfu_source: str = ""  # where plan.mfu comes from (dsclip.plan.efficiency): measured, nearest, given
     offload: str = "none"  # ZeRO-Offload of the JSON: none, optimizer, optimizer+params
     host_offload_gb: float = 0.0  # per GPU: the model states ZeRO-Offload keeps in host RAM
@@ -355,6 +359,11 @@ def _plan_memory(
     plan.fits = micro >= 1
     plan.micro_batch, plan.accum_freq = micro, (local // micro if micro else 0)
     plan.host_inputs_gb = round(input_bytes(arch, local) / GiB, 3)
+    # --async-save copies each rank's checkpoint state to host memory; data-parallel rank 0 also the module
+    share = checkpoint_copy_bytes(arch.params, plan.gpus, precision, ema=ema, writer=False)
+    plan.host_checkpoint_gb = round(share / GiB, 3)
+    writer = checkpoint_copy_bytes(arch.params, plan.gpus, precision, ema=ema)
+    plan.host_checkpoint_module_gb = round((writer - share) / GiB, 3)
 
     plan.grads_bytes = grads
     mem = {k: v / GiB for k, v in states.items() if v or plan.offload == "none"}  # offloaded: a host line below
@@ -382,9 +391,13 @@ def _plan_memory(
 
 
 def _check_host(plan: Plan, gpus_per_node: int, host_memory_gb: float) -> None:
-    """The step's inputs live in host RAM (all K micro-batches, until pass 2 ends): they must fit the node."""
+    """The step's inputs live in host RAM (all K micro-batches, until pass 2 ends): they must fit the node.
+    The asynchronous save's host copy (dsclip.checkpoint.async_save) comes on top; where only it does not
+    fit, the plan still fits and its command trains with --no-async-save (saves then stall for the write)."""
     plan.host_memory_gb = host_memory_gb
-    need = (plan.host_inputs_gb + plan.host_offload_gb) * min(plan.gpus, gpus_per_node)
+    per_node = min(plan.gpus, gpus_per_node)
+    need = (plan.host_inputs_gb + plan.host_offload_gb) * per_node
+    copies = plan.host_checkpoint_gb * per_node + plan.host_checkpoint_module_gb  # the module: one rank of the job
     if need > host_memory_gb:
         plan.fits = False
         offloaded = f" + {plan.host_offload_gb:.1f} GiB offloaded model states" if plan.host_offload_gb else ""
@@ -392,6 +405,14 @@ def _check_host(plan: Plan, gpus_per_node: int, host_memory_gb: float) -> None:
             f"does NOT fit the host: the step's inputs{' and offloaded states' if offloaded else ''} need "
             f"{need:.0f} GiB of host RAM per node ({plan.host_inputs_gb:.1f} GiB inputs{offloaded} per GPU) "
             f"against --host-memory {host_memory_gb:g}; lower the batch"
+        )
+    elif need + copies > host_memory_gb:
+        plan.async_save = False
+        plan.notes.append(
+            f"the asynchronous save's host copy ({plan.host_checkpoint_gb:.1f} GiB per GPU + "
+            f"{plan.host_checkpoint_module_gb:.1f} GiB module copy on one rank) does not fit beside the "
+            f"{need:.0f} GiB the step holds per node against --host-memory {host_memory_gb:g}: the command "
+            "trains with --no-async-save (each save stalls every rank for the whole write)"
         )
 
 
@@ -529,6 +550,8 @@ def train_args(plan: Plan, ds_name: str, tile: int) -> list[str]:
     ]
     if plan.grad_checkpointing:
         args.append("--grad-checkpointing")
+    if not plan.async_save:
+        args.append("--no-async-save")
     train_pick = choose_grad_reduction(
         "auto", stage=plan.zero, world=plan.gpus, accum_freq=max(plan.accum_freq, 1), precision=plan.precision
     )

@@ -34,7 +34,9 @@ def format_plan(p: Plan) -> str:
     if p.device != "cpu":
         lines.append(
             f"host RAM for the step's inputs: {p.host_inputs_gb:.2f} GiB per GPU (--host-memory {p.host_memory_gb:g} "
-            f"GiB per node)"
+            f"GiB per node); the asynchronous save's copy: {p.host_checkpoint_gb:.2f} GiB per GPU + "
+            f"{p.host_checkpoint_module_gb:.2f} GiB module on one rank"
+            + ("" if p.async_save else " (does not fit: --no-async-save)")
         )
     lines += _step_time_lines(p)
     lines += [f"note: {n}" for n in p.notes]

@@ -163,9 +163,12 @@ def model_factory(
     return build
 
 
-def build_step(bundle: EngineBundle, loss: LossArgs, train: TrainArgs, teacher: Teacher | None = None) -> GradCacheStep:
+def build_step(
+    bundle: EngineBundle, loss: LossArgs, train: TrainArgs, teacher: Teacher | None = None, save_busy=None
+) -> GradCacheStep:
     """One optimizer step over accum_freq micro-batches, with the run's loss (and the distillation teacher,
-    moved to the engine's device in the compute dtype: it only ever runs forward)."""
+    moved to the engine's device in the compute dtype: it only ever runs forward). ``save_busy``: this rank's
+    background checkpoint write is running (1.0/0.0), summed with the stop flags (Checkpointer.after_step)."""
     loss_fn = build_loss(loss.loss_config())
     if teacher is not None:
         teacher = teacher.to(torch.device(bundle.engine.device), autocast_dtype(bundle))
@@ -176,7 +179,8 @@ def build_step(bundle: EngineBundle, loss: LossArgs, train: TrainArgs, teacher: 
         grad_reduction=bundle.grad_reduction,
         keep_last_graph=train.keep_last_graph,
         compute_dtype=autocast_dtype(bundle),
-        extra_flags=stop.local_stop_flags,  # stop signals ride on the step's own all-reduce
+        # stop signals and the background save's progress ride on the step's own all-reduce
+        extra_flags=stop.local_stop_flags if save_busy is None else lambda: (*stop.local_stop_flags(), save_busy()),
         teacher=teacher,
     )
 

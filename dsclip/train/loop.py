@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from dsclip.checkpoint import remote_resume, remote_sync, resume_optim, run_folder, run_lock
+from dsclip.checkpoint.async_save import install_checkpoint_engine
 from dsclip.checkpoint.ds_checkpoint import Checkpointer, record_tokenizer, tag_for_step
 from dsclip.config import RunConfig, settle_run_name, validate
 from dsclip.config_base import ConfigError
@@ -145,7 +146,7 @@ class RankLostError(ConfigError):
 
 
 def rank_lost(run: Run, why: str) -> RankLostError:
-    saving, latest = run.checkpointer.saving_step, latest_tag(run)
+    saving, latest = run.checkpointer.incomplete_step(), latest_tag(run)
     during = f"in the save of checkpoint {tag_for_step(saving)} (incomplete, never used)" if saving else (
         f"during step {run.step + 1}"
     )  # fmt: skip
@@ -169,6 +170,7 @@ def _train_run(run: Run, t_start: float) -> dict:
         preempted or cfg.checkpoint.save_frequency or cfg.checkpoint.save_every_n_steps
     ):
         save_if_good(run, step)
+    finish_writes(run, why=f"{'a stop signal' if preempted else 'the end of the run'}: latest moves once it completes")
     if not preempted and run.guard.good_to_save:
         # a finished run: no later step will vouch for the final weights (--lr 1e6 blows them up in the last
         # step with a finite loss), so they are judged by the rule's bound on their logit scale; only then is
@@ -261,8 +263,38 @@ def save_checkpoint(run: Run, step: int, *, epoch_end: bool | None = None, epoch
     if run.rank == 0:
         run.goodput.save()  # a start killed from here on keeps its seconds up to this checkpoint
     run.metrics.exclude(seconds)
-    run.metrics.write_line(f"checkpoint saved: {checkpoint_path(run, step)} (step {step}, {seconds:.1f} s)")
+    how = "; copied to host memory, written in the background" if ckpt.in_flight is not None else ""
+    run.metrics.write_line(f"checkpoint saved: {checkpoint_path(run, step)} (step {step}, {seconds:.1f} s{how})")
     return True
+
+
+def complete_writes(run: Run, flags) -> None:
+    """After a step: the background write of a save done on every rank -> its tag completed (collective; the
+    step's summed flags say it, so every rank decides alike). Its seconds are left out of the throughput."""
+    ckpt = run.checkpointer
+    if ckpt.in_flight is None:
+        return
+    t0, times = time.perf_counter(), ckpt.in_flight.times
+    with slow(run, f"completion of checkpoint {times.tag}"), run.goodput.span("save"):
+        if not ckpt.after_step(flags):
+            return
+    run.metrics.exclude(time.perf_counter() - t0)
+    run.goodput.add("background_write", times.write_s)  # beside the steps: reported apart, not in the 100 %
+    run.metrics.write_line(
+        f"checkpoint complete: {ckpt.dir / times.tag} (step {times.step}, written in the background in "
+        f"{times.write_s:.1f} s; latest names it)"
+    )
+
+
+def finish_writes(run: Run, why: str) -> None:
+    """Wait for the background write in flight (one line saying so) and complete its tag (collective)."""
+    if run.checkpointer.in_flight is None:
+        return
+    t0, times = time.perf_counter(), run.checkpointer.in_flight.times
+    with slow(run, "the background checkpoint write"), run.goodput.span("save"):  # the wait is a save stall
+        run.checkpointer.drain(why)
+    run.goodput.add("background_write", times.write_s)
+    run.metrics.exclude(time.perf_counter() - t0)
 
 
 def checkpoint_path(run: Run, step: int) -> Path:
@@ -352,6 +384,7 @@ def _steps(run: Run) -> tuple[int, str | None]:
                 run.checkpointer.certify(step - 1)  # the weights this step trained on were good
             if run.guard.diverged:  # before any save: nothing from the diverged state reaches the disk
                 raise stop_diverged(run, step)
+            complete_writes(run, result.flags)  # the previous save's tag, once every rank wrote its files
             save_if_good(run, step, epoch_end=epoch_end, epoch=epoch)
             if epoch_end:
                 with slow(run, "evaluation"), run.goodput.span("eval"):
@@ -416,7 +449,7 @@ def build_run(cfg: RunConfig, closing: contextlib.ExitStack, clock: Goodput | No
     if rank == 0:
         record_engine_patches(cfg.run_dir, bundle)  # what the rank lines say, kept with the run
     teacher = teacher_plan.build(ds_config) if teacher_plan else None  # outside the student's engine
-    step_fn = build_step(bundle, cfg.loss, cfg.train, teacher)
+    step_fn = build_step(bundle, cfg.loss, cfg.train, teacher, save_busy=checkpointer.write_busy)
     device = bundle.engine.device
     data.set_device(device, step_fn.compute_dtype)  # uint8 input is normalised there (dsclip.data.device_transform)
     metrics = MetricsLogger.from_args(
@@ -427,6 +460,7 @@ def build_run(cfg: RunConfig, closing: contextlib.ExitStack, clock: Goodput | No
     evaluator = build_evaluator(cfg.log, cfg.data, tokenizer, model_cfg, metrics, run_dir=cfg.run_dir, device=device)
     closing.callback(evaluator.close)
     step_fn = ema_step.attach(cfg.ema, bundle.engine, step_fn, checkpointer)  # --ema-decay: before resume loads it
+    install_checkpoint_engine(bundle.engine, checkpointer, bundle.precision, world_size)  # before resume loads
     with clock.span("resume"):  # --resume: the checkpoint loaded
         start_step, guard = _resume(cfg, bundle, checkpointer, plan, step_fn, evaluator, metrics)
     if rank == 0:
@@ -438,7 +472,7 @@ def build_run(cfg: RunConfig, closing: contextlib.ExitStack, clock: Goodput | No
         goodput=clock, remote=remote,
     )  # fmt: skip
     if remote is not None:  # the thread starts last: a run that fails to build leaves none behind
-        checkpointer.remote = remote.start()
+        checkpointer.on_complete.append(remote.start().tag_complete)  # rank 0: uploaded in the background
     return run
 
 

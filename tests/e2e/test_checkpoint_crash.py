@@ -98,11 +98,14 @@ def test_sigkill_mid_training_and_during_save_then_resume_latest(tmp_path, zero2
     ref = _final_weights(zero2_world2_run)
     ref_curve = losses(zero2_world2_run)
 
-    # 1. killed between checkpoints: after step 3 was logged (step 2 saved, step 4 not yet)
+    # 1. killed between checkpoints: after step 3 was logged and step 2's checkpoint completed (its files are
+    # written in the background: latest moves at the step boundary after every rank's write finished)
     run = tmp_path / "mid"
     metrics = run / "metrics.jsonl"
     proc = _start(_args(tmp_path, "mid"))
-    _kill_when(proc, lambda: metrics.exists() and '"step": 3,' in metrics.read_text())
+    _kill_when(
+        proc, lambda: metrics.exists() and '"step": 3,' in metrics.read_text() and _latest(run) == "step_000000002"
+    )
     assert _latest(run) == "step_000000002"
     p = run_cli(_args(tmp_path, "mid", "--resume", "latest"), world=2)
     assert "resumed from" in p.stdout and "step_000000002" in p.stdout

@@ -716,3 +716,18 @@ def test_coalesced_k1_peak_is_the_larger_of_its_whole_grad_and_its_activations()
     assert one.tensor_bytes < two.tensor_bytes - 0.9 * min(grads, others) * 2**30
     sharded = P.make_plan("ViT-B-32", batch_size=8 * 4, micro_batch=4, **{**kw, "grad_reduction": "sharded"})
     assert "grads/activations not at once (K = 1)" not in sharded.memory_gb
+
+
+def test_the_async_saves_host_copy_is_counted_and_turned_off_where_it_does_not_fit():
+    """--async-save copies each rank's checkpoint state to host memory (DeepSpeed's files: 12 B/param of fp32
+    weights and Adam moments over the ranks, + the bf16 module on one rank). The planner counts it against
+    --host-memory; where only the copy does not fit, the plan's command trains with --no-async-save."""
+    kw = dict(gpus=8, gpu_memory_gb=80, batch_size=8 * 32, zero=2, precision="bf16", micro_batch=32)
+    roomy = P.make_plan("ViT-L-14", **kw)
+    assert roomy.host_checkpoint_gb == pytest.approx(12 * roomy.params / 8 / 2**30, abs=1e-3)
+    assert roomy.host_checkpoint_module_gb == pytest.approx(2 * roomy.params / 2**30, abs=1e-3)
+    assert roomy.async_save and "--no-async-save" not in roomy.command
+    step_only = (roomy.host_inputs_gb + roomy.host_offload_gb) * 8
+    tight = P.make_plan("ViT-L-14", host_memory_gb=step_only + 0.5, **kw)  # the step fits, its copy does not
+    assert tight.fits and not tight.async_save and "--no-async-save" in tight.command
+    assert any("asynchronous save's host copy" in note for note in tight.notes)

@@ -86,6 +86,7 @@ def test_step_line_has_step_and_data_time_eta_and_epoch_progress(tmp_path, monke
 class _Checkpointer:
     def __init__(self, events):
         self.events, self.dir, self.last_saved_step = events, Path("RUN/checkpoints"), None
+        self.in_flight = None  # a blocking save: nothing written in the background
 
     def save(self, engine, step, state):
         self.events.append(("save", step))

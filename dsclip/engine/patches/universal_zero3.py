@@ -48,9 +48,9 @@ def load_universal(engine, load_dir: Path, tag: str, *, enabled: bool = True) ->
         str(load_dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
     )
     if path is not None and repair:
-        optim_sd = torch.load(
-            Path(load_dir) / tag / "zero" / "optimizer_state.pt", map_location="cpu", weights_only=False
-        )
+        from dsclip.checkpoint.safe_load import load_data  # a checkpoint is data: dsclip.checkpoint.safe_load
+
+        optim_sd = load_data(Path(load_dir) / tag / "zero" / "optimizer_state.pt", map_location="cpu")
         saved_groups = optim_sd["optimizer_state_dict"]["param_groups"]
         if len(saved_groups) != len(inner.param_groups):
             raise RuntimeError(

@@ -105,7 +105,7 @@ def local_stop_flags() -> tuple[float, float]:
 
 def stop_reason(flags) -> str | None:
     """``STOP_*`` from flags summed over all ranks (every rank gets the same answer from the same sums)."""
-    usr1, term = (float(f) for f in flags)
+    usr1, term = (float(f) for f in list(flags)[:2])  # further flags are other owners' (the background save)
     if term > 0:
         return STOP_TERMINATE
     if usr1 > 0:

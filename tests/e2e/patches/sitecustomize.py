@@ -4,6 +4,10 @@
 rank's shards are written and before the tag is completed: the window in which
 tests/e2e/test_checkpoint_crash.py kills the job.
 
+``DSCLIP_FIXTURE_SLOW_WRITE=SECONDS@STEP``: the background writer of an asynchronous save (--async-save)
+sleeps SECONDS before each file of step STEP's checkpoint: the window in which tests/e2e/test_async_save.py
+kills the job while the files are being written (deterministic: the write cannot finish before the kill).
+
 ``DSCLIP_FIXTURE_DISK_FULL=STEP[@RANK]``: the save of step STEP meets a full disk (on rank RANK only, when
 given): the first shard torch.save writes for it is left half-written and the write fails with ENOSPC
 (tests/e2e/test_checkpoint_verify.py).
@@ -32,6 +36,20 @@ if _slow_save:
         return _complete(self, part_dir, step, *args, **kwargs)
 
     ds_checkpoint.Checkpointer._complete = _slow_complete
+
+_slow_write = os.environ.get("DSCLIP_FIXTURE_SLOW_WRITE")
+if _slow_write:
+    from dsclip.checkpoint import async_save
+
+    _write_seconds, _, _write_step = _slow_write.partition("@")
+    _write, _slow_tag = async_save.DsclipCheckpointEngine.write, f".partial.step_{int(_write_step):09d}"
+
+    def _slow_file_write(self, state_dict, path):
+        if _slow_tag in str(path):
+            time.sleep(float(_write_seconds))
+        return _write(self, state_dict, path)
+
+    async_save.DsclipCheckpointEngine.write = _slow_file_write
 
 _disk_full = os.environ.get("DSCLIP_FIXTURE_DISK_FULL")
 if _disk_full:
