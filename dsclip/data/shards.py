@@ -24,7 +24,26 @@ from PIL import Image
 
 log = logging.getLogger("dsclip.data")
 
-IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
+
+
+@dataclass(frozen=True)
+class SampleFields:
+    """Which tar members of a sample are its image and its caption: the one place that maps member names to
+    fields (the shard index records :meth:`signature`, so a changed mapping re-checks the samples)."""
+
+    image_exts: tuple[str, ...] = ("jpg", "jpeg", "png", "webp")  # the first one present is the image
+    text_ext: str = "txt"  # one caption per line
+    json_ext: str = "json"
+    json_text_keys: tuple[str, ...] = ("caption", "text")  # a string under the first key present...
+    json_list_key: str = "captions"  # ...else a list of strings
+
+    def signature(self) -> str:
+        return json.dumps([list(self.image_exts), self.text_ext, self.json_ext, list(self.json_text_keys),
+                           self.json_list_key])  # fmt: skip
+
+
+FIELDS = SampleFields()
+IMAGE_EXTS = FIELDS.image_exts
 _REMOTE = re.compile(r"^(pipe:|https?://|s3://|gs://|ais://)")
 _WARN_LIMIT = 5  # warnings per reason per process; everything is still counted
 
@@ -136,12 +155,19 @@ def _open(url: str):
 
 def iter_tar(url: str, bad: BadData) -> Iterator[dict]:
     """Samples of one tar shard, in file order. Incomplete trailing data of a truncated tar is dropped."""
+    return (sample for sample, _ in iter_tar_members(url, bad))
+
+
+def iter_tar_members(url: str, bad: BadData) -> Iterator[tuple[dict, list[tuple[str, int, int]]]]:
+    """:func:`iter_tar`'s samples, each with its members' (ext, data offset, size) in file order (the offsets
+    are file offsets for an uncompressed tar): what the shard index records."""
     try:
         stream = _open(url)
     except OSError as e:
         bad.add("unreadable_shard", f"{url} ({e.__class__.__name__}: {e})")
         return
     current: dict | None = None
+    layout: list = []
     try:
         with stream, tarfile.open(fileobj=stream, mode="r|*") as tar:
             for member in tar:
@@ -155,18 +181,19 @@ def iter_tar(url: str, bad: BadData) -> Iterator[dict]:
                 if len(data) != member.size:
                     raise EOFError("member cut short")
                 if current is not None and current["__key__"] != key:
-                    yield current
+                    yield current, layout
                     current = None
                 if current is None:
-                    current = {"__key__": key, "__url__": url}
+                    current, layout = {"__key__": key, "__url__": url}, []
                 current[ext] = data
+                layout.append((ext, member.offset_data, member.size))
             end = tar.offset
         if not is_remote(url) and not _has_end_marker(url, end):
             # tarfile ends silently at a cut-off header: the last sample may be incomplete, drop it
             bad.add("truncated_tar", f"{url} (no end-of-archive marker after byte {end})")
             return
         if current is not None:
-            yield current
+            yield current, layout
     except (tarfile.ReadError, EOFError, OSError, tarfile.TarError) as e:
         # tarfile reports a cut-off archive as ReadError/EOFError; an unreadable file as ReadError at open.
         reason = "truncated_tar" if current is not None or "unexpected end" in str(e).lower() else "unreadable_shard"
@@ -184,62 +211,70 @@ def _has_end_marker(path: str, offset: int) -> bool:
     return len(tail) == 1024 and not tail.strip(b"\0")
 
 
-def image_bytes(sample: dict) -> bytes | None:
-    for ext in IMAGE_EXTS:
+def image_bytes(sample: dict, fields: SampleFields = FIELDS) -> bytes | None:
+    for ext in fields.image_exts:
         if ext in sample:
             return sample[ext]
     return None
 
 
-def captions_of(sample: dict) -> list[str]:
+def captions_of(sample: dict, fields: SampleFields = FIELDS) -> list[str]:
     """Captions of a raw sample: ``txt`` (one per line) or json ``caption``/``text``/``captions``."""
-    if "txt" in sample:
+    if fields.text_ext in sample:
+        raw = sample[fields.text_ext]
         try:
-            text = sample["txt"].decode("utf-8")
+            text = raw.decode("utf-8")
         except UnicodeDecodeError:
-            text = sample["txt"].decode("utf-8", errors="replace")
+            text = raw.decode("utf-8", errors="replace")
         caps = [ln.strip() for ln in text.splitlines() if ln.strip()]
         if caps:
             return caps
-    if "json" in sample:
+    if fields.json_ext in sample:
         try:
-            meta = json.loads(sample["json"])
+            meta = json.loads(sample[fields.json_ext])
         except ValueError:
             return []
         if isinstance(meta, dict):
-            for k in ("caption", "text"):
+            for k in fields.json_text_keys:
                 if isinstance(meta.get(k), str) and meta[k].strip():
                     return [meta[k].strip()]
-            caps = meta.get("captions")
+            caps = meta.get(fields.json_list_key)
             if isinstance(caps, list):
                 return [c.strip() for c in caps if isinstance(c, str) and c.strip()]
     return []
 
 
-def undecodable_caption(sample: dict) -> str | None:
+def undecodable_caption(sample: dict, fields: SampleFields = FIELDS) -> str | None:
     """What is wrong with a ``txt`` caption that is not UTF-8 (None when it is, or there is none)."""
+    raw = sample.get(fields.text_ext, b"")
     try:
-        sample.get("txt", b"").decode("utf-8")
+        raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        return f"byte 0x{sample['txt'][e.start]:02x} at offset {e.start} is not UTF-8"
+        return f"byte 0x{raw[e.start]:02x} at offset {e.start} is not UTF-8"
+    return None
+
+
+def sample_problem(sample: dict, fields: SampleFields = FIELDS) -> tuple[str, str] | None:
+    """Raw-level validity (no decoding): (reason, what follows ``url:`` in the warning) for a sample without an
+    image or a caption, or with a ``txt`` caption that is not UTF-8 (it would train on replacement characters);
+    None for a good one. The shard index records this per sample, so it depends on the member bytes alone."""
+    key = sample["__key__"]
+    if image_bytes(sample, fields) is None:
+        return "missing_image", key
+    problem = undecodable_caption(sample, fields)
+    if problem:
+        return "undecodable_caption", f"{key}.{fields.text_ext} ({problem})"
+    if not captions_of(sample, fields):
+        return "missing_caption", key
     return None
 
 
 def check_sample(sample: dict, bad: BadData) -> bool:
-    """Raw-level validity (no decoding): has an image and a caption, and a ``txt`` caption is UTF-8 (another
-    encoding would train on replacement characters)."""
-    where = f"{sample['__url__']}:{sample['__key__']}"
-    if image_bytes(sample) is None:
-        bad.add("missing_image", where)
-        return False
-    problem = undecodable_caption(sample)
-    if problem:
-        bad.add("undecodable_caption", f"{where}.txt ({problem})")
-        return False
-    if not captions_of(sample):
-        bad.add("missing_caption", where)
-        return False
-    return True
+    """:func:`sample_problem`, counted in ``bad``: True for a good sample."""
+    problem = sample_problem(sample)
+    if problem is not None:
+        bad.add(problem[0], f"{sample['__url__']}:{problem[1]}")
+    return problem is None
 
 
 @dataclass(frozen=True)
