@@ -25,7 +25,6 @@ from PIL import Image
 log = logging.getLogger("dsclip.data")
 
 
-
 @dataclass(frozen=True)
 class SampleFields:
     """Which tar members of a sample are its image and its caption: the one place that maps member names to
