@@ -99,7 +99,7 @@ def indexable(url: str) -> bool:
 
 def _read_header(path: Path) -> tuple[dict, int] | None:
     try:
-        with open(path, "rb") as f:
+        with open(path, "rb", buffering=1024) as f:  # the header only: a resume reads every shard's
             line = f.readline()
     except OSError:
         return None
