@@ -5,9 +5,9 @@ loader writes it the first time it reads a shard without one), or under ``$DSCLI
 ``~/.cache/dsclip``) when the shard's folder is not writable. Line 1 is a JSON header: the shard's size and
 mtime when indexed, the member-name mapping (:class:`SampleFields`) the checks used, the number of samples
 :func:`iter_tar` yields, the bad ones among them (number, reason, warning text) and the shard's own problem
-(a truncated tar); that is all a resume needs for the shards it passes over. The rest is a JSON body, one
-``[key, ext, offset, size, ext, offset, size, ...]`` per sample (data offsets of its members): read only for a
-shard whose samples are read, each sample with one ``pread`` of its members' span.
+(a truncated tar); that is all a resume needs for the shards it passes over. The rest is the body (:class:`Layout`:
+the keys as a JSON line, then arrays of each sample's first member and each member's extension, data offset and
+size), read only for a shard whose samples are read, each sample with one ``pread`` of its members' span.
 
 The index is made by :func:`iter_tar_members`, the training reader itself, so its samples, their grouping and
 its bad-data verdicts are exactly the stream's. A shard whose size or mtime differs from its index's stops
@@ -21,7 +21,10 @@ import hashlib
 import json
 import logging
 import os
+import sys
+from array import array
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,12 +33,74 @@ from .shards import FIELDS, BadData, SampleFields, ShardError, is_remote, iter_t
 log = logging.getLogger("dsclip.data")
 
 SUFFIX = ".idx"
-VERSION = 1
+VERSION = 2  # 1: a JSON body (never released)
 _COMPRESSED = (b"\x1f\x8b", b"BZh", b"\xfd7zXZ\x00", b"\x28\xb5\x2f\xfd")  # gzip, bzip2, xz, zstd
 
 
 class ShardChanged(ShardError):
     """A shard differs from the one its index describes."""
+
+
+class Layout:
+    """Where a shard's samples lie: sample n's key and the (extension, data offset, size) of each of its members,
+    as flat arrays (a 10,000-sample shard's loads in a millisecond; JSON lists took 25 ms per 1,000)."""
+
+    def __init__(self, keys: list[str], exts: list[str], first: array, ext_ids: array, offsets: array, sizes: array):
+        self.keys, self.exts, self.first = keys, exts, first
+        self.ext_ids, self.offsets, self.sizes = ext_ids, offsets, sizes
+
+    @classmethod
+    def of(cls, samples: list[tuple[str, list[tuple[str, int, int]]]]) -> Layout:
+        """From (key, [(ext, offset, size), ...]) per sample."""
+        exts: dict[str, int] = {}
+        first, ext_ids, offsets, sizes = array("Q", [0]), array("H"), array("Q"), array("Q")
+        for _, members in samples:
+            for ext, off, size in members:
+                ext_ids.append(exts.setdefault(ext, len(exts)))
+                offsets.append(off)
+                sizes.append(size)
+            first.append(len(offsets))
+        return cls([k for k, _ in samples], list(exts), first, ext_ids, offsets, sizes)
+
+    def to_bytes(self) -> bytes:
+        head = json.dumps({"keys": self.keys, "exts": self.exts, "byteorder": sys.byteorder}, separators=(",", ":"))
+        arrays = (self.first, self.ext_ids, self.offsets, self.sizes)
+        return head.encode() + b"\n" + b"".join(a.tobytes() for a in arrays)
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> Layout:
+        line, _, rest = raw.partition(b"\n")
+        head = json.loads(line)
+        n, out, pos = len(head["keys"]), [], 0
+        first = array("Q")
+        first.frombytes(rest[: (n + 1) * first.itemsize])
+        members = first[-1] if n else 0
+        pos = len(first) * first.itemsize
+        for code, count in (("H", members), ("Q", members), ("Q", members)):
+            a = array(code)
+            a.frombytes(rest[pos : pos + count * a.itemsize])
+            pos += count * a.itemsize
+            out.append(a)
+        if head["byteorder"] != sys.byteorder:
+            for a in (first, *out):
+                a.byteswap()
+        return cls(head["keys"], head["exts"], first, *out)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def span(self, n: int) -> tuple[int, int]:
+        """Sample n's bytes: from its first member's data to its last member's end."""
+        a, b = self.first[n], self.first[n + 1] - 1
+        return self.offsets[a], self.offsets[b] + self.sizes[b]
+
+    def sample(self, n: int, url: str, data: bytes, start: int) -> dict:
+        """Sample n as :func:`iter_tar` yields it, from ``data`` = the file's bytes from ``start`` on."""
+        out = {"__key__": self.keys[n], "__url__": url}
+        for m in range(self.first[n], self.first[n + 1]):
+            off = self.offsets[m] - start
+            out[self.exts[self.ext_ids[m]]] = data[off : off + self.sizes[m]]
+        return out
 
 
 @dataclass
@@ -46,21 +111,24 @@ class ShardIndex:
     end: tuple[str, str] | None  # the shard's own problem: (reason, the warning's text after the url)
     size: int
     mtime_ns: int
-    path: str | None = None  # the .idx file (None: not written, the body is in memory)
+    path: str | None = None  # the .idx file (None: not written, the layout is in memory)
     body_at: int = 0
-    entries: list | None = field(default=None, repr=False)  # [key, ext, offset, size, ...] per sample
+    layout: Layout | None = field(default=None, repr=False)
 
-    def body(self) -> tuple[list, int]:
-        """The per-sample entries and the bytes read for them."""
-        if self.entries is not None:
-            return self.entries, 0
+    def body(self) -> tuple[Layout, int]:
+        """The shard's layout and the bytes read for it."""
+        if self.layout is not None:
+            return self.layout, 0
         with open(self.path, "rb") as f:
             f.seek(self.body_at)
             raw = f.read()
-        entries = json.loads(raw)
-        if len(entries) != self.samples:
+        try:
+            layout = Layout.from_bytes(raw)
+        except (ValueError, KeyError, IndexError):
+            layout = None
+        if layout is None or len(layout) != self.samples:
             raise ShardError(f"index {self.path} is damaged: delete it (it is rebuilt) or run `dsclip data index`")
-        return entries, len(raw)
+        return layout, len(raw)
 
 
 class _Recorder(BadData):
@@ -145,11 +213,12 @@ def build_index(url: str, fields: SampleFields = FIELDS, write: bool = True) -> 
     try:
         st = os.stat(url)
     except OSError as e:
-        return ShardIndex(url, 0, {}, ("unreadable_shard", f" ({e.__class__.__name__}: {e})"), 0, 0, entries=[])
+        problem = "unreadable_shard", f" ({e.__class__.__name__}: {e})"
+        return ShardIndex(url, 0, {}, problem, 0, 0, layout=Layout.of([]))
     rec = _Recorder()
-    entries, bad = [], {}
-    for n, (sample, layout) in enumerate(iter_tar_members(url, rec)):
-        entries.append([sample["__key__"], *(v for member in layout for v in member)])
+    samples, bad = [], {}
+    for n, (sample, members) in enumerate(iter_tar_members(url, rec)):
+        samples.append((sample["__key__"], members))
         problem = sample_problem(sample, fields)
         if problem is not None:
             bad[n] = problem
@@ -157,9 +226,9 @@ def build_index(url: str, fields: SampleFields = FIELDS, write: bool = True) -> 
     if rec.seen:  # iter_tar_members reports only the shard's own problem, once, at its end
         reason, where = rec.seen[-1]
         end = reason, where[len(url) :]
-    idx = ShardIndex(url, len(entries), bad, end, st.st_size, st.st_mtime_ns, entries=entries)
+    idx = ShardIndex(url, len(samples), bad, end, st.st_size, st.st_mtime_ns, layout=Layout.of(samples))
     again = os.stat(url)
-    unreadable = end is not None and end[0] == "unreadable_shard" and not entries
+    unreadable = end is not None and end[0] == "unreadable_shard" and not samples
     if write and not unreadable and (again.st_size, again.st_mtime_ns) == (st.st_size, st.st_mtime_ns):
         _write(idx, fields)
     return idx
@@ -177,7 +246,7 @@ def _write(idx: ShardIndex, fields: SampleFields) -> None:
         "end": list(idx.end) if idx.end else None,
     }
     data = json.dumps(head, separators=(",", ":")).encode() + b"\n"
-    data += json.dumps(idx.entries, separators=(",", ":")).encode() + b"\n"
+    data += idx.layout.to_bytes()
     beside, cached = index_paths(idx.url)
     for path in (beside, cached) if os.access(beside.parent, os.W_OK) else (cached,):
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # several workers may index one shard at once
@@ -201,14 +270,17 @@ def load_or_build(url: str, fields: SampleFields = FIELDS) -> ShardIndex | None:
 
 
 class SampleReader:
-    """Reads samples by their index entries: one ``pread`` per sample, a few shards open at once."""
+    """Reads samples by their index entries: one ``pread`` per sample, a batch's reads in parallel threads (a
+    shuffled batch's samples lie scattered over the shards its buffer spans: their latencies overlap), the
+    shards of recent batches kept open."""
 
-    def __init__(self, keep_open: int = 8):
-        self.keep_open = keep_open
-        self.open: OrderedDict[str, tuple[int, list]] = OrderedDict()  # url -> (fd, entries)
+    def __init__(self, keep_open: int = 32, threads: int = 16):
+        self.keep_open, self.threads = keep_open, threads
+        self.open: OrderedDict[str, tuple[int, Layout]] = OrderedDict()  # url -> (fd, layout)
         self.bytes_read = 0
+        self._pool: ThreadPoolExecutor | None = None  # made in the process that reads (a DataLoader worker)
 
-    def _shard(self, idx: ShardIndex) -> tuple[int, list]:
+    def _shard(self, idx: ShardIndex) -> tuple[int, Layout]:
         got = self.open.get(idx.url)
         if got is not None:
             self.open.move_to_end(idx.url)
@@ -221,27 +293,37 @@ class SampleReader:
                 f"shard {idx.url} changed during the run (size {idx.size} -> {st.st_size} bytes): rebuild its index "
                 f"with `dsclip data index {idx.url}` and resume from the start of the epoch"
             )
-        entries, nbytes = idx.body()
+        layout, nbytes = idx.body()
         self.bytes_read += nbytes
-        self.open[idx.url] = fd, entries
-        while len(self.open) > self.keep_open:
-            os.close(self.open.popitem(last=False)[1][0])
-        return fd, entries
+        self.open[idx.url] = fd, layout
+        return fd, layout
 
-    def read(self, idx: ShardIndex, n: int) -> dict:
-        """Sample ``n`` of the shard, as :func:`iter_tar` yields it."""
-        fd, entries = self._shard(idx)
-        entry = entries[n]
-        start, end = entry[2], entry[-2] + entry[-1]
-        data = os.pread(fd, end - start, start)
-        self.bytes_read += len(data)
-        sample = {"__key__": entry[0], "__url__": idx.url}
-        for j in range(1, len(entry), 3):
-            off = entry[j + 1] - start
-            sample[entry[j]] = data[off : off + entry[j + 2]]
-        return sample
+    def read_many(self, refs: list[tuple[ShardIndex, int]]) -> list[dict]:
+        """Samples ``(shard index, sample number)``, each as :func:`iter_tar` yields it."""
+        spans = []
+        for idx, n in refs:
+            fd, layout = self._shard(idx)
+            spans.append((fd, *layout.span(n), layout, n, idx.url))
+        if self._pool is None and len(spans) > 1 and self.threads > 1:
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="dsclip-read")
+        read = self._pool.map(_pread, spans) if self._pool is not None else map(_pread, spans)
+        out = []
+        for (_, start, _, layout, n, url), data in zip(spans, read):
+            self.bytes_read += len(data)
+            out.append(layout.sample(n, url, data, start))
+        while len(self.open) > self.keep_open:  # after the reads: never a shard this batch still reads
+            os.close(self.open.popitem(last=False)[1][0])
+        return out
 
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
         for fd, _ in self.open.values():
             os.close(fd)
         self.open.clear()
+
+
+def _pread(span) -> bytes:
+    fd, start, end = span[:3]
+    return os.pread(fd, end - start, start)

@@ -200,12 +200,11 @@ class WdsBatches(IterableDataset):
                 raise RuntimeError(f"no valid samples in the shards of rank {self.rank} slot {slot}")
             n_pass += 1
 
-    def _read(self, ref, reader: SampleReader) -> dict:
-        """The sample a reference names (a streamed shard's sample is its own reference)."""
-        if isinstance(ref, dict):
-            return ref
-        n, i = ref
-        return reader.read(self.indexes[n], i)
+    def _read(self, refs: list, reader: SampleReader) -> list[dict]:
+        """The samples references name (a streamed shard's sample is its own reference)."""
+        indexed = [(self.indexes[r[0]], r[1]) for r in refs if not isinstance(r, dict)]
+        read = iter(reader.read_many(indexed))
+        return [r if isinstance(r, dict) else next(read) for r in refs]
 
     def _decode_batch(self, raw: list[dict], epoch: int, step: int, bad: BadData):
         images, captions, bad_idx = [], [], []
@@ -250,7 +249,7 @@ class WdsBatches(IterableDataset):
         for step in steps:
             out = None
             while out is None:  # None only if all B images are corrupt: then take the next B samples
-                out = self._decode_batch([self._read(next(stream), reader) for _ in range(B)], epoch, step, bad)
+                out = self._decode_batch(self._read([next(stream) for _ in range(B)], reader), epoch, step, bad)
             yield out[0], out[1], bad.take()
 
     def __iter__(self):
