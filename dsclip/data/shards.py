@@ -268,9 +268,9 @@ def sample_problem(sample: dict, fields: SampleFields = FIELDS) -> tuple[str, st
     return None
 
 
-def check_sample(sample: dict, bad: BadData) -> bool:
+def check_sample(sample: dict, bad: BadData, fields: SampleFields = FIELDS) -> bool:
     """:func:`sample_problem`, counted in ``bad``: True for a good sample."""
-    problem = sample_problem(sample)
+    problem = sample_problem(sample, fields)
     if problem is not None:
         bad.add(problem[0], f"{sample['__url__']}:{problem[1]}")
     return problem is None

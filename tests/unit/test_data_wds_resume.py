@@ -123,3 +123,13 @@ def test_index_goes_to_the_cache_when_the_shard_folder_is_read_only(tmp_path, mo
     finally:
         os.chmod(tmp_path / "d", 0o755)
         shutil.rmtree(tmp_path / "cache", ignore_errors=True)
+
+
+def test_resume_is_exact_with_fewer_shards_than_slots(tmp_path):
+    # one shard, two ranks: every slot reads the shard and keeps every 2nd valid sample; the replay counts
+    # the valid ones from the index as the stream did
+    spec = make_shards(tmp_path / "d", 1, 40, corrupt={2, 17}, no_caption={5, 6, 30})
+    for rank in range(2):
+        full = _epoch(_build(spec, rank=rank, world=2, batch=4, train_num_samples=32), 0)
+        for start in (1, 3):
+            assert _epoch(_build(spec, rank=rank, world=2, batch=4, train_num_samples=32), 0, start) == full[start:]
