@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import sys
+import uuid
 from array import array
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -188,11 +189,11 @@ def find_index(url: str, fields: SampleFields = FIELDS) -> ShardIndex | None:
         head, body_at = found
         st = os.stat(url)
         if (st.st_size, st.st_mtime_ns) != (head["size"], head["mtime_ns"]):
+            what = f"size {head['size']} -> {st.st_size} bytes" if st.st_size != head["size"] else "modified"
             raise ShardChanged(
-                f"shard {url} changed since its index {path} was written (size {head['size']} -> {st.st_size} "
-                f"bytes, mtime_ns {head['mtime_ns']} -> {st.st_mtime_ns}): a resume would not replay what the run "
-                f"read; rebuild the index with `dsclip data index {url}` (or delete {path}), and resume from the "
-                "start of the epoch"
+                f"shard {url} changed since it was indexed ({what}; index {path}): rebuild the index with "
+                f"`dsclip data index {url}` (or delete {path}); a run resumed across the change cannot replay what "
+                "it read: resume it from the start of an epoch"
             )
         return ShardIndex(
             url,
@@ -205,6 +206,19 @@ def find_index(url: str, fields: SampleFields = FIELDS) -> ShardIndex | None:
             body_at,
         )
     return None
+
+
+def find_indexes(urls: list[str], fields: SampleFields = FIELDS) -> list[ShardIndex | None]:
+    """:func:`find_index` of every local shard (None for a remote one, or where there is no index), the small
+    header reads overlapped in threads: thousands of shards on a network file system start in seconds."""
+
+    def one(url: str) -> ShardIndex | None:
+        return None if is_remote(url) else find_index(url, fields)
+
+    if len(urls) < 64:
+        return [one(u) for u in urls]
+    with ThreadPoolExecutor(16, thread_name_prefix="dsclip-index") as pool:  # ends its threads on return
+        return list(pool.map(one, urls))
 
 
 def build_index(url: str, fields: SampleFields = FIELDS, write: bool = True) -> ShardIndex:
@@ -249,7 +263,8 @@ def _write(idx: ShardIndex, fields: SampleFields) -> None:
     data += idx.layout.to_bytes()
     beside, cached = index_paths(idx.url)
     for path in (beside, cached) if os.access(beside.parent, os.W_OK) else (cached,):
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # several workers may index one shard at once
+        # several workers, on several nodes, may index one shard at once: each writes its own file, one wins
+        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp.write_bytes(data)

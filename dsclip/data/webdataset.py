@@ -61,7 +61,7 @@ from .shards import (
     iter_tar,
 )
 from .shards import parse_sources as parse_sources
-from .tar_index import SampleReader, ShardIndex, find_index, load_or_build
+from .tar_index import SampleReader, ShardIndex, find_indexes, load_or_build
 from .tokenizer import TRUNCATED, tokenize_counting
 from .transforms import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD, image_transform, per_channel, seeded_rngs
 
@@ -129,7 +129,8 @@ class WdsBatches(IterableDataset):
         self.fields = FIELDS  # which members are the image and the caption (dsclip.data.shards.SampleFields)
         # per shard: its index's header (read here, so a changed shard stops the run before it starts), None
         # for a streamed (remote) shard, _UNKNOWN where the index is missing: the worker reaching it builds it
-        self.indexes = [None if is_remote(u) else find_index(u, self.fields) or _UNKNOWN for u in self.urls]
+        found = find_indexes(self.urls, self.fields)
+        self.indexes = [None if is_remote(u) else idx or _UNKNOWN for u, idx in zip(self.urls, found)]
         self.tokenizer, self.transform = tokenizer, transform
         self._takes_bytes = getattr(transform, "takes_bytes", False)
         self._collate = getattr(transform, "collate", torch.stack)  # the GPU path ships encoded batches
