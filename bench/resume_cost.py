@@ -231,6 +231,7 @@ def main() -> None:
             *_table(results, a.rounds),
         ]
     )
+    H.write_json(a.json_out, [{"code": k[0], "position": k[1], "rounds": v} for k, v in results.items()])
     if a.out:
         Path(a.out).write_text(text + "\n")
     print(text)

@@ -295,35 +295,22 @@ class SampleReader:
         self.bytes_read = 0
         self._pool: ThreadPoolExecutor | None = None  # made in the process that reads (a DataLoader worker)
 
-    def _shard(self, idx: ShardIndex) -> tuple[int, Layout]:
-        got = self.open.get(idx.url)
-        if got is not None:
-            self.open.move_to_end(idx.url)
-            return got
-        fd = os.open(idx.url, os.O_RDONLY)
-        st = os.fstat(fd)
-        if (st.st_size, st.st_mtime_ns) != (idx.size, idx.mtime_ns):
-            os.close(fd)
-            raise ShardChanged(
-                f"shard {idx.url} changed during the run (size {idx.size} -> {st.st_size} bytes): rebuild its index "
-                f"with `dsclip data index {idx.url}` and resume from the start of the epoch"
-            )
-        layout, nbytes = idx.body()
-        self.bytes_read += nbytes
-        self.open[idx.url] = fd, layout
-        return fd, layout
-
     def read_many(self, refs: list[tuple[ShardIndex, int]]) -> list[dict]:
         """Samples ``(shard index, sample number)``, each as :func:`iter_tar` yields it."""
+        if self._pool is None and len(refs) > 1 and self.threads > 1:
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="dsclip-read")
+        pmap = self._pool.map if self._pool is not None else map
+        new = list({idx.url: idx for idx, _ in refs if idx.url not in self.open}.values())
+        for idx, (fd, layout, nbytes) in zip(new, pmap(_open_shard, new)):  # a resume's buffer spans many shards
+            self.open[idx.url] = fd, layout
+            self.bytes_read += nbytes
         spans = []
         for idx, n in refs:
-            fd, layout = self._shard(idx)
+            fd, layout = self.open[idx.url]
+            self.open.move_to_end(idx.url)
             spans.append((fd, *layout.span(n), layout, n, idx.url))
-        if self._pool is None and len(spans) > 1 and self.threads > 1:
-            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="dsclip-read")
-        read = self._pool.map(_pread, spans) if self._pool is not None else map(_pread, spans)
         out = []
-        for (_, start, _, layout, n, url), data in zip(spans, read):
+        for (_, start, _, layout, n, url), data in zip(spans, pmap(_pread, spans)):
             self.bytes_read += len(data)
             out.append(layout.sample(n, url, data, start))
         while len(self.open) > self.keep_open:  # after the reads: never a shard this batch still reads
@@ -337,6 +324,19 @@ class SampleReader:
         for fd, _ in self.open.values():
             os.close(fd)
         self.open.clear()
+
+
+def _open_shard(idx: ShardIndex) -> tuple[int, Layout, int]:
+    """(file descriptor, layout, bytes read for the layout) of a shard, checked against its index."""
+    fd = os.open(idx.url, os.O_RDONLY)
+    st = os.fstat(fd)
+    if (st.st_size, st.st_mtime_ns) != (idx.size, idx.mtime_ns):
+        os.close(fd)
+        raise ShardChanged(
+            f"shard {idx.url} changed during the run (size {idx.size} -> {st.st_size} bytes): rebuild its index "
+            f"with `dsclip data index {idx.url}` and resume from the start of the epoch"
+        )
+    return fd, *idx.body()
 
 
 def _pread(span) -> bytes:
