@@ -122,21 +122,24 @@ def worker(spec: dict) -> dict:
         cfg, tokenizer=tokenizer, image_size=224, batch_size=spec["batch"], rank=0, world_size=1, seed=0
     )
     start = int(spec["position"] * td.steps_per_epoch)
-    batches = td.batches(0, start)
-    images, tokens = next(batches)
-    t1 = time.perf_counter()
-    main_io = _io(me)
-    kids = [_io(c) for c in _children(me)]  # the persistent DataLoader workers, alive until close()
-    for _ in range(spec["then"]):  # the steady rate after it: every sample read by offset, shuffled
-        next(batches)
-    t2 = time.perf_counter()
-    td.close()
+    then = min(spec["then"], td.steps_per_epoch - start - 1)  # batches of this epoch only
+    try:  # closed on any error too: the loader's workers ignore stop signals
+        batches = td.batches(0, start)
+        images, tokens = next(batches)
+        t1 = time.perf_counter()
+        main_io = _io(me)
+        kids = [_io(c) for c in _children(me)]  # the persistent DataLoader workers, alive until close()
+        for _ in range(then):  # the steady rate after it: every sample read by offset, shuffled
+            next(batches)
+        t2 = time.perf_counter()
+    finally:
+        td.close()
     read = {k: main_io[k] - io0[k] + sum(c[k] for c in kids) for k in ("read_bytes", "rchar")}
     return {
         "start_step": start,
         "steps_per_epoch": td.steps_per_epoch,
         "seconds": t1 - t0,
-        "then_samples_per_s": spec["then"] * spec["batch"] / (t2 - t1),
+        "then_samples_per_s": then * spec["batch"] / (t2 - t1) if then else float("nan"),
         "main_cpu_s": time.process_time() - cpu0,
         "tokens_checksum": int((tokens * torch.arange(1, tokens.shape[1] + 1)).sum()),
         "dsclip": sys.modules["dsclip"].__file__,
