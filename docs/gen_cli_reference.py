@@ -21,6 +21,7 @@ COMMANDS = [
     (("convert",), "ZeRO checkpoint -> one safetensors file, or OpenCLIP's layout"),
     (("data", "write"), "write webdataset shards"),
     (("data", "inspect"), "count samples and broken samples in shards"),
+    (("data", "index"), "build the shard index a training resume replays on"),
     (("tokenizer", "train"), "train a sentencepiece tokenizer"),
     (("plan",), "memory and throughput planner"),
     (("launch",), "run a launcher so that stop signals reach every rank"),

@@ -62,6 +62,10 @@ class SampleKeys:
     def json_fields(self) -> tuple[str, ...]:
         return tuple(p.strip() for p in (self.json_text_key or "").split(";") if p.strip())
 
+    def signature(self) -> str:
+        """What a shard index records (dsclip.data.tar_index): an index made under other keys is rebuilt."""
+        return json.dumps([self.image_key, self.text_key, self.json_text_key])
+
     def image(self, sample: dict) -> bytes | None:
         for ext in self.image_suffixes:
             if ext in sample:

@@ -138,12 +138,19 @@ def _open(url: str):
 
 def iter_tar(url: str, bad: BadData) -> Iterator[dict]:
     """Samples of one tar shard, in file order. Incomplete trailing data of a truncated tar is dropped."""
+    return (sample for sample, _ in iter_tar_members(url, bad))
+
+
+def iter_tar_members(url: str, bad: BadData) -> Iterator[tuple[dict, list[tuple[str, int, int]]]]:
+    """:func:`iter_tar`'s samples, each with its members' (ext, data offset, size) in file order (the offsets
+    are file offsets for an uncompressed tar): what the shard index records."""
     try:
         stream = _open(url)
     except OSError as e:
         bad.add("unreadable_shard", f"{url} ({e.__class__.__name__}: {e})")
         return
     current: dict | None = None
+    layout: list = []
     try:
         with stream, tarfile.open(fileobj=stream, mode="r|*") as tar:
             for member in tar:
@@ -157,18 +164,19 @@ def iter_tar(url: str, bad: BadData) -> Iterator[dict]:
                 if len(data) != member.size:
                     raise EOFError("member cut short")
                 if current is not None and current["__key__"] != key:
-                    yield current
+                    yield current, layout
                     current = None
                 if current is None:
-                    current = {"__key__": key, "__url__": url}
+                    current, layout = {"__key__": key, "__url__": url}, []
                 current[ext] = data
+                layout.append((ext, member.offset_data, member.size))
             end = tar.offset
         if not is_remote(url) and not _has_end_marker(url, end):
             # tarfile ends silently at a cut-off header: the last sample may be incomplete, drop it
             bad.add("truncated_tar", f"{url} (no end-of-archive marker after byte {end})")
             return
         if current is not None:
-            yield current
+            yield current, layout
     except (tarfile.ReadError, EOFError, OSError, tarfile.TarError) as e:
         # tarfile reports a cut-off archive as ReadError/EOFError; an unreadable file as ReadError at open.
         reason = "truncated_tar" if current is not None or "unexpected end" in str(e).lower() else "unreadable_shard"
@@ -201,21 +209,28 @@ def undecodable_caption(sample: dict, keys: SampleKeys = DEFAULT_KEYS) -> str | 
     return keys.undecodable(sample)
 
 
-def check_sample(sample: dict, bad: BadData, keys: SampleKeys = DEFAULT_KEYS) -> bool:
-    """Raw-level validity (no decoding): has an image and a caption under ``keys``, and a text caption is UTF-8
-    (another encoding would train on replacement characters)."""
-    where = f"{sample['__url__']}:{sample['__key__']}"
+def sample_problem(sample: dict, keys: SampleKeys = DEFAULT_KEYS) -> tuple[str, str] | None:
+    """Raw-level validity (no decoding): (reason, what follows ``url:`` in the warning) for a sample without an
+    image or a caption under ``keys``, or with a text caption that is not UTF-8 (it would train on replacement
+    characters); None for a good one. The shard index records this per sample, so it depends on the member
+    bytes alone."""
+    key = sample["__key__"]
     if keys.image(sample) is None:
-        bad.add("missing_image", where)
-        return False
+        return "missing_image", key
     problem = keys.undecodable(sample)
     if problem:
-        bad.add("undecodable_caption", f"{where} ({problem})")
-        return False
+        return "undecodable_caption", f"{key} ({problem})"
     if not keys.captions(sample):
-        bad.add("missing_caption", where)
-        return False
-    return True
+        return "missing_caption", key
+    return None
+
+
+def check_sample(sample: dict, bad: BadData, keys: SampleKeys = DEFAULT_KEYS) -> bool:
+    """:func:`sample_problem`, counted in ``bad``: True for a good sample."""
+    problem = sample_problem(sample, keys)
+    if problem is not None:
+        bad.add(problem[0], f"{sample['__url__']}:{problem[1]}")
+    return problem is None
 
 
 def check_first_shard(urls: list[str], keys: SampleKeys, samples: int = 16) -> None:

@@ -6,6 +6,8 @@ shards ``<out>/<prefix>-NNNNN.tar`` with ``key.{jpg|png|webp}``, ``key.txt``, ``
 written to a temp file and renamed when complete; the manifest ``_progress.json`` records the next
 input row, so an interrupted run resumes after the last complete shard (same options required).
 
+``dsclip data index``: (re)build the per-shard index (``<shard>.idx``) a training resume replays on; ``write``
+writes it with each shard, and training builds a missing one itself.
 ``dsclip data inspect``: per-shard sample counts, member extensions and broken samples.
 ``dsclip tokenizer train``: a sentencepiece model from a caption file, a CSV, or shards.
 """
@@ -39,6 +41,7 @@ from .shards import (
     parse_sources,
     split_key,
 )
+from .tar_index import ShardChanged, build_index, find_index, indexable
 
 # csv_data and tokenizer load torch (a torch Dataset, tensors): imported in the functions that read CSV or
 # train a tokenizer, so `dsclip data --help` / `dsclip tokenizer --help` stay free of torch (issue #33).
@@ -189,6 +192,7 @@ def write_shards(
             tmp.unlink()
         else:
             os.replace(tmp, out / name)
+            build_index(str(out / name), keys)  # the loader's resume replays on it (dsclip.data.tar_index)
             state["sizes"][name] = count
         state["next_row"] = row
         _save_progress(out, manifest_path, state, skipped)  # after the rename: a crash before it rewrites this shard
@@ -339,6 +343,31 @@ def _inspect_shard(url: str, decode: bool, keys: SampleKeys) -> dict:
     return entry
 
 
+# ----------------------------------------------------------------------------------------------- index
+def index_shards(pattern: str, force: bool = False, keys: SampleKeys = DEFAULT_KEYS) -> dict:
+    """Build the index of every local uncompressed shard of ``pattern`` (``::``-joined sources) that has none,
+    or whose shard changed since (``force``: every one), reading samples with ``keys`` as training will.
+    Returns counts of shards built, kept and streamed."""
+    urls = [u for urls, _ in parse_sources(pattern) for u in urls]
+    done: Counter = Counter()
+    for url in urls:
+        if not indexable(url):
+            done["streamed"] += 1  # remote or compressed: read as a stream, no index
+            continue
+        try:
+            idx = None if force else find_index(url, keys)
+        except ShardChanged:
+            idx = None
+        if idx is not None:
+            done["kept"] += 1
+            continue
+        idx = build_index(url, keys)
+        done["built"] += 1
+        done["samples"] += idx.samples
+        done["bad"] += len(idx.bad)
+    return dict(done)
+
+
 # ------------------------------------------------------------------------------------------------- CLI
 def _setup_logging():
     if not logging.getLogger().handlers:
@@ -415,13 +444,46 @@ def _inspect_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _index_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="dsclip data index",
+        description="Build the per-shard index (<shard>.idx: sample counts, bad samples, member offsets) that lets a "
+        "training resume skip to its position without reading the shards before it. `write` writes it with each "
+        "shard and training builds a missing one; run this for shards written by other tools, or after changing one.",
+    )
+    p.add_argument("shards", nargs="+", help="Shard pattern(s), e.g. 'data/shard-{00000..00099}.tar' or files.")
+    p.add_argument("--force", action="store_true", help="Rebuild every index, also the up-to-date ones.")
+    _key_flags(p, "read from")
+    return p
+
+
+def _inspect_main(a) -> int:
+    """Print ``dsclip data inspect``'s report."""
+    rep = inspect_shards("::".join(a.shards), decode=not a.no_decode, max_shards=a.max_shards)
+    if a.json:
+        print(json.dumps(rep, indent=1))
+    else:
+        for e in rep["shards"]:
+            broken = ", ".join(f"{k}={v}" for k, v in sorted(e["broken"].items())) or "none"
+            exts = ",".join(sorted(e["extensions"]))
+            print(f"{e['shard']}: {e['samples']} samples, {e['good']} good, keys [{exts}], broken: {broken}")
+        t = rep["total"]
+        extra = ", ".join(f"{k}={v}" for k, v in sorted(t.items()) if k not in ("shards", "samples", "good"))
+        print(
+            f"total: {t.get('shards', 0)} shards, {t.get('samples', 0)} samples, "
+            f"{t.get('good', 0)} good" + (f", broken: {extra}" if extra else "")
+        )
+    return 0
+
+
 def main_data(argv: list[str]) -> int:
-    """``dsclip data [write] ...`` / ``dsclip data inspect ...``; returns the exit code."""
+    """``dsclip data [write] ...`` / ``dsclip data index ...`` / ``dsclip data inspect ...``; the exit code."""
     _setup_logging()
     if argv and argv[0] in ("-h", "--help"):
         print(
-            "usage: dsclip data {write,inspect} ...\n\n  write    write webdataset shards "
-            "(image folder + captions, or CSV)\n  inspect  count samples, keys and broken samples"
+            "usage: dsclip data {write,index,inspect} ...\n\n  write    write webdataset shards "
+            "(image folder + captions, or CSV)\n  index    build the shard index a training resume replays on\n"
+            "  inspect  count samples, keys and broken samples"
         )
         return 0
     try:
@@ -443,7 +505,16 @@ def main_data(argv: list[str]) -> int:
                     f"total: {t.get('shards', 0)} shards, {t.get('samples', 0)} samples, "
                     f"{t.get('good', 0)} good" + (f", broken: {extra}" if extra else "")
                 )
+        if argv and argv[0] == "index":
+            a = _index_parser().parse_args(argv[1:])
+            r = index_shards("::".join(a.shards), force=a.force, keys=_keys(a))
+            print(
+                f"indexed {r.get('built', 0)} shards ({r.get('samples', 0)} samples, {r.get('bad', 0)} bad), "
+                f"{r.get('kept', 0)} up to date, {r.get('streamed', 0)} remote or compressed (no index)"
+            )
             return 0
+        if argv and argv[0] == "inspect":
+            return _inspect_main(_inspect_parser().parse_args(argv[1:]))
         a = _write_parser().parse_args(argv[1:] if argv and argv[0] == "write" else argv)
         if a.images:
             samples = _folder_samples(Path(a.images), Path(a.captions) if a.captions else None)
@@ -574,4 +645,4 @@ def main_tokenizer(argv: list[str]) -> int:
     return 0
 
 
-__all__ = ["inspect_shards", "main_data", "main_tokenizer", "split_key", "write_shards"]
+__all__ = ["index_shards", "inspect_shards", "main_data", "main_tokenizer", "split_key", "write_shards"]

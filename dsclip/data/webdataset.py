@@ -15,12 +15,17 @@ How a rank's epoch is produced
   train_num_samples equals the data size sees every sample once when the shards divide evenly.
   With ``dataset_resampled``, each slot draws shards with replacement (weighted by the upsampling
   factors), as OpenCLIP.
-* Shuffling: a per-slot sample shuffle buffer over raw (undecoded) samples; every random choice
-  comes from (seed, epoch, rank, slot), and the augmentation of step k from (seed, epoch, rank, k).
+* Shuffling: a per-slot sample shuffle buffer over *references* (shard, sample number); every random
+  choice comes from (seed, epoch, rank, slot), and the augmentation of step k from (seed, epoch, rank, k).
+  A sample's bytes are read (one ``pread``, dsclip.data.tar_index) only when its batch is made.
 * Decoding happens after batching, in the worker: a sample whose image fails to decode is replaced
   by another good sample of the same batch (and counted), so batch composition never depends on
-  decoding. That makes ``batches(epoch, start_step)`` exact without decoding the skipped part:
-  resuming only re-reads the tar bytes up to the resume point.
+  decoding. Which samples exist and which are bad rows (no image, no caption, a non-UTF-8 caption)
+  comes from each shard's index (its header: counts and bad rows, read once by the main process).
+  So ``batches(epoch, start_step)`` replays the shard order, the split and the shuffle up to the
+  resume point on references alone (~2 us of CPU per skipped sample, no I/O) and then reads what a
+  fresh start reads: the samples of its first batches. Remote and compressed shards have no index:
+  they are streamed, and a resume re-reads them up to its position.
 * Determinism holds for a fixed (seed, world_size, batch_size, workers, shard list).
 """
 
@@ -29,7 +34,9 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import random
+from collections import deque
 from collections.abc import Iterator
+from itertools import islice
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
@@ -49,13 +56,16 @@ from .shards import (
     check_sample,
     dataset_size,
     decode_image,
+    is_remote,
     iter_tar,
 )
 from .shards import parse_sources as parse_sources
+from .tar_index import SampleReader, ShardIndex, find_indexes, load_or_build
 from .tokenizer import TRUNCATED, tokenize_counting
 from .transforms import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD, image_transform, per_channel, seeded_rngs
 
 log = logging.getLogger("dsclip.data")
+_UNKNOWN = "unknown"  # a shard whose index is not loaded yet
 
 
 class _ShuffleBuffer:
@@ -117,6 +127,10 @@ class WdsBatches(IterableDataset):
         self.keys = keys  # member suffix -> image / caption (dsclip.data.sample_keys)
         self.urls = [u for urls, _ in sources for u in urls]
         self.weights = [w for urls, w in sources for _ in urls]
+        # per shard: its index's header (read here, so a changed shard stops the run before it starts), None
+        # for a streamed (remote) shard, _UNKNOWN where the index is missing: the worker reaching it builds it
+        found = find_indexes(self.urls, self.keys)
+        self.indexes = [None if is_remote(u) else idx or _UNKNOWN for u, idx in zip(self.urls, found)]
         self.tokenizer, self.transform = tokenizer, transform
         self._takes_bytes = getattr(transform, "takes_bytes", False)
         self._collate = getattr(transform, "collate", torch.stack)  # the GPU path ships encoded batches
@@ -125,42 +139,64 @@ class WdsBatches(IterableDataset):
         self.steps_per_epoch, self.resampled, self.shuffle_buffer = steps_per_epoch, resampled, shuffle_buffer
         self.state = mp.Array("q", [0, 0])  # epoch, start_step
 
-    # -- raw sample stream of one (rank, logical worker) slot -------------------------------------------
-    def _valid(self, url: str, bad: BadData) -> Iterator[dict]:
-        return (s for s in iter_tar(url, bad) if check_sample(s, bad, self.keys))
+    # -- sample stream of one (rank, logical worker) slot, as references: read only when batched ------
+    def _shard_index(self, n: int) -> ShardIndex | None:
+        """Shard n's index (its header read by the main process, or built here when missing); None: streamed."""
+        idx = self.indexes[n]
+        if idx is _UNKNOWN:
+            idx = self.indexes[n] = load_or_build(self.urls[n], self.keys)
+        return idx
 
-    def _raw_stream(self, epoch: int, slot: int, bad: BadData) -> Iterator[dict]:
-        """Infinite stream of valid raw samples, shuffled; passes are shuffled separately so the first
-        pass (the whole epoch when the data suffices) holds exactly this slot's share."""
+    def _shard_refs(self, n: int, bad: BadData) -> Iterator:
+        """Shard n's valid samples in file order, as (n, sample number); its bad samples are counted as the
+        stream passes them, as :func:`iter_tar` + :func:`check_sample` do. A streamed shard yields the samples."""
+        url, idx = self.urls[n], self._shard_index(n)
+        if idx is None:
+            yield from (s for s in iter_tar(url, bad) if check_sample(s, bad, self.keys))
+            return
+        for i in range(idx.samples):
+            problem = idx.bad.get(i) if idx.bad else None
+            if problem is None:
+                yield n, i
+            else:
+                bad.add(problem[0], f"{url}:{problem[1]}")
+        if idx.end is not None:
+            bad.add(idx.end[0], url + idx.end[1])
+
+    def _raw_stream(self, epoch: int, slot: int, bad: BadData) -> Iterator:
+        """Infinite stream of valid sample references, shuffled; passes are shuffled separately so the first
+        pass (the whole epoch when the data suffices) holds exactly this slot's share. Every decision here is
+        made on references, so skipping to a resume point reads no shard bytes."""
         total_slots = self.world_size * self.num_slots
         g = self.rank * self.num_slots + slot  # global slot id
         rng = random.Random(mix_seed(self.seed, epoch, self.rank, slot, 0xD5))
         shuffle = _ShuffleBuffer(self.shuffle_buffer, random.Random(mix_seed(self.seed, epoch, self.rank, slot, 0xB0F)))
+        shard_numbers = range(len(self.urls))
         if self.resampled:
 
             def resampled():
                 while True:  # shards drawn with replacement
-                    (url,) = rng.choices(self.urls, weights=self.weights)
-                    yield from self._valid(url, bad)
+                    (n,) = rng.choices(shard_numbers, weights=self.weights)
+                    yield from self._shard_refs(n, bad)
 
             yield from shuffle(resampled())
             return
 
         def one_pass(order):
             if len(order) >= total_slots:
-                for url in order[g::total_slots]:
-                    yield from self._valid(url, bad)
+                for n in order[g::total_slots]:
+                    yield from self._shard_refs(n, bad)
             else:  # fewer shards than slots: split by sample position instead
                 i = 0
-                for url in order:
-                    for s in self._valid(url, bad):
+                for n in order:
+                    for s in self._shard_refs(n, bad):
                         if i % total_slots == g:
                             yield s
                         i += 1
 
         n_pass = 0
         while True:  # more than one pass only if this slot's share runs short of its steps
-            order = list(self.urls)
+            order = list(shard_numbers)
             random.Random(mix_seed(self.seed, epoch, n_pass, 0x5EED)).shuffle(order)  # same on all ranks
             got = 0
             for s in shuffle(one_pass(order)):
@@ -169,6 +205,12 @@ class WdsBatches(IterableDataset):
             if got == 0:
                 raise RuntimeError(f"no valid samples in the shards of rank {self.rank} slot {slot}")
             n_pass += 1
+
+    def _read(self, refs: list, reader: SampleReader) -> list[dict]:
+        """The samples references name (a streamed shard's sample is its own reference)."""
+        indexed = [(self.indexes[r[0]], r[1]) for r in refs if not isinstance(r, dict)]
+        read = iter(reader.read_many(indexed))
+        return [r if isinstance(r, dict) else next(read) for r in refs]
 
     def _decode_batch(self, raw: list[dict], epoch: int, step: int, bad: BadData):
         images, captions, bad_idx = [], [], []
@@ -200,7 +242,7 @@ class WdsBatches(IterableDataset):
         bad.counts[TRUNCATED] += cut  # counted, not warned per sample: the trainer warns once on the share
         return self._collate(images), tokens
 
-    def _epoch_batches(self, epoch: int, slot: int, start: int, bad: BadData):
+    def _epoch_batches(self, epoch: int, slot: int, start: int, bad: BadData, reader: SampleReader):
         """Logical slot ``slot``'s batches of ``epoch`` from step ``start`` on (steps slot, slot+W, ...)."""
         steps = [k for k in range(start, self.steps_per_epoch) if k % self.num_slots == slot]
         if not steps:
@@ -208,13 +250,12 @@ class WdsBatches(IterableDataset):
         n_skip = len(range(slot, min(start, self.steps_per_epoch), self.num_slots))  # its steps before start
         stream = self._raw_stream(epoch, slot, bad)
         B = self.batch_size
-        for _ in range(n_skip * B):  # resume: skip raw samples, no decoding
-            next(stream)
+        deque(islice(stream, n_skip * B), maxlen=0)  # resume: skip references, nothing read or decoded
         bad.take()  # problems met while skipping were counted by the original run
         for step in steps:
             out = None
             while out is None:  # None only if all B images are corrupt: then take the next B samples
-                out = self._decode_batch([next(stream) for _ in range(B)], epoch, step, bad)
+                out = self._decode_batch(self._read([next(stream) for _ in range(B)], reader), epoch, step, bad)
             yield out[0], out[1], bad.take()
 
     def __iter__(self):
@@ -231,9 +272,13 @@ class WdsBatches(IterableDataset):
         epoch, start = int(self.state[0]), int(self.state[1])
         offset = -start
         bad = BadData()
-        while True:
-            yield from self._epoch_batches(epoch, (worker - offset) % self.num_slots, start, bad)
-            epoch, start, offset = epoch + 1, 0, offset + self.steps_per_epoch
+        reader = SampleReader()
+        try:
+            while True:
+                yield from self._epoch_batches(epoch, (worker - offset) % self.num_slots, start, bad, reader)
+                epoch, start, offset = epoch + 1, 0, offset + self.steps_per_epoch
+        finally:
+            reader.close()
 
 
 class WdsTrainData(TrainData):
@@ -266,7 +311,9 @@ def build_wds_train_data(data_cfg, *, tokenizer, image_size, batch_size, rank, w
     if steps < 1:
         raise ShardError(f"train_num_samples {num} < one global batch ({batch_size} x {world_size})")
     keys = data_cfg.sample_keys()
-    check_first_shard(all_urls, keys)  # one line now, not "no valid samples" after reading every shard
+    first = find_indexes(all_urls[:1], keys)[0] if all_urls else None
+    if first is None or first.samples == len(first.bad):  # an index under these keys with a good sample: they match
+        check_first_shard(all_urls, keys)  # one line now, not "no valid samples" after reading every shard
     workers = max(0, data_cfg.workers)
     n_slots = max(1, workers) * world_size
     if not data_cfg.dataset_resampled and len(all_urls) < n_slots:

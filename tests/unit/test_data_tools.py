@@ -7,6 +7,7 @@ import pytest
 
 from dsclip.data import tools
 from dsclip.data.demo import DemoDataset
+from dsclip.data.tar_index import find_index
 from dsclip.data.tokenizer import SentencePieceTokenizer
 from dsclip.data.tools import inspect_shards, main_data, main_tokenizer, write_shards
 
@@ -34,6 +35,9 @@ def test_write_inspect_from_folder(tmp_path, capsys):
     assert main_data(["--images", str(tmp_path / "imgs"), "--out", str(tmp_path / "s"), "--shard-size", "8"]) == 0
     sizes = json.loads((tmp_path / "s" / "sizes.json").read_text())
     assert sum(sizes.values()) == 28 and len(sizes) == 4  # rows 5 (corrupt) and 7 (no caption) skipped
+    for name, count in sizes.items():  # each shard's index beside it, what a training resume replays on
+        idx = find_index(str(tmp_path / "s" / name))
+        assert idx.path == str(tmp_path / "s" / name) + ".idx" and idx.samples == count and not idx.bad
     assert main_data(["inspect", str(tmp_path / "s" / "shard-{00000..00003}.tar")]) == 0
     out = capsys.readouterr().out
     assert "total: 4 shards, 28 samples, 28 good" in out

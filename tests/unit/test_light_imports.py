@@ -17,6 +17,7 @@ COMMANDS = (
     ["data"],
     ["data", "write"],
     ["data", "inspect"],
+    ["data", "index"],
     ["tokenizer"],
     ["tokenizer", "train"],
     ["plan"],
