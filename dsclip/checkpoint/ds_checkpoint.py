@@ -607,6 +607,16 @@ class Checkpointer:
         self._finish_in_flight()
         return True
 
+    def close(self) -> None:
+        """The run's last closer (dsclip.train.loop's ExitStack): on a way out that did not :meth:`drain` (an
+        error, a lost rank), this rank's background write is waited for, so no thread outlives the run and no
+        file is left half-written; its tag is not completed (that is collective), so it stays ``.partial`` and
+        the next start removes it: ``latest`` stays on the last complete checkpoint. No-op when nothing is in
+        flight."""
+        job, self.in_flight = self.in_flight, None
+        if job is not None:
+            job.times.wait_s += job.write.wait()
+
     def drain(self, why: str) -> None:
         """Wait for the write in flight and complete its tag (collective), saying so in one line: the run's end,
         a stop signal and the divergence guard call it before they decide what ``latest`` is."""

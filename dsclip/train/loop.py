@@ -461,6 +461,7 @@ def build_run(cfg: RunConfig, closing: contextlib.ExitStack, clock: Goodput | No
     closing.callback(evaluator.close)
     step_fn = ema_step.attach(cfg.ema, bundle.engine, step_fn, checkpointer)  # --ema-decay: before resume loads it
     install_checkpoint_engine(bundle.engine, checkpointer, bundle.precision, world_size)  # before resume loads
+    closing.callback(checkpointer.close)  # a background write still in flight on an error: joined, not completed
     with clock.span("resume"):  # --resume: the checkpoint loaded
         start_step, guard = _resume(cfg, bundle, checkpointer, plan, step_fn, evaluator, metrics)
     if rank == 0:

@@ -230,3 +230,21 @@ def test_the_host_buffers_of_one_save_are_the_next_saves(tmp_path):
     assert sorted(t.data_ptr() for ts in pool._free.values() for t in ts) == sorted(kept)
     saved = safe_load.load_data(tmp_path / "checkpoints" / "step_000000004" / "mp_rank_00_model_states.pt")
     assert torch.equal(saved["module"]["w"], engine.weights)  # the reused buffer holds this save's values
+
+
+def test_the_runs_close_joins_a_write_in_flight_and_leaves_latest(tmp_path):
+    """A way out that did not drain (an error, a lost rank): Checkpointer.close, the run's last closer, waits for
+    this rank's writer thread without completing the tag (a collective): no thread outlives the run, the tag stays
+    partial (removed at the next start) and latest stays on the last complete checkpoint."""
+    engine, ck = WritingEngine(), _ckpt(tmp_path)
+    ck.save(engine, 2, {"step": 2})
+    ck.drain("a first checkpoint")
+    gate = Gate(engine.checkpoint_engine)
+    ck.save(engine, 4, {"step": 4})
+    assert gate.entered.wait(30)
+    threading.Timer(0.3, gate.release.set).start()
+    ck.close()
+    assert ck.in_flight is None and not [t for t in threading.enumerate() if t.name.startswith("dsclip-save-")]
+    ckpts = tmp_path / "checkpoints"
+    assert (ckpts / "latest").read_text() == "step_000000002" and not (ckpts / "step_000000004").exists()
+    ck.close()  # idempotent
