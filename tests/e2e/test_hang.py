@@ -41,9 +41,10 @@ def _lines(stream, into: list[str], seen: threading.Event, ready) -> None:
 
 
 def _armed_and_saved(lines: list[str]) -> bool:
-    """The hang bounds are armed (their line) and a checkpoint was saved after it: latest exists."""
+    """The hang bounds are armed (their line) and a checkpoint completed after it: latest exists (an asynchronous
+    save's "checkpoint complete:" line, at a step boundary after its background write)."""
     armed = [i for i, ln in enumerate(lines) if ln.startswith("dsclip: hang bounds")]
-    return bool(armed) and any(ln.startswith("checkpoint saved:") for ln in lines[armed[0] :])
+    return bool(armed) and any(ln.startswith("checkpoint complete:") for ln in lines[armed[0] :])
 
 
 def test_a_stopped_rank_ends_the_job_within_the_bound_with_one_line_and_latest_untouched(tmp_path):
@@ -89,7 +90,11 @@ def test_a_stopped_rank_ends_the_job_within_the_bound_with_one_line_and_latest_u
         line = lines[0]
         steps = [int(m.group(1)) for ln in out if (m := re.match(r"step (\d+)/", ln))]
         # in a step, or in a save that the stopped rank never joined (its shards would never be written)
-        during = (f"step {steps[-1] + 1} has run", f"save of checkpoint step_{steps[-1]:09d} has run")
+        during = (
+            f"step {steps[-1] + 1} has run",
+            f"save of checkpoint step_{steps[-1]:09d} has run",
+            "completion of checkpoint step_",  # an asynchronous save's collective completion, at a step boundary
+        )
         assert any(f"rank 0: hung: {d}" in line for d in during), line
         assert "stuck: rank 1 (no sign of life" in line and f"last step done: {steps[-1]};" in line, line
         assert f"latest names {ckpts / latest}, untouched" in line, line
