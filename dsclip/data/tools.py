@@ -459,7 +459,7 @@ def _index_parser() -> argparse.ArgumentParser:
 
 def _inspect_main(a) -> int:
     """Print ``dsclip data inspect``'s report."""
-    rep = inspect_shards("::".join(a.shards), decode=not a.no_decode, max_shards=a.max_shards)
+    rep = inspect_shards("::".join(a.shards), decode=not a.no_decode, max_shards=a.max_shards, keys=_keys(a))
     if a.json:
         print(json.dumps(rep, indent=1))
     else:
@@ -467,6 +467,8 @@ def _inspect_main(a) -> int:
             broken = ", ".join(f"{k}={v}" for k, v in sorted(e["broken"].items())) or "none"
             exts = ",".join(sorted(e["extensions"]))
             print(f"{e['shard']}: {e['samples']} samples, {e['good']} good, keys [{exts}], broken: {broken}")
+            if "keys_hint" in e:
+                print(f"  {e['keys_hint']}")
         t = rep["total"]
         extra = ", ".join(f"{k}={v}" for k, v in sorted(t.items()) if k not in ("shards", "samples", "good"))
         print(
@@ -487,24 +489,6 @@ def main_data(argv: list[str]) -> int:
         )
         return 0
     try:
-        if argv and argv[0] == "inspect":
-            a = _inspect_parser().parse_args(argv[1:])
-            rep = inspect_shards("::".join(a.shards), decode=not a.no_decode, max_shards=a.max_shards, keys=_keys(a))
-            if a.json:
-                print(json.dumps(rep, indent=1))
-            else:
-                for e in rep["shards"]:
-                    broken = ", ".join(f"{k}={v}" for k, v in sorted(e["broken"].items())) or "none"
-                    exts = ",".join(sorted(e["extensions"]))
-                    print(f"{e['shard']}: {e['samples']} samples, {e['good']} good, keys [{exts}], broken: {broken}")
-                    if "keys_hint" in e:
-                        print(f"  {e['keys_hint']}")
-                t = rep["total"]
-                extra = ", ".join(f"{k}={v}" for k, v in sorted(t.items()) if k not in ("shards", "samples", "good"))
-                print(
-                    f"total: {t.get('shards', 0)} shards, {t.get('samples', 0)} samples, "
-                    f"{t.get('good', 0)} good" + (f", broken: {extra}" if extra else "")
-                )
         if argv and argv[0] == "index":
             a = _index_parser().parse_args(argv[1:])
             r = index_shards("::".join(a.shards), force=a.force, keys=_keys(a))
